@@ -1,0 +1,324 @@
+"""Typed run configuration: presets in ``configs/*.yaml``, dotted overrides, cross-field validation.
+
+A config is a tree of dataclasses, one per section (``model``, ``data``, ``training``, ``parallel``,
+``checkpoint``, ``logging``). Each field's comment documents it; units live in field names.
+``load_config(preset, overrides)`` reads a preset (a name in ``configs/`` or a path), applies
+``section.key=value`` overrides, and validates. Validation never needs a process group, so bad
+layouts are rejected before any process starts; each error names the rule that failed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the rule that failed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama"  # family, informational
+    vocab_size: int = 4096  # rows of the embedding; a tokenizer must fit in it
+    dim: int = 256  # model width C
+    n_layers: int = 4  # decoder blocks L
+    n_heads: int = 8  # query heads H
+    n_kv_heads: int = 0  # kv heads G (0 = n_heads, i.e. MHA); grouped-query attention when < H
+    ffn_hidden: int = 0  # SwiGLU hidden size; 0 = Llama rule from multiple_of / ffn_dim_multiplier
+    multiple_of: int = 256  # Llama rule: hidden rounded up to a multiple of this
+    ffn_dim_multiplier: float = 1.0  # Llama rule: scales 8/3 * dim before rounding
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 500000.0  # RoPE base
+    rope_scaling: bool = False  # Llama 3.1 frequency scaling of RoPE
+    rope_scaling_factor: float = 8.0  # Llama 3.1: factor
+    rope_low_freq_factor: float = 1.0  # Llama 3.1: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # Llama 3.1: high_freq_factor
+    rope_original_max_seq_len: int = 8192  # Llama 3.1: original_max_position_embeddings
+    max_seq_len: int = 2048  # longest position the RoPE table covers
+    tie_embeddings: bool = False  # output head shares the token embedding
+    init_std: float = 0.02  # std of the normal init of linear / embedding weights
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (this interpreter's standard library) or a path / glob / comma list
+    text_field: str = "text"  # JSONL / parquet column holding the text
+    tokenizer: str = "bpe"  # "bpe" (trained on the corpus, cached), "bytes", or a tokenizer.json path
+    seq_len: int = 256  # tokens per sequence T (inputs; labels are shifted by one)
+    val_fraction: float = 0.02  # share of the token stream held out for validation
+    max_corpus_bytes: int = 0  # cap on text read from the source (0 = no cap)
+    cache_dir: str = ""  # where tokenizers and token shards are cached ("" = ~/.cache/ndtrain)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # optimizer steps
+    seed: int = 0  # seeds the weights, the data order and dropout
+    dtype: str = "float32"  # float64 | float32 | bfloat16 (bf16 autocast over fp32 master weights)
+    device: str = "auto"  # auto | cpu | cuda
+    global_batch_size: int = 8  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 0  # sequences per microbatch per rank (0 = the whole local batch)
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr
+    warmup_steps: int = 10  # linear warmup length
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
+    decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms / biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
+    activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
+    eval_every: int = 0  # steps between validation passes (0 = only at the end)
+    eval_batches: int = 4  # global batches per validation pass
+    sample_every: int = 0  # steps between generated samples (0 = only at the end)
+    sample_tokens: int = 64  # tokens generated per sample
+    sample_prompt: str = "def "  # prompt of the printed sample
+    sample_temperature: float = 0.8  # 0 = greedy
+    sample_top_k: int = 40  # 0 = no top-k filter
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # replicas (HSDP outer axis)
+    dp_shard: int = -1  # shards (-1 takes the ranks left over)
+    cp: int = 1  # context parallel degree
+    tp: int = 1  # tensor parallel degree
+    pp: int = 1  # pipeline parallel degree
+    ep: int = 1  # expert parallel degree (borrows ranks from dp_shard x cp)
+    zero_stage: int = 0  # 0 = plain data parallel (DDP), 1, 2, 3
+    sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
+    cp_impl: str = "ring"  # ring | ulysses
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
+    pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
+    pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
+    bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
+    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: dtype of gradient reductions
+    backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between saves (0 = never)
+    keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
+    resume: bool = True  # resume from the newest complete checkpoint in the run directory
+    load_from: str = ""  # a checkpoint directory to start from (e.g. of another run / layout)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # steps between metrics lines
+    plot: bool = True  # write loss / val loss / MFU plot at the end
+    peak_flops_per_s: float = 0.0  # override the accelerator peak used for MFU (0 = table / bench)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _coerce(value: Any, current: Any, key: str) -> Any:
+    """Convert a YAML / CLI value to the type of the field's default."""
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+    try:
+        if isinstance(current, int):
+            if isinstance(value, str):
+                value = float(value) if any(c in value for c in ".eE") else int(value)
+            if float(value) != int(value):
+                raise ValueError
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {type(current).__name__}, got {value!r}") from None
+    return str(value)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Set ``section.key`` entries (values as YAML scalars or strings). Unknown keys are errors."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override {dotted!r}: keys have the form section.key")
+        section, key = parts
+        sec = getattr(cfg, section, None)
+        if sec is None or not dataclasses.is_dataclass(sec):
+            raise ConfigError(f"unknown config section {section!r} (in {dotted!r})")
+        if key not in {f.name for f in fields(sec)}:
+            raise ConfigError(f"unknown config key {dotted!r}")
+        setattr(sec, key, _coerce(value, getattr(sec, key), dotted))
+    return cfg
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    flat = {}
+    for section, values in (tree or {}).items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value
+    return flat
+
+
+def resolve_preset(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    named = CONFIG_DIR / f"{preset}.yaml"
+    if named.exists():
+        return named
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {preset!r} is neither a file nor a preset; presets: {', '.join(known)}")
+
+
+def parse_cli_overrides(args: list[str]) -> dict[str, str]:
+    """``["--training.steps=50", "--data.seq_len", "64"]`` -> ``{"training.steps": "50", ...}``."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value")
+        out[key] = value
+        i += 1
+    return out
+
+
+def load_config(preset: str = "default", overrides: dict[str, Any] | None = None,
+                world_size: int | None = None) -> Config:
+    """Read a preset, apply overrides, validate (against ``world_size`` when given)."""
+    cfg = Config()
+    tree = yaml.safe_load(resolve_preset(preset).read_text()) or {}
+    apply_overrides(cfg, _flatten(tree))
+    apply_overrides(cfg, overrides or {})
+    validate(cfg, world_size)
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    cfg = Config()
+    apply_overrides(cfg, _flatten(tree))
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    Path(path).write_text(cfg.to_yaml())
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+_DTYPES = ("float64", "float32", "bfloat16")
+_AC = ("none", "full", "sqrt", "selective")
+# Layout knobs validated now but implemented by later work; a value other than the default is a
+# clear error rather than a silent ignore. Delete an entry when its axis lands.
+NOT_IMPLEMENTED: dict[str, Any] = {
+    "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1,
+    "parallel.sequence_parallel": False,
+}
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Cross-field checks; raises ConfigError naming the failed rule. Pure Python, no processes."""
+    m, d, t, p = cfg.model, cfg.data, cfg.training, cfg.parallel
+    for name in ("vocab_size", "dim", "n_layers", "n_heads"):
+        _check(getattr(m, name) > 0, f"model.{name} ({getattr(m, name)}) must be positive")
+    _check(m.dim % m.n_heads == 0, f"dim ({m.dim}) is not divisible by n_heads ({m.n_heads})")
+    _check(m.n_kv_heads >= 0, f"n_kv_heads ({m.n_kv_heads}) must be >= 0")
+    _check(m.n_heads % m.kv_heads == 0,
+           f"n_heads ({m.n_heads}) is not divisible by n_kv_heads ({m.kv_heads})")
+    _check(m.head_dim % 2 == 0, f"head_dim = dim / n_heads ({m.head_dim}) must be even for RoPE")
+    _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")
+    _check(d.seq_len <= m.max_seq_len,
+           f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction ({d.val_fraction}) must be in (0, 0.5)")
+    _check(t.dtype in _DTYPES, f"training.dtype ({t.dtype}) must be one of {_DTYPES}")
+    _check(t.device in ("auto", "cpu", "cuda"), f"training.device ({t.device}) must be auto|cpu|cuda")
+    _check(t.steps >= 1, f"training.steps ({t.steps}) must be >= 1")
+    _check(t.global_batch_size >= 1, f"training.global_batch_size ({t.global_batch_size}) must be >= 1")
+    _check(t.micro_batch_size >= 0, f"training.micro_batch_size ({t.micro_batch_size}) must be >= 0")
+    _check(t.schedule in ("cosine", "wsd", "constant"), f"training.schedule ({t.schedule}) unknown")
+    _check(0.0 <= t.min_lr_ratio <= 1.0, f"training.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
+    _check(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) must be >= 0")
+    _check(t.grad_clip >= 0, f"training.grad_clip ({t.grad_clip}) must be >= 0")
+    ac = t.activation_checkpoint
+    ok_ac = ac in _AC or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
+    _check(ok_ac, f"training.activation_checkpoint ({ac}) must be none|full|every:C|sqrt|selective")
+    _check(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage ({p.zero_stage}) must be 0, 1, 2 or 3")
+    _check(p.cp_impl in ("ring", "ulysses"), f"parallel.cp_impl ({p.cp_impl}) must be ring|ulysses")
+    _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"),
+           f"parallel.pp_schedule ({p.pp_schedule}) must be gpipe|1f1b|interleaved|zero_bubble")
+    _check(p.grad_reduce_dtype in ("float32", "bfloat16"),
+           f"parallel.grad_reduce_dtype ({p.grad_reduce_dtype}) must be float32|bfloat16")
+    _check(p.bucket_size_bytes > 0, f"parallel.bucket_size_bytes ({p.bucket_size_bytes}) must be > 0")
+    _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last ({cfg.checkpoint.keep_last}) must be >= 1")
+    _check(cfg.logging.log_every >= 1, f"logging.log_every ({cfg.logging.log_every}) must be >= 1")
+    for key, default in NOT_IMPLEMENTED.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _check(value == default, f"{key}={value} is not implemented yet (only {default} is supported)")
+    if world_size is not None:
+        from ndtrain.mesh import ParallelDims  # local import: mesh imports config
+
+        dims = ParallelDims.from_config(p, world_size)
+        dp = dims.dp
+        _check(t.global_batch_size % dp == 0,
+               f"global_batch_size ({t.global_batch_size}) is not divisible by the data-parallel "
+               f"degree dp_replicate*dp_shard ({dp})")
+        local = t.global_batch_size // dp
+        mb = t.micro_batch_size or local
+        _check(local % mb == 0, f"local batch ({local} = global_batch_size / dp) is not divisible by "
+                                f"micro_batch_size ({mb})")
+
+
+def dump_json(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)

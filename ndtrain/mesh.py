@@ -1,0 +1,166 @@
+"""ParallelDims: the layout's degrees, validated once, and the DeviceMesh built from them.
+
+Axis order, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp`` (TP innermost so it lands on the
+fastest link). Derived axes are named by purpose:
+
+* ``dp``          = dp_replicate x dp_shard: which data a rank reads;
+* ``dp_shard_cp`` = dp_shard x cp: what FSDP / ZeRO shards over;
+* ``dp_cp``       = dp_replicate x dp_shard x cp: what the loss and grad norm reduce over.
+
+``ParallelDims`` of all ones works in one process without ``init_process_group``: every group is a
+size-1 ``AxisGroup`` whose collectives are no-ops. The mesh is an explicit value passed down, never
+a global.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.config import ConfigError, ParallelConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DERIVED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+           "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+@dataclass
+class AxisGroup:
+    """A named process group plus the byte counters of the mesh it belongs to.
+
+    ``pg`` is None when the axis has size 1 (or there is no process group at all); the collectives
+    in ``ndtrain.parallel.comm`` then return their input unchanged and count nothing.
+    """
+
+    name: str
+    size: int
+    rank: int
+    pg: object | None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelDims:
+    """Validated parallel degrees. ``world_size`` must equal the product of all axes (ep excluded).
+
+    Raises ConfigError naming the rule that failed, e.g. ``"world_size (6) is not divisible by
+    pp*dp_replicate*cp*tp (4)"``.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    world_size: int = 1
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name} ({getattr(p, name)}) must be >= 1")
+        fixed = p.pp * p.dp_replicate * p.cp * p.tp
+        dp_shard = p.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(f"world_size ({world_size}) is not divisible by "
+                                  f"pp*dp_replicate*cp*tp ({fixed})")
+            dp_shard = world_size // fixed
+        elif dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard ({dp_shard}) must be >= 1 or -1")
+        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        prod = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if prod != self.world_size:
+            raise ConfigError(f"pp*dp_replicate*dp_shard*cp*tp ({prod}) != world_size ({self.world_size})")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(f"dp_shard*cp ({self.dp_shard * self.cp}) is not divisible by ep ({self.ep})")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def __str__(self) -> str:
+        parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        return " x ".join(parts or ["single"]) + f" (world {self.world_size})"
+
+    def build_mesh(self, device_type: str = "cpu") -> "Mesh":
+        """Build the DeviceMesh (needs an initialised process group when world_size > 1)."""
+        return Mesh(self, device_type)
+
+
+class Mesh:
+    """The layout's DeviceMesh with named and derived axes, and per-axis byte counters.
+
+    ``mesh.group("dp")`` returns the ``AxisGroup`` of this rank on that axis. ``mesh.stats`` maps
+    axis name to bytes sent by this rank since the last ``reset_stats()``.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
+        self.dims = dims
+        self.stats: dict[str, float] = {}
+        self.device_mesh = None
+        self._groups: dict[str, AxisGroup] = {}
+        distributed = dist.is_available() and dist.is_initialized()
+        if dims.world_size > 1 and not distributed:
+            raise RuntimeError(f"layout {dims} needs {dims.world_size} processes; "
+                               "init_process_group has not been called")
+        if distributed and dims.world_size != dist.get_world_size():
+            raise ConfigError(f"layout world_size ({dims.world_size}) != processes "
+                              f"({dist.get_world_size()})")
+        if distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = tuple(getattr(dims, a) for a in AXES)
+            self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            for derived, axes in DERIVED.items():
+                self.device_mesh[axes]._flatten(derived)
+        for name in AXES + tuple(DERIVED):
+            self._groups[name] = self._make_group(name)
+
+    def _make_group(self, name: str) -> AxisGroup:
+        size = getattr(self.dims, name) if name in AXES else _prod(self.dims, DERIVED[name])
+        if self.device_mesh is None or size == 1:
+            return AxisGroup(name, size, 0, None, self.stats)
+        sub = self.device_mesh[name]
+        return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
+
+    def group(self, name: str) -> AxisGroup:
+        return self._groups[name]
+
+    def reset_stats(self) -> dict[str, float]:
+        """Return and zero the per-axis byte counters."""
+        out = dict(self.stats)
+        self.stats.clear()
+        return out
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.device_mesh is not None else 0
+
+
+def _prod(dims: ParallelDims, axes: tuple[str, ...]) -> int:
+    out = 1
+    for a in axes:
+        out *= getattr(dims, a)
+    return out
+
+
+def device_for_rank(local_rank: int, requested: str = "auto") -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but no CUDA device is available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -1,0 +1,76 @@
+"""Every collective ndtrain issues, each taking an explicit ``AxisGroup`` and counting its bytes.
+
+Byte counts are the bytes *this rank sends* under the bandwidth-optimal ring algorithm, so logged
+traffic can be compared with the textbook costs (Patarasuk & Yuan 2009; ZeRO, Rajbhandari 2020):
+
+* all-reduce of S bytes over N ranks: 2 (N-1)/N * S
+* all-gather producing S bytes:        (N-1)/N * S
+* reduce-scatter consuming S bytes:    (N-1)/N * S
+* all-to-all of S bytes (even split):  (N-1)/N * S
+* send of S bytes:                      S
+
+A size-1 group (``pg is None``) makes every function a no-op that counts nothing. Functions that
+take part in autograd are classes named for their forward effect with "fwd: X, bwd: Y" docstrings
+(Megatron-LM's f / g operators, Shoeybi et al. 2019); they are added by the axes that need them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.mesh import AxisGroup
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def count(group: AxisGroup, nbytes: float) -> None:
+    group.stats[group.name] = group.stats.get(group.name, 0.0) + nbytes
+
+
+def all_reduce(t: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``group``; returns a Work handle when ``async_op``."""
+    if group.pg is None:
+        return None
+    n = group.size
+    count(group, 2 * (n - 1) / n * _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: AxisGroup, async_op: bool = False):
+    """``out`` (N*S,) <- concatenation over ranks of ``shard`` (S,); rank order along dim 0."""
+    if group.pg is None:
+        out.copy_(shard)
+        return None
+    n = group.size
+    count(group, (n - 1) / n * _nbytes(out))
+    return dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
+                        op=dist.ReduceOp.SUM, async_op: bool = False):
+    """``out`` (S,) <- this rank's slice of the sum over ranks of ``full`` (N*S,)."""
+    if group.pg is None:
+        out.copy_(full)
+        return None
+    n = group.size
+    count(group, (n - 1) / n * _nbytes(full))
+    return dist.reduce_scatter_tensor(out, full, op=op, group=group.pg, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, group: AxisGroup, src_local_rank: int = 0) -> None:
+    """In-place broadcast from the group's ``src_local_rank``; counted as S bytes on the source."""
+    if group.pg is None:
+        return
+    if group.rank == src_local_rank:
+        count(group, _nbytes(t))
+    dist.broadcast(t, group=group.pg, group_src=src_local_rank)
+
+
+def all_reduce_scalar(value: float, group: AxisGroup, dtype=torch.float64,
+                      op=dist.ReduceOp.SUM, device: torch.device | str = "cpu") -> float:
+    """Sum (or ``op``) a Python scalar over the group; a convenience for counts and norms."""
+    t = torch.tensor([value], dtype=dtype, device=device)
+    all_reduce(t, group, op=op)
+    return t.item()
