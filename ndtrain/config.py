@@ -71,11 +71,13 @@ class DataConfig:
     val_fraction: float = 0.02  # share of the token stream held out for validation
     max_corpus_bytes: int = 0  # cap on text read from the source (0 = no cap)
     cache_dir: str = ""  # where tokenizers and token shards are cached ("" = ~/.cache/ndtrain)
+    eos_id: int = -1  # EOS id for a tokenizer.json with no known EOS token (-1 = none: error)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 100  # optimizer steps
+    steps: int = 100  # optimizer steps (the LR schedule spans these)
+    stop_at_step: int = 0  # end this job early at this step, schedule unchanged (0 = run to steps)
     seed: int = 0  # seeds the weights, the data order and dropout
     dtype: str = "float32"  # float64 | float32 | bfloat16 (bf16 autocast over fp32 master weights)
     device: str = "auto"  # auto | cpu | cuda
@@ -263,7 +265,8 @@ _AC = ("none", "full", "sqrt", "selective")
 # clear error rather than a silent ignore. Delete an entry when its axis lands.
 NOT_IMPLEMENTED: dict[str, Any] = {
     "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1,
-    "parallel.sequence_parallel": False,
+    "parallel.sequence_parallel": False, "parallel.zero_stage": 0,
+    "training.activation_checkpoint": "none",
 }
 
 

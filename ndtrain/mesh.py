@@ -113,7 +113,9 @@ class Mesh:
         self.stats: dict[str, float] = {}
         self.device_mesh = None
         self._groups: dict[str, AxisGroup] = {}
-        distributed = dist.is_available() and dist.is_initialized()
+        # A world-size-1 layout never touches the process group, so a single-process reference
+        # model can live inside a multi-process job (the parity tests rely on this).
+        distributed = dims.world_size > 1 and dist.is_available() and dist.is_initialized()
         if dims.world_size > 1 and not distributed:
             raise RuntimeError(f"layout {dims} needs {dims.world_size} processes; "
                                "init_process_group has not been called")

@@ -1,0 +1,103 @@
+"""Start the ranks of a run: N local processes, or the processes torchrun already started.
+
+* ``--nproc N``: the parent validates the config for world size N, prepares the data once (tokenizer
+  training and token shards are cached), then spawns N processes with a free loopback port and
+  ``MASTER_ADDR``/``MASTER_PORT`` set; each calls ``init_process_group`` (gloo on CPU, NCCL with one
+  GPU per process) and trains.
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the process joins
+  torchrun's rendezvous; local rank 0 of each node prepares the data while the others wait.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ndtrain.config import Config, validate
+from ndtrain.mesh import device_for_rank
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(cfg: Config) -> str:
+    if cfg.parallel.backend != "auto":
+        return cfg.parallel.backend
+    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    return "nccl" if use_cuda else "gloo"
+
+
+def _threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _worker(local_rank: int, world: int, port: int, cfg: Config, run_dir: str, data_path: str,
+            threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    torch.set_num_threads(threads)
+    _init_and_run(cfg, Path(run_dir), Path(data_path), local_rank, local_rank, world)
+
+
+def _init_and_run(cfg: Config, run_dir: Path, data_path: Path, rank: int, local_rank: int,
+                  world: int) -> None:
+    from ndtrain.train import run
+
+    device = device_for_rank(local_rank, cfg.training.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group(backend_for(cfg), rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        run(cfg, run_dir, data_path, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
+    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None)."""
+    from ndtrain.data import prepare_data
+
+    under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        validate(cfg, world)
+        device = device_for_rank(local_rank, cfg.training.device)
+        if world > 1:
+            dist.init_process_group(backend_for(cfg), device_id=device if device.type == "cuda" else None)
+        # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
+        if local_rank == 0:
+            data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+        if world > 1:
+            dist.barrier()
+        if local_rank != 0:
+            data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+        from ndtrain.train import run
+
+        try:
+            run(cfg, run_dir, data_path, device)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return
+    nproc = nproc or 1
+    validate(cfg, nproc)
+    data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+    if nproc == 1:
+        from ndtrain.train import run
+
+        run(cfg, run_dir, data_path)
+        return
+    mp.start_processes(_worker, args=(nproc, free_port(), cfg, str(run_dir), str(data_path),
+                                      _threads_per_rank(nproc)),
+                       nprocs=nproc, join=True, start_method="spawn")

@@ -1,0 +1,185 @@
+"""FLOPs per token, MFU / HFU, peak memory, and the metrics log (console line + JSONL + plot).
+
+MFU convention (PaLM, Chowdhery et al. 2022, appendix B; the practice torchtitan and Megatron log):
+
+    model FLOPs per token = 6 * N + 12 * L * H * D * T
+
+with N the non-embedding parameters (the output head counts: it is a matmul; the input embedding is
+a lookup and does not), L layers, H query heads, D head dim, T the sequence length. The factor 6 is
+forward (2) plus backward (4) FLOPs per multiply-add. The attention term counts QK^T and AV for all
+T x T pairs (causal masking not subtracted, as in PaLM). Recompute from activation checkpointing is
+*not* counted in MFU; HFU adds it.
+
+    MFU = model FLOPs per token * tokens per second / (peak FLOP/s per device * devices)
+
+Peak FLOP/s comes from a datasheet table for known accelerators (dense, no sparsity) or, on CPU, a
+short matmul benchmark at start-up for the run's dtype, cached per CPU model / thread count.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from ndtrain.config import ModelConfig
+
+# Dense peak FLOP/s per device from vendor datasheets (SXM / OAM parts; no 2:4 sparsity).
+PEAK_FLOPS = {
+    "H100": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12, "float64": 66.9e12},
+    "H200": {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12, "float64": 66.9e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12, "float64": 19.5e12},
+    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1125e12, "float64": 40e12},
+    "MI300X": {"bfloat16": 1307.4e12, "float16": 1307.4e12, "float32": 653.7e12, "float64": 163.4e12},
+}
+
+
+class UnknownPeak(ValueError):
+    """The accelerator is not in the table; MFU is reported as unknown rather than wrong."""
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), PaLM convention; see module docstring."""
+    d, f, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
+    hd, kv = cfg.head_dim, cfg.kv_heads
+    attn = d * cfg.n_heads * hd * 2 + d * kv * hd * 2  # wq, wo, wk, wv
+    per_layer = attn + 3 * d * f + 2 * d  # + SwiGLU + two norms
+    n_nonembed = L * per_layer + d + cfg.vocab_size * d  # + final norm + output head
+    return 6.0 * n_nonembed + 12.0 * L * cfg.n_heads * hd * seq_len
+
+
+def gpu_peak_flops(name: str, dtype: str) -> float:
+    """Peak FLOP/s of a GPU by device name (e.g. "NVIDIA H100 80GB HBM3"); raises UnknownPeak."""
+    for key, table in PEAK_FLOPS.items():
+        if key in name.upper().replace(" ", ""):
+            return table[dtype]
+    raise UnknownPeak(f"unknown peak FLOP/s for {name!r}; set logging.peak_flops_per_s")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("NDTRAIN_CACHE", Path.home() / ".cache" / "ndtrain"))
+
+
+def cpu_peak_flops(dtype: str, n: int = 512, seconds: float = 0.3) -> float:
+    """Measured matmul FLOP/s of this process on CPU for ``dtype``, cached on disk.
+
+    Times square (n x n) @ (n x n) matmuls for about ``seconds`` with the current thread count.
+    """
+    threads = torch.get_num_threads()
+    key = f"{platform.processor() or platform.machine()}-{threads}t-{dtype}-{n}-torch{torch.__version__}"
+    path = _cache_dir() / "cpu_peak_flops.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+    for _ in range(3):
+        a @ b
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    flops = 2 * n**3 * iters / (time.perf_counter() - t0)
+    cache[key] = flops
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return flops
+
+
+def peak_flops(device: torch.device, dtype: str, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: override, datasheet table, or CPU benchmark; None if unknown."""
+    if override > 0:
+        return override
+    if device.type == "cuda":
+        try:
+            return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+        except UnknownPeak:
+            return None
+    return cpu_peak_flops(dtype)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA max allocated, or the process's max RSS on CPU (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and prints a line."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.rows: list[dict] = []
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(format_line(row), flush=True)
+
+
+def format_line(row: dict) -> str:
+    parts = [f"step {row['step']:>5}"]
+    if "loss" in row:
+        parts.append(f"loss {row['loss']:.4f}")
+    if "val_loss" in row:
+        parts.append(f"val {row['val_loss']:.4f}")
+    if "lr" in row:
+        parts.append(f"lr {row['lr']:.2e}")
+    if "grad_norm" in row:
+        parts.append(f"gnorm {row['grad_norm']:.3f}")
+    if "tokens_per_s" in row:
+        parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in row:
+        parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
+    if "peak_mem_bytes" in row:
+        parts.append(f"mem {row['peak_mem_bytes'] / 2**20:,.0f} MiB")
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: Path) -> Path:
+    """Write ``RUN_DIR/loss.png``: train and validation loss, and MFU, against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    tr = [r for r in rows if "loss" in r]
+    va = [r for r in rows if "val_loss" in r]
+    ax1.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train loss")
+    if va:
+        ax1.plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label="val loss")
+    ax1.set_ylabel("loss (nats/token)")
+    ax1.legend()
+    mf = [r for r in tr if r.get("mfu") is not None]
+    ax2.plot([r["step"] for r in mf], [100 * r["mfu"] for r in mf], color="tab:green")
+    ax2.set_ylabel("MFU (%)")
+    ax2.set_xlabel("step")
+    fig.tight_layout()
+    out = Path(run_dir) / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

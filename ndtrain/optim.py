@@ -1,0 +1,95 @@
+"""AdamW, learning-rate schedules and global gradient-norm clipping.
+
+* AdamW: decoupled weight decay (Loshchilov & Hutter 2019), not applied to 1-D parameters (norm
+  weights, biases). Parameters are held in fp32 (or fp64) and act as the master weights; bf16 runs
+  compute under autocast.
+* Schedules: linear warmup then cosine decay to ``min_lr_ratio * lr`` (GPT-3 / Llama practice), or
+  warmup-stable-decay (WSD; Hu et al. 2024, MiniCPM): constant after warmup, then linear decay to the
+  floor over the last ``decay_fraction`` of steps.
+* Clipping: the global L2 norm over every gradient element of the model, counted exactly once
+  across all ranks (``sum_sq`` contributions are summed over the axes where gradients are sharded),
+  and one clip coefficient applied everywhere (Pascanu et al. 2013).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ndtrain.config import TrainingConfig
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel import comm
+
+
+def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Split named parameters into decayed (>= 2-D) and non-decayed (1-D) groups."""
+    decay, no_decay, seen = [], [], set()
+    for _, p in params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW over ``named_params`` with the config's betas, eps and weight decay."""
+    return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_factor(step: int, cfg: TrainingConfig) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based)."""
+    floor = cfg.min_lr_ratio
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, int(round(cfg.decay_fraction * cfg.steps)))
+        start = cfg.steps - decay_steps
+        if step < start:
+            return 1.0
+        frac = min(1.0, (step - start + 1) / decay_steps)
+        return 1.0 - (1.0 - floor) * frac
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
+    """LambdaLR whose ``last_epoch`` counts optimizer steps; its state is checkpointed."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float,
+                   reduce_groups: Iterable[AxisGroup] = ()) -> float:
+    """Clip ``grads`` in place to global norm ``max_norm``; return the norm before clipping.
+
+    Args:
+        grads: this rank's gradient tensors; together with the other ranks' in ``reduce_groups`` they
+            must cover every gradient element exactly once (pass only shards, no padding, and no
+            replicated copies from more than one rank of a reduce group).
+        max_norm: threshold; 0 disables clipping (the norm is still computed).
+        reduce_groups: axes over which the squared norms are summed (e.g. ZeRO's ``dp_shard``).
+    The sum of squares is accumulated in float64 so the norm is exact enough for 1e-6 parity tests.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    if grads:
+        sum_sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().reshape(1)
+    else:
+        sum_sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for group in reduce_groups:
+        comm.all_reduce(sum_sq, group)
+    norm = sum_sq.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm

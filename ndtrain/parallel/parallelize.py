@@ -1,0 +1,39 @@
+"""The one place that applies parallelism to a single-device model, in a fixed order.
+
+Order (each step sees the result of the previous ones):
+  1. pipeline split                       (parallel.pp; not implemented yet)
+  2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel; not yet)
+  3. expert parallel                      (parallel.ep; not yet)
+  4. context parallel                     (parallel.cp; not yet)
+  5. activation checkpointing             (training.activation_checkpoint)
+  6. data parallel: DDP / ZeRO / FSDP     (parallel.zero_stage, dp_replicate x dp_shard)
+Data parallel comes last because it must see the final set of (possibly sharded) parameters.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ndtrain.config import Config
+from ndtrain.mesh import Mesh
+from ndtrain.parallel.ddp import DataParallel
+
+
+def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
+    """Wrap ``model``'s gradient synchronisation over the ``dp`` axis (plain DDP, ZeRO stage 0)."""
+    p = cfg.parallel
+    if p.zero_stage != 0:
+        raise NotImplementedError(f"parallel.zero_stage={p.zero_stage} is not implemented yet")
+    reduce_dtype = None
+    if cfg.training.dtype == "bfloat16":
+        reduce_dtype = getattr(torch, p.grad_reduce_dtype)
+    return DataParallel(model, mesh.group("dp"), p.bucket_size_bytes, reduce_dtype)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
+    """Apply every configured axis to ``model`` (in place) and return its gradient synchroniser."""
+    if cfg.training.activation_checkpoint != "none":
+        from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
+
+        apply_activation_checkpoint(model, cfg.training.activation_checkpoint)
+    return apply_data_parallel(model, mesh, cfg)

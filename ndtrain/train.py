@@ -1,0 +1,233 @@
+"""The training loop: build -> parallelize -> step -> log -> checkpoint.
+
+Loss convention (token-weighted): the loss of a step is the sum of the per-token cross-entropies over
+all valid labels (label != -100) of the *global* batch, divided by the number of valid labels of the
+global batch. Each microbatch backpropagates ``sum_ce / n_valid_global``; data-parallel gradients are
+summed. Splitting a batch into microbatches or across ranks therefore gives the single-process
+gradient exactly, even when ranks hold very different numbers of valid tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ndtrain import checkpoint as ckpt
+from ndtrain import metrics
+from ndtrain.config import Config, save_config
+from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
+from ndtrain.model import build_model
+from ndtrain.optim import build_scheduler, clip_grad_norm
+from ndtrain.parallel import comm
+from ndtrain.parallel.parallelize import parallelize
+
+IGNORE_INDEX = -100
+
+
+class Trainer:
+    """One rank's training state. ``step(inputs, labels)`` runs one optimizer step on its local batch.
+
+    Args:
+        cfg: validated config.
+        mesh: the layout (``ParallelDims(...).build_mesh()``); all ones works in a plain process.
+        device: this rank's device.
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        t = cfg.training
+        self.param_dtype = torch.float64 if t.dtype == "float64" else torch.float32
+        self.autocast = t.dtype == "bfloat16"
+        self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
+        self.dp = parallelize(self.model, mesh, cfg)
+        self.optimizer = self.dp.build_optimizer(t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.step_count = 0
+        dims = mesh.dims
+        self.local_batch = t.global_batch_size // dims.dp
+        self.micro_batch = t.micro_batch_size or self.local_batch
+
+    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T)."""
+        ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
+               else contextlib.nullcontext())
+        with ctx:
+            logits = self.model(inputs)  # (B, T, V)
+        if logits.dtype != self.param_dtype:
+            logits = logits.to(self.param_dtype)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64.
+
+        Returns ``loss`` (global token-weighted mean), ``grad_norm`` (before clipping), ``lr``,
+        ``n_tokens`` (valid labels in the global batch).
+        """
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        dp_cp = self.mesh.group("dp_cp")
+        n_valid = comm.all_reduce_scalar(float((labels != IGNORE_INDEX).sum()), dp_cp,
+                                         device=self.device)
+        denom = max(n_valid, 1.0)
+        n_micro = inputs.shape[0] // self.micro_batch
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(n_micro):
+            sl = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+            last = i == n_micro - 1
+            with contextlib.nullcontext() if last else self.dp.no_sync():
+                ls = self._forward_loss_sum(inputs[sl], labels[sl])
+                (ls / denom).backward()
+            loss_sum += ls.detach().double()
+        self.dp.finish_grad_sync()
+        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        comm.all_reduce(loss_sum, dp_cp)
+        self.step_count += 1
+        return {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        """Token-weighted mean loss over ``batches`` of (inputs, labels) local to this rank."""
+        self.model.eval()
+        tot = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            tot[0] += self._forward_loss_sum(inputs, labels).double()
+            tot[1] += (labels != IGNORE_INDEX).sum()
+        self.model.train()
+        comm.all_reduce(tot, self.mesh.group("dp_cp"))
+        return (tot[0] / tot[1].clamp(min=1)).item()
+
+    def tensor_state(self) -> dict:
+        return {"model": self.dp.model_state_dict(), "optim": self.dp.optim_state_dict(self.optimizer)}
+
+    def load_tensor_state(self, state: dict) -> None:
+        self.dp.load_model_state_dict(state["model"])
+        self.dp.load_optim_state_dict(self.optimizer, state["optim"])
+
+
+def _local(data, sampler_indices, dims_dp: int, dp_rank: int, split: str, seq_len: int, sampler):
+    local = sampler.local_slice(sampler_indices, dp_rank, dims_dp)
+    return data.get(split, local, seq_len)
+
+
+def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None = None) -> list[dict]:
+    """Train according to ``cfg`` on this rank; returns the logged metric rows (rank 0; else [])."""
+    from ndtrain.data import GlobalBatchSampler, TokenData
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    t = cfg.training
+    device = device or device_for_rank(rank, t.device)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    mesh = dims.build_mesh(device.type)
+    run_dir = Path(run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(t.seed)
+    data = TokenData(data_path)
+    T = cfg.data.seq_len
+    sampler = GlobalBatchSampler(data.num_sequences("train", T), t.global_batch_size, t.seed)
+    trainer = Trainer(cfg, mesh, device)
+    dp_rank = mesh.group("dp").rank
+
+    ckpt_root = run_dir / "checkpoints"
+    start = cfg.checkpoint.load_from or (cfg.checkpoint.resume and ckpt.latest_checkpoint(ckpt_root))
+    if start:
+        state = trainer.tensor_state()
+        meta = ckpt.load_checkpoint(Path(start), state)
+        trainer.load_tensor_state(state)
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+        sampler.load_state_dict(meta["sampler"])
+        trainer.step_count = meta["step"]
+        if rank == 0:
+            print(f"resumed from {start} at step {trainer.step_count}", flush=True)
+
+    log = metrics.MetricsLog(run_dir, enabled=rank == 0)
+    peak = metrics.peak_flops(device, t.dtype, cfg.logging.peak_flops_per_s)
+    fpt = metrics.flops_per_token(cfg.model, T)
+    if rank == 0:
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        print(f"ndtrain: {n_params / 1e6:.2f}M params | layout {dims} | {t.dtype} on {device.type} | "
+              f"{fpt / 1e6:.1f} MFLOP/token | peak {peak / 1e9 if peak else float('nan'):.1f} "
+              f"GFLOP/s per rank", flush=True)
+
+    def val_loss() -> float:
+        nval = data.num_sequences("val", T)
+        batches = []
+        for b in range(t.eval_batches):
+            idx = [(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)]
+            batches.append(_local(data, idx, dims.dp, dp_rank, "val", T, sampler))
+        return trainer.eval_loss(batches)
+
+    if trainer.step_count == 0:
+        log.log({"step": 0, "val_loss": val_loss()})
+    stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
+    window_t, window_tokens = 0.0, 0
+    mesh.reset_stats()
+    while trainer.step_count < stop:
+        step = trainer.step_count + 1
+        inputs, labels = _local(data, sampler.next_global(), dims.dp, dp_rank, "train", T, sampler)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = trainer.step(inputs, labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        window_t += dt
+        window_tokens += t.global_batch_size * T
+        row = None
+        if step % cfg.logging.log_every == 0 or step == stop:
+            comm_bytes = mesh.reset_stats()
+            tps = window_tokens / window_t
+            mem = comm.all_reduce_scalar(metrics.peak_memory_bytes(device), mesh.group("dp_cp"),
+                                         op=dist.ReduceOp.MAX, device=device)
+            row = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                   "tokens_per_s": tps, "step_time_s": window_t / (window_tokens / (t.global_batch_size * T)),
+                   "mfu": fpt * tps / (peak * world) if peak else None, "peak_mem_bytes": int(mem),
+                   "comm_bytes": comm_bytes}
+            window_t, window_tokens = 0.0, 0
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            row = row or {"step": step, "loss": out["loss"]}
+            row["val_loss"] = val_loss()
+        if row:
+            log.log(row)
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop):
+            meta = {"step": step, "scheduler": trainer.scheduler.state_dict(),
+                    "sampler": sampler.state_dict(), "layout": dims.degrees()}
+            ckpt.save_checkpoint(ckpt_root, step, trainer.tensor_state(), meta, cfg.checkpoint.keep_last)
+        if rank == 0 and t.sample_every and step % t.sample_every == 0:
+            print(f"sample @ {step}: {sample_text(trainer, data, cfg)!r}", flush=True)
+    if rank == 0 and trainer.step_count == t.steps:
+        print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
+        if cfg.logging.plot and log.rows:
+            print(f"plot: {metrics.plot_run(run_dir)}", flush=True)
+    return log.rows
+
+
+@torch.no_grad()
+def sample_text(trainer: Trainer, data, cfg: Config) -> str:
+    """Generate ``sample_tokens`` after ``sample_prompt`` (KV cache; temperature / top-k)."""
+    from ndtrain.generate import generate
+
+    tok = data.tokenizer
+    prompt = torch.tensor(tok.encode(cfg.training.sample_prompt) or [tok.eos_id], dtype=torch.long)
+    gen = torch.Generator().manual_seed(cfg.training.seed)
+    trainer.model.eval()
+    ctx = (torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.autocast
+           else contextlib.nullcontext())
+    with ctx:
+        out = generate(trainer.model, prompt.to(trainer.device), cfg.training.sample_tokens,
+                       temperature=cfg.training.sample_temperature, top_k=cfg.training.sample_top_k,
+                       generator=gen)
+    trainer.model.train()
+    return tok.decode(out.tolist())

@@ -1,0 +1,79 @@
+"""Config loading, overrides and validation: every bad layout fails before any process starts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ndtrain.config import ConfigError, load_config, parse_cli_overrides
+from ndtrain.mesh import ParallelDims
+
+
+def test_presets_load_and_override():
+    cfg = load_config("debug", {"training.steps": "7", "model.tie_embeddings": "true",
+                                "training.lr": "1e-3"})
+    assert cfg.training.steps == 7 and cfg.model.tie_embeddings is True and cfg.training.lr == 1e-3
+    for name in ("default", "llama3_8b", "llama3_70b", "llama3_405b"):
+        load_config(name)
+    big = load_config("llama3_405b")
+    assert (big.model.dim, big.model.n_layers, big.model.ffn_dim) == (16384, 126, 53248)
+
+
+def test_cli_override_parsing():
+    assert parse_cli_overrides(["--training.steps=5", "--data.seq_len", "64"]) == {
+        "training.steps": "5", "data.seq_len": "64"}
+    with pytest.raises(ConfigError, match="section.key"):
+        parse_cli_overrides(["--steps=5"])
+
+
+@pytest.mark.parametrize("overrides,world,rule", [
+    ({"model.n_heads": "6", "model.n_kv_heads": "4", "model.dim": "48"}, 1,
+     r"n_heads \(6\) is not divisible by n_kv_heads \(4\)"),
+    ({"model.dim": "50"}, 1, r"dim \(50\) is not divisible by n_heads \(4\)"),
+    ({"training.global_batch_size": "6"}, 4, r"global_batch_size \(6\) is not divisible by .* \(4\)"),
+    ({"training.micro_batch_size": "3"}, 2, r"local batch \(4 = .*\) is not divisible by micro_batch_size \(3\)"),
+    ({"parallel.dp_shard": "3"}, 4, r"\(3\) != world_size \(4\)"),
+    ({"parallel.dp_replicate": "3"}, 4, r"world_size \(4\) is not divisible by pp\*dp_replicate\*cp\*tp \(3\)"),
+    ({"training.dtype": "float16"}, 1, r"training.dtype \(float16\) must be one of"),
+    ({"data.seq_len": "4096"}, 1, r"seq_len \(4096\) exceeds model.max_seq_len"),
+    ({"parallel.pp_schedule": "dualpipe"}, 1, r"pp_schedule \(dualpipe\) must be"),
+    ({"training.activation_checkpoint": "every:0"}, 1, r"activation_checkpoint \(every:0\)"),
+    ({"model.vocab_size": "0"}, 1, r"model.vocab_size \(0\) must be positive"),
+])
+def test_invalid_configs_name_the_rule(overrides, world, rule):
+    with pytest.raises(ConfigError, match=rule):
+        load_config("debug", overrides, world_size=world)
+
+
+def test_unknown_keys_and_types():
+    with pytest.raises(ConfigError, match="unknown config key 'training.stepz'"):
+        load_config("debug", {"training.stepz": "1"})
+    with pytest.raises(ConfigError, match="training.steps: expected int"):
+        load_config("debug", {"training.steps": "many"})
+    with pytest.raises(ConfigError, match="neither a file nor a preset"):
+        load_config("no_such_preset")
+
+
+def test_parallel_dims():
+    from ndtrain.config import ParallelConfig
+
+    d = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=-1), 8)
+    assert (d.dp_replicate, d.dp_shard, d.dp, d.dp_cp) == (2, 4, 8, 8)
+    assert str(d) == "dp_replicate2 x dp_shard4 (world 8)"
+    mesh = ParallelDims().build_mesh()  # all ones: no process group needed
+    assert mesh.group("dp").size == 1 and mesh.group("dp").pg is None
+
+
+def test_cli_rejects_bad_layout_before_starting_processes(tmp_path):
+    """The CLI exits 2 with the rule, quickly, without creating the run directory."""
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug",
+                           "--nproc", "4", f"--run-dir={run_dir}", "--training.global_batch_size=6"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "global_batch_size (6) is not divisible" in proc.stderr
+    assert not run_dir.exists()
+    assert time.time() - t0 < 60
