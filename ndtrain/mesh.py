@@ -112,6 +112,7 @@ class Mesh:
         self.dims = dims
         self.stats: dict[str, float] = {}
         self.device_mesh = None
+        self._flat = {}
         self._groups: dict[str, AxisGroup] = {}
         # A world-size-1 layout never touches the process group, so a single-process reference
         # model can live inside a multi-process job (the parity tests rely on this).
@@ -127,8 +128,8 @@ class Mesh:
 
             shape = tuple(getattr(dims, a) for a in AXES)
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-            for derived, axes in DERIVED.items():
-                self.device_mesh[axes]._flatten(derived)
+            # Keep the flattened sub-meshes: slicing them back out of the root mesh is deprecated.
+            self._flat = {d: self.device_mesh[axes]._flatten(d) for d, axes in DERIVED.items()}
         for name in AXES + tuple(DERIVED):
             self._groups[name] = self._make_group(name)
 
@@ -136,7 +137,7 @@ class Mesh:
         size = getattr(self.dims, name) if name in AXES else _prod(self.dims, DERIVED[name])
         if self.device_mesh is None or size == 1:
             return AxisGroup(name, size, 0, None, self.stats)
-        sub = self.device_mesh[name]
+        sub = self._flat[name] if name in DERIVED else self.device_mesh[name]
         return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
 
     def group(self, name: str) -> AxisGroup:
