@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 
 from ndtrain.config import TrainingConfig
-from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
 
 
@@ -67,29 +66,48 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
 
 
+SHARD_AXES_ATTR = "ndtrain_shard_axes"
+
+
+def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
+    """Mesh axes a parameter (or gradient shard) is split over; () when replicated.
+
+    Parallel transforms tag what they shard: ``setattr(p, SHARD_AXES_ATTR, ("tp",))``. Pipeline
+    stages hold disjoint parameters, so their tag includes "pp".
+    """
+    return getattr(p, SHARD_AXES_ATTR, ())
+
+
 @torch.no_grad()
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float,
-                   reduce_groups: Iterable[AxisGroup] = ()) -> float:
-    """Clip ``grads`` in place to global norm ``max_norm``; return the norm before clipping.
+def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: float,
+                   mesh=None) -> float:
+    """Clip gradients in place to global L2 norm ``max_norm``; return the norm before clipping.
 
     Args:
-        grads: this rank's gradient tensors; together with the other ranks' in ``reduce_groups`` they
-            must cover every gradient element exactly once (pass only shards, no padding, and no
-            replicated copies from more than one rank of a reduce group).
+        items: ``(grad, axes)`` pairs of this rank: ``grad`` is what this rank holds (a shard
+            without padding, or a full replicated tensor) and ``axes`` the mesh axes it is split
+            over. Elements are then counted exactly once: squared norms are summed over ``axes``
+            (grouped by identical ``axes`` so each group needs one all-reduce), and a replicated
+            tensor is counted once, not once per replica.
         max_norm: threshold; 0 disables clipping (the norm is still computed).
-        reduce_groups: axes over which the squared norms are summed (e.g. ZeRO's ``dp_shard``).
-    The sum of squares is accumulated in float64 so the norm is exact enough for 1e-6 parity tests.
+        mesh: the ``Mesh`` whose axis groups the sums run over (needed when any axes are given).
+    Sums of squares are kept in float64, so the norm is exact enough for 1e-6 parity tests, and
+    every rank ends with the same norm and the same clip coefficient.
     """
-    device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        sum_sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().reshape(1)
-    else:
-        sum_sq = torch.zeros(1, dtype=torch.float64, device=device)
-    for group in reduce_groups:
-        comm.all_reduce(sum_sq, group)
-    norm = sum_sq.sqrt().item()
+    by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    for g, axes in items:
+        by_axes.setdefault(tuple(axes), []).append(g)
+    device = items[0][0].device if items else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for axes in sorted(by_axes):  # same order on every rank
+        grads = by_axes[axes]
+        sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().reshape(1)
+        for axis in axes:
+            comm.all_reduce(sq, mesh.group(axis))
+        total += sq
+    norm = total.sqrt().item()
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
-        for g in grads:
+        for g, _ in items:
             g.mul_(coef)
     return norm

@@ -21,7 +21,7 @@ from ndtrain import metrics
 from ndtrain.config import Config, save_config
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.model import build_model
-from ndtrain.optim import build_scheduler, clip_grad_norm
+from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.parallel.parallelize import parallelize
 
@@ -83,7 +83,7 @@ class Trainer:
                 (ls / denom).backward()
             loss_sum += ls.detach().double()
         self.dp.finish_grad_sync()
-        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip)
+        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip, self.mesh)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

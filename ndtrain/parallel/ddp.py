@@ -152,12 +152,13 @@ class DataParallel:
 
         return build_optimizer(self.module.named_parameters(), tcfg)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Gradients are identical on every rank after the all-reduce: the local norm is global."""
-        from ndtrain.optim import clip_grad_norm
+    def clip_grad_norm(self, max_norm: float, mesh=None) -> float:
+        """Global-norm clipping. Gradients are identical across ``dp`` after the all-reduce, so
+        only axes a parameter is sharded over (tagged by TP / PP / EP) are summed over."""
+        from ndtrain.optim import clip_grad_norm, shard_axes
 
-        grads = [b for bk in self.buckets for b in (p.grad for p in bk.params) if b is not None]
-        return clip_grad_norm(grads, max_norm)
+        items = [(p.grad, shard_axes(p)) for bk in self.buckets for p in bk.params if p.grad is not None]
+        return clip_grad_norm(items, max_norm, mesh)
 
     def model_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -109,7 +109,7 @@ def _vs_torch_ddp(rank: int, world: int) -> float:
                                                ignore_index=IGNORE_INDEX, reduction="sum")
             (loss / n_valid * world).backward()  # DDP averages; undo it to get the sum
     tr.cfg.training.grad_clip = 0.0
-    tr.dp.clip_grad_norm = lambda _max: 0.0  # compare raw gradients: intercept before the update
+    tr.dp.clip_grad_norm = lambda _max, _mesh: 0.0  # compare raw gradients: intercept before the update
     grads = {}
     orig_step = tr.optimizer.step
     tr.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in tr.model.named_parameters()})
