@@ -1,0 +1,172 @@
+"""Hugging Face Llama (``LlamaForCausalLM``) checkpoint import / export: config.json + safetensors.
+
+Weights map one to one by name (table ``_LAYER_MAP``). Both sides use the rotate-half RoPE layout
+(see ``ndtrain.model.rope``), so q / k projections are copied without permutation. Config export
+writes both the transformers 4 keys (``rope_theta``, ``rope_scaling``) and the transformers 5 key
+(``rope_parameters``); import accepts either. Llama 3.1 RoPE scaling maps to ``rope_type: llama3``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ndtrain.config import ModelConfig
+from ndtrain.model import Transformer
+
+# ndtrain block-relative name -> HF name within "model.layers.{i}."
+_LAYER_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers 4 or 5 config dict."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """``ModelConfig`` from a Llama config.json dict.
+
+    Raises ValueError for features this model does not implement (biases, a non-SiLU activation,
+    a head_dim other than hidden_size / num_attention_heads, RoPE scaling other than llama3).
+    """
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not 'llama'")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention / MLP biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not 'silu'")
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({dim // n_heads})")
+    theta, scaling = _rope_params(hf)
+    cfg = ModelConfig(
+        name="llama", vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=hf.get("initializer_range", 0.02))
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise ValueError(f"rope scaling type {kind!r} is not supported (only 'llama3')")
+        cfg.rope_scaling = True
+        cfg.rope_scaling_factor = float(scaling["factor"])
+        cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        cfg.rope_original_max_seq_len = int(scaling["original_max_position_embeddings"])
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A ``LlamaConfig``-compatible dict (transformers 4 and 5) for ``cfg``."""
+    scaling = None
+    if cfg.rope_scaling:
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    rope_parameters = dict(scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope_parameters,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": cfg.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    pairs = [(k, v) for k, v in _TOP_MAP.items()]
+    for i in range(cfg.n_layers):
+        pairs += [(f"layers.{i}.{k}", f"model.layers.{i}.{v}") for k, v in _LAYER_MAP.items()]
+    return pairs
+
+
+def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF weights to ndtrain names. With tied embeddings ``output.weight`` is the embedding
+    (``lm_head.weight`` may be absent). Extra HF keys (e.g. ``rotary_emb.inv_freq``) are ignored.
+
+    Raises KeyError listing the missing HF names.
+    """
+    if cfg.tie_embeddings:
+        hf_sd = dict(hf_sd, **{"lm_head.weight": hf_sd.get("model.embed_tokens.weight")})
+    missing = [h for _, h in _name_pairs(cfg) if hf_sd.get(h) is None]
+    if missing:
+        raise KeyError(f"HF state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return {n: hf_sd[h] for n, h in _name_pairs(cfg)}
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename ndtrain weights to HF names; a tied output head is left out (as ``save_pretrained``
+    does). Raises KeyError for a missing ndtrain name."""
+    return {h: sd[n] for n, h in _name_pairs(cfg) if not (cfg.tie_embeddings and n == "output.weight")}
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(folder / f)))
+    return sd
+
+
+def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
+    """Read config.json and (possibly sharded) safetensors from ``folder`` into a ``Transformer``.
+
+    Returns (cfg, model) with parameters in ``dtype`` on ``device``.
+    Raises FileNotFoundError, ValueError (unsupported config) or KeyError (missing weights).
+    """
+    folder = Path(folder)
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    sd = state_dict_from_hf(_read_safetensors(folder), cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.load_state_dict(sd, strict=True)
+    model.init_rope()
+    return cfg, model
+
+
+def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path) -> None:
+    """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` to ``folder``
+    (created if needed), loadable by ``LlamaForCausalLM.from_pretrained``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(model.state_dict(), cfg).items()}
+    dtype = next(iter(sd.values())).dtype
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}, indent=2))

@@ -1,0 +1,103 @@
+"""Causal multi-head attention with grouped-query attention (GQA, Ainslie 2023) and RoPE (Su 2021),
+as in Llama 2 / Llama 3 (Touvron 2023; Llama 3, 2024).
+
+The per-rank head counts are read from the weight shapes at forward time
+(``wq.weight.shape[0] // head_dim``), so tensor parallel can shard heads across ranks without
+touching this file. The attention kernel is the overridable ``Attention.core(q, k, v)``: context
+parallel replaces it per instance (``block.attention.core = ring_core``) to change how keys and
+values are gathered, while projections, RoPE and the KV cache stay here.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.model.rope import apply_rope
+
+
+class KVCacheLike(Protocol):
+    """What attention needs from a KV cache (``ndtrain.generate.KVCache`` implements it)."""
+
+    length: int  # tokens already cached (same for every layer during one forward)
+
+    def update(self, layer_id: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, G, T, D) at [length, length + T); return all cached (B, G, length+T, D)."""
+        ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """Scaled dot-product attention, causal, with GQA broadcasting of kv heads.
+
+    Args:
+        q: (B, H, T, D) queries; query t sits at sequence index ``q_offset + t``.
+        k, v: (B, G, S, D) keys / values at sequence indices 0 .. S-1; H must be a multiple of G.
+        q_offset: number of keys before the first query (the cached length when decoding).
+
+    Returns: (B, H, T, D). Query t attends to keys s <= q_offset + t. Scale 1/sqrt(D).
+    Raises ValueError if H is not a multiple of G or the keys do not cover the queries.
+    """
+    h, g, t, s = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if h % g:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({g})")
+    if q_offset + t != s:
+        raise ValueError(f"keys ({s}) must cover the cached prefix ({q_offset}) plus the queries ({t})")
+    gqa = h != g
+    if q_offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if t == 1:  # one new token sees the whole cache: no mask needed
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    qi = torch.arange(t, device=q.device)[:, None] + q_offset  # (T, 1)
+    mask = torch.arange(s, device=q.device)[None, :] <= qi  # (T, S) True = attend
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Projections ``wq``, ``wk``, ``wv``, ``wo`` (no biases), RoPE, causal GQA.
+
+    Args:
+        dim: model width C.
+        n_heads: query heads H; n_kv_heads: kv heads G (H % G == 0).
+        layer_id: the block's key in ``Transformer.layers``; names this layer in a KV cache.
+
+    Shapes: x (B, T, C), cos / sin (T, D/2) or (B, T, D/2) -> (B, T, C).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: str = "0"):
+        super().__init__()
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"dim ({dim}) % n_heads ({n_heads}) and n_heads % n_kv_heads "
+                             f"({n_kv_heads}) must be 0")
+        self.head_dim = dim // n_heads
+        self.layer_id = layer_id
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)  # (H*D, C)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)  # (G*D, C)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)  # (G*D, C)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)  # (C, H*D)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over one full sequence: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D).
+
+        Overridable (assign a callable to the instance attribute ``core``) by context parallel.
+        """
+        return causal_attention(q, k, v)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = self.wq(x).view(b, t, -1, d)  # (B, T, H, D), H local heads
+        k = self.wk(x).view(b, t, -1, d)  # (B, T, G, D)
+        v = self.wv(x).view(b, t, -1, d)  # (B, T, G, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
+        if kv_cache is None:
+            out = self.core(q, k, v)  # (B, H, T, D)
+        else:
+            past = kv_cache.length
+            k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
+            out = causal_attention(q, k, v, q_offset=past)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
+        return self.wo(out)  # (B, T, C)

@@ -1,0 +1,109 @@
+"""Meta-device construction and deterministic, layout-independent weight init.
+
+Every parameter is drawn from its own CPU ``torch.Generator`` seeded from ``(seed, canonical fully
+qualified name)``, in float32, then cast and copied to the parameter's device and dtype. So a
+parameter's value depends only on (seed, name, shape): not on the device, not on float32 vs
+float64 (a float64 model holds exactly the float32 draws), and not on which other layers exist
+(a pipeline stage that deleted layer "0" gets the same layer "1" as the full model).
+
+Scheme (Llama 3, 2024 / GPT-2 style): Normal(0, init_std) for embeddings and linears, with
+``wo`` / ``w2`` (the projections that write into the residual stream) scaled by
+1 / sqrt(2 * n_layers) (Radford 2019); RMSNorm gains are ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from ndtrain.config import ModelConfig
+from ndtrain.model.norm import RMSNorm
+
+# Wrapper prefixes that torch inserts into parameter names (activation checkpointing, torch.compile,
+# FSDP1); removed so the init seed follows the model's own name.
+_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_RESIDUAL_OUT = ("wo", "w2")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name with wrapper tokens removed, e.g. ``layers.1._orig_mod.attention.wq.weight`` ->
+    ``layers.1.attention.wq.weight``."""
+    for tok in _WRAPPER_TOKENS:
+        name = name.replace(tok, "")
+    return name
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by a stable hash (BLAKE2b, 63 bits) of ``f"{seed}/{name}"``."""
+    digest = hashlib.blake2b(f"{seed}/{canonical_name(name)}".encode(), digest_size=8).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return g
+
+
+def _copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size CPU tensor into ``p``; a DTensor parameter receives its own shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
+    p.copy_(full)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter of ``model`` (a ``Transformer`` or a stage of one) in place.
+
+    Raises NotImplementedError for a parameter of a module type this scheme does not know (new
+    module types must add their rule here rather than silently keep ``to_empty`` garbage).
+    """
+    cfg: ModelConfig = model.cfg
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for name, p in model.named_parameters():  # tied weights are listed once, under the embedding
+        mod_name = name.rpartition(".")[0]
+        mod = model.get_submodule(mod_name)
+        shape = tuple(p.shape)  # global shape, also for DTensors
+        if isinstance(mod, RMSNorm):
+            full = torch.ones(shape, dtype=torch.float32)
+        elif isinstance(mod, (nn.Linear, nn.Embedding)):
+            std = cfg.init_std
+            if canonical_name(mod_name).rpartition(".")[2] in _RESIDUAL_OUT:
+                std = std / math.sqrt(2 * cfg.n_layers)
+            full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=param_generator(seed, name))
+        else:
+            raise NotImplementedError(f"init_weights: no rule for {name} ({type(mod).__name__})")
+        _copy_full_(p, full)
+    if hasattr(model, "init_rope"):
+        model.init_rope()
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> nn.Module:
+    """Construct a ``Transformer`` on the meta device, materialise on ``device`` in ``dtype``, init.
+
+    Returns the model in train mode. Parameters are ``dtype``; the RoPE tables stay float32.
+    """
+    from ndtrain.model.transformer import Transformer  # local: transformer imports this module lazily
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to(dtype=dtype)  # free on meta
+    model.to_empty(device=device)  # unties tied weights; init_weights re-ties them
+    model.init_weights(seed)
+    return model
+
+
+def count_params(model: nn.Module, include_embedding: bool = True) -> int:
+    """Number of distinct parameters (tied weights counted once; DTensors by global size).
+
+    ``include_embedding=False`` drops the input token embedding (Kaplan 2020's "non-embedding"
+    count); an untied output head is kept, since it costs matmul FLOPs.
+    """
+    n = sum(p.numel() for p in model.parameters())
+    emb = getattr(model, "tok_embeddings", None)
+    if not include_embedding and emb is not None:
+        n -= emb.weight.numel()
+    return n

@@ -1,0 +1,27 @@
+"""SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"), as in Llama 3 (2024)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: ``w1`` gate, ``w3`` up, ``w2`` down projections, no biases.
+
+    Args:
+        dim: model width C.
+        hidden: SwiGLU hidden size F (``ModelConfig.ffn_dim``).
+
+    Shapes: x (B, T, C) -> (B, T, C). Tensor parallel may shard F (``w1``/``w3`` by rows, ``w2`` by
+    columns) without changes here: no shape is hard-coded.
+    """
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate (F, C)
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up   (F, C)
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down (C, F)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, C)

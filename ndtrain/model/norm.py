@@ -1,0 +1,39 @@
+"""RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
+
+Normalises by the root mean square of the last dim, without centring or bias. Computed in float32
+and cast back to the input dtype before the gain, as Llama (Touvron 2023) and Hugging Face do, so
+bf16 activations keep an fp32-accurate normaliser.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2, -1) + eps) * weight``.
+
+    Args:
+        dim: size C of the normalised (last) dim.
+        eps: added to the mean square before the reciprocal square root.
+
+    Shapes: x (..., C) -> (..., C), same dtype as x (the gain multiplies in the promoted dtype of
+    x and ``weight``, as in Hugging Face's LlamaRMSNorm).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # (C,)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (..., C) fp32
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
