@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,9 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[s
             shutil.rmtree(final)
         tmp.mkdir()
     _barrier()
-    dcp.save(tensors, checkpoint_id=str(tmp))
+    with warnings.catch_warnings():  # one process without a process group is a supported case
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -85,7 +88,9 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[s
 def load_checkpoint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Collective: load DCP tensors in place into ``tensors``; restore RNG; return ``meta``."""
     path = Path(path)
-    dcp.load(tensors, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=str(path))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))

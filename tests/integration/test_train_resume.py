@@ -1,0 +1,106 @@
+"""End-to-end training through ``ndtrain.train.run``: exact resume, atomic checkpoints, the CLI.
+
+Reference for resume: an uninterrupted run of the same config in the same process. float32 on CPU
+is deterministic for a fixed thread count, so the resumed losses must equal the uninterrupted ones
+exactly (we allow 1e-7 relative only for safety against library-level reduction order changes).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ndtrain import checkpoint as ckpt
+from ndtrain.config import load_config
+from ndtrain.data import prepare_data
+from ndtrain.metrics import read_metrics
+from ndtrain.train import run
+
+
+def _corpus(tmp_path: Path) -> Path:
+    src = Path(__file__).resolve().parents[2] / "ndtrain"
+    text = "\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:60000]
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def _cfg(tmp_path: Path, **over):
+    base = {"data.source": str(_corpus(tmp_path)), "data.tokenizer": "bytes",
+            "data.cache_dir": str(tmp_path / "cache"), "training.steps": 20, "logging.log_every": 1,
+            "training.eval_every": 0, "checkpoint.every": 5, "training.sample_tokens": 8}
+    base.update(over)
+    return load_config("debug", base, world_size=1)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path):
+    torch.set_num_threads(1)
+    cfg = _cfg(tmp_path)
+    data = prepare_data(cfg.data, cfg.model.vocab_size)
+    run(cfg, tmp_path / "full", data)
+    run(_cfg(tmp_path, **{"training.stop_at_step": 10}), tmp_path / "split", data)
+    assert ckpt.latest_checkpoint(tmp_path / "split" / "checkpoints").name == "step_00000010"
+    run(cfg, tmp_path / "split", data)  # resumes from step 10 in the same run dir
+    full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert sorted(full) == list(range(1, 21))
+    for step in range(11, 21):
+        assert split[step] == pytest.approx(full[step], rel=1e-7, abs=0)
+    assert full[20] < full[1]
+    # keep_last=2: only the two newest complete checkpoints remain
+    names = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    assert names == ["step_00000015", "step_00000020"]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    cfg = _cfg(tmp_path, **{"training.stop_at_step": 5})
+    data = prepare_data(cfg.data, cfg.model.vocab_size)
+    run(cfg, tmp_path / "r", data)
+    real_save = ckpt.dcp.save
+
+    def dying_save(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # files written, then the process "dies"
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(ckpt.dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(tmp_path, **{"training.stop_at_step": 10}), tmp_path / "r", data)
+    root = tmp_path / "r" / "checkpoints"
+    assert (root / "step_00000010.tmp").exists()
+    assert ckpt.latest_checkpoint(root).name == "step_00000005"
+    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    run(_cfg(tmp_path, **{"training.stop_at_step": 10}), tmp_path / "r", data)
+    assert ckpt.latest_checkpoint(root).name == "step_00000010"
+    assert not (root / "step_00000010.tmp").exists()
+    steps = [r["step"] for r in read_metrics(tmp_path / "r") if "loss" in r]
+    assert steps.count(6) == 2 and steps[-1] == 10  # steps 6-9 were redone after the crash
+
+
+def test_cli_two_processes(tmp_path):
+    """The launcher: 2 gloo processes, metrics with every required key, a sample and a plot."""
+    run_dir = tmp_path / "run"
+    corpus = _corpus(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+         f"--run-dir={run_dir}", f"--data.source={corpus}", "--data.tokenizer=bytes",
+         f"--data.cache_dir={tmp_path / 'cache'}", "--training.steps=6", "--logging.log_every=3",
+         "--logging.plot=true", "--training.sample_tokens=8"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_metrics(run_dir)
+    last = [r for r in rows if "loss" in r][-1]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "val_loss"):
+        assert key in last, key
+    assert 0 < last["mfu"] < 1 and last["peak_mem_bytes"] > 0
+    assert "layout dp_shard2 (world 2)" in proc.stdout and "sample:" in proc.stdout
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert json.loads(json.dumps(rows))  # JSONL is plain JSON
+    assert (run_dir / "config.yaml").exists()
