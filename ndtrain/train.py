@@ -220,13 +220,15 @@ def sample_text(trainer: Trainer, data, cfg: Config) -> str:
     from ndtrain.generate import generate
 
     tok = data.tokenizer
-    prompt = torch.tensor(tok.encode(cfg.training.sample_prompt) or [tok.eos_id], dtype=torch.long)
+    ids = tok.encode(cfg.training.sample_prompt) or [tok.eos_id]
+    prompt = torch.tensor(ids[-(cfg.model.max_seq_len - 1):], dtype=torch.long)
     gen = torch.Generator().manual_seed(cfg.training.seed)
     trainer.model.eval()
     ctx = (torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.autocast
            else contextlib.nullcontext())
     with ctx:
-        out = generate(trainer.model, prompt.to(trainer.device), cfg.training.sample_tokens,
+        n_new = max(0, min(cfg.training.sample_tokens, cfg.model.max_seq_len - prompt.numel()))
+        out = generate(trainer.model, prompt.to(trainer.device), n_new,
                        temperature=cfg.training.sample_temperature, top_k=cfg.training.sample_top_k,
                        generator=gen)
     trainer.model.train()
