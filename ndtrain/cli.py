@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,14 +16,11 @@ from ndtrain.config import ConfigError, load_config, parse_cli_overrides
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from ndtrain.launch import launch
 
-    world = args.nproc
-    if world is None:
-        import os
-
-        world = int(os.environ.get("WORLD_SIZE", 1))
+    world = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, parse_cli_overrides(extra), world_size=world)
     run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(f"run dir: {run_dir}", flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run dir: {run_dir}", flush=True)
     launch(cfg, run_dir, args.nproc)
     return 0
 
