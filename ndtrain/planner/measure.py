@@ -1,0 +1,183 @@
+"""Measure this machine: matmul peak FLOP/s and collective alpha / beta (``ndtrain plan --measure``).
+
+* Matmul: times square (n x n) @ (n x n) products of a few sizes for a fraction of a second each
+  (CUDA events on GPU, wall clock on CPU); the best rate is this machine's achievable peak, the
+  analogue of the lecture's "simple matmul loop" benchmark (HFU ~80% of the datasheet on H100).
+* Collectives: spawns ``world`` processes with ``torch.multiprocessing`` (gloo on 127.0.0.1 on CPU,
+  NCCL on GPU), times all-reduce of several sizes (best of a few repetitions after a warm-up), and
+  fits the ring model t = 2(n-1) alpha + 2(n-1)/n * V / beta by least squares (``fit_alpha_beta``).
+
+The results replace the ``cpu`` table entry's placeholders (``measured_accelerator``) so plans for
+this machine use measured numbers. Only this module imports torch; the rest of the planner does not.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+from ndtrain.planner.hardware import Accelerator, get_accelerator
+
+
+def measure_matmul_flops(sizes=(256, 512, 1024), dtype: str = "float32", seconds: float = 0.2,
+                         device: str = "auto") -> dict:
+    """FLOP/s of (n x n) @ (n x n) for each n; returns {"per_size": {n: FLOP/s}, "peak": max}."""
+    import torch
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    dt = getattr(torch, dtype)
+    per = {}
+    for n in sizes:
+        a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+        for _ in range(2):
+            a @ b
+        _sync(dev)
+        iters, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            iters += 1
+            if iters % 4 == 0:
+                _sync(dev)
+                if time.perf_counter() - t0 >= seconds:
+                    break
+        per[n] = 2.0 * n**3 * iters / (time.perf_counter() - t0)
+    return {"per_size": per, "peak": max(per.values()), "dtype": dtype, "device": dev.type}
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(dev)
+
+
+def fit_alpha_beta(samples: list, n: int) -> tuple[float, float]:
+    """Least-squares fit of ring all-reduce times: samples [(bytes, seconds)], n ranks.
+
+    Returns (alpha seconds per step, beta bytes/s per direction). Raises ValueError for fewer than
+    two distinct sizes. alpha is clamped at 0 (noise can make the intercept slightly negative).
+    """
+    xs = [float(v) for v, _ in samples]
+    ys = [float(t) for _, t in samples]
+    if len(set(xs)) < 2:
+        raise ValueError("fit_alpha_beta needs at least two message sizes")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    alpha = max(0.0, intercept) / (2 * (n - 1))
+    beta = 2 * (n - 1) / n / slope if slope > 0 else float("inf")
+    return alpha, beta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank, world, port, sizes, reps, backend, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    out = []
+    try:
+        for nbytes in sizes:
+            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+            for _ in range(3):  # warm-up: connections, buffers, caches
+                dist.all_reduce(x)
+            times = []
+            for _ in range(reps):
+                _sync(dev)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            out.append((x.numel() * 4, min(times)))  # the least disturbed repetition
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)
+
+
+def measure_collectives(world: int = 2, sizes=(2**12, 2**16, 2**20, 2**22), reps: int = 5,
+                        backend: str = "auto", timeout_s: float = 120.0) -> dict:
+    """Time all-reduce over ``world`` local processes; returns samples and the fitted alpha, beta.
+
+    Raises RuntimeError if a worker fails or the measurement times out.
+    """
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, list(sizes), reps, backend, queue))
+             for r in range(world)]
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+        try:
+            samples = queue.get(timeout=timeout_s)
+        except Exception as e:  # queue.Empty or a dead worker
+            raise RuntimeError(f"collective measurement failed or timed out after {timeout_s:.0f} s") from e
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    alpha, beta = fit_alpha_beta(samples, world)
+    return {"backend": backend, "world": world, "samples": samples, "alpha_s": alpha,
+            "beta_bytes_per_s": beta}
+
+
+def measure_baseline_rss(imports: str = "torch, ndtrain.train") -> float:
+    """Max RSS (bytes) of a fresh interpreter that only imports ``imports``: the part of a CPU
+    run's measured peak memory that is not model state or activations."""
+    import subprocess
+
+    code = (f"import {imports}, resource; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def measured_accelerator(matmul: dict, comm: dict | None = None, base: str = "cpu") -> Accelerator:
+    """The ``base`` table entry with the measured peak (for the measured dtype) and, if given, the
+    measured collective alpha / beta as its intra-node link."""
+    acc = get_accelerator(base)
+    flops = dict(acc.peak_flops_per_s)
+    flops[matmul["dtype"]] = matmul["peak"]
+    acc = replace(acc, peak_flops_per_s=flops, source=f"measured on this machine ({matmul['device']})")
+    if comm:
+        acc = replace(acc, intra_node_bytes_per_s=comm["beta_bytes_per_s"],
+                      intra_node_latency_s=comm["alpha_s"])
+    return acc
+
+
+def format_measurements(matmul: dict, comm: dict | None) -> str:
+    lines = [f"matmul ({matmul['device']}, {matmul['dtype']}): "
+             + ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in matmul["per_size"].items())
+             + f"; peak {matmul['peak'] / 1e9:.1f} GFLOP/s"]
+    if comm:
+        lines.append(f"all-reduce ({comm['backend']}, {comm['world']} ranks): "
+                     + ", ".join(f"{v / 2**10:.0f} KiB: {t * 1e3:.2f} ms" for v, t in comm["samples"]))
+        lines.append(f"fit: alpha = {comm['alpha_s'] * 1e6:.1f} us, "
+                     f"beta = {comm['beta_bytes_per_s'] / 1e9:.2f} GB/s")
+    return "\n".join(lines)

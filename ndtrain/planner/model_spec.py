@@ -1,0 +1,220 @@
+"""A model as the planner sees it: shapes, parameter counts and FLOPs per token.
+
+Built from an ndtrain preset (name or YAML path, via ``ndtrain.config``) or a Hugging Face
+``config.json`` (Llama / Mistral / Qwen dense; Mixtral ``num_local_experts`` /
+``num_experts_per_tok``; Qwen-MoE ``num_experts`` / ``moe_intermediate_size`` /
+``shared_expert_intermediate_size``; DeepSeek-V2/V3 ``n_routed_experts`` / ``n_shared_experts`` /
+``first_k_dense_replace`` / ``moe_layer_freq`` and MLA ranks). Missing fields take Llama defaults.
+
+FLOPs per token follow the MFU convention of training logs (PaLM, Chowdhery et al. 2022, appendix
+B; identical to ``ndtrain.metrics.flops_per_token``)::
+
+    6 * N_active_nonembed + 12 * L * H * D * T
+
+N counts every parameter a token's matmuls touch (routed experts: only the top-k), including the
+output head and norms, excluding the input embedding (a lookup). The attention term counts all
+T x T query-key pairs (causal masking is not subtracted). Recompute is not counted (that is HFU).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Decoder-only transformer with SwiGLU MLPs, GQA or MLA attention, dense or MoE layers."""
+
+    name: str
+    vocab_size: int
+    dim: int  # model width h
+    n_layers: int  # L
+    n_heads: int  # query heads a
+    n_kv_heads: int  # kv heads g
+    head_dim: int  # D
+    ffn_hidden: int  # dense SwiGLU hidden f
+    tie_embeddings: bool = False
+    # MoE (n_experts == 0: dense)
+    n_experts: int = 0  # routed experts E
+    top_k: int = 0  # routed experts per token
+    moe_ffn_hidden: int = 0  # hidden of one routed expert
+    n_shared_experts: int = 0  # always-on experts of width shared_ffn_hidden each
+    shared_ffn_hidden: int = 0
+    first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
+    moe_layer_freq: int = 1  # every k-th layer (after the dense ones) is MoE
+    # MLA (DeepSeek-V2/V3); kv_lora_rank == 0: standard GQA attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    # ---- structure ---------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        rest = range(self.first_dense_layers, self.n_layers)
+        return sum(1 for i in rest if (i - self.first_dense_layers) % self.moe_layer_freq == 0)
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.n_layers - self.n_moe_layers
+
+    # ---- parameters (counts, not bytes) --------------------------------------------------------
+    @property
+    def attn_params(self) -> int:
+        """One layer's attention projections (+ its RMSNorm)."""
+        h, a, D = self.dim, self.n_heads, self.head_dim
+        if self.kv_lora_rank:  # MLA: low-rank q / kv with a decoupled RoPE key
+            rope, v = self.qk_rope_head_dim, self.v_head_dim or D
+            q = (h * self.q_lora_rank + self.q_lora_rank * a * (D + rope)) if self.q_lora_rank \
+                else h * a * (D + rope)
+            kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank * a * (D + v)
+            return q + kv + a * v * h + h
+        return h * a * D + 2 * h * self.n_kv_heads * D + a * D * h + h
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.dim * self.ffn_hidden + self.dim  # gate, up, down + RMSNorm
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert (SwiGLU)."""
+        return 3 * self.dim * self.moe_ffn_hidden
+
+    @property
+    def moe_shared_params(self) -> int:
+        """The parts of a MoE layer every token uses: shared experts, router, RMSNorm."""
+        return (self.n_shared_experts * 3 * self.dim * self.shared_ffn_hidden
+                + self.dim * self.n_experts + self.dim)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """Output head (counted as a matmul even when tied) + final norm."""
+        return self.vocab_size * self.dim + self.dim
+
+    @property
+    def params_total(self) -> int:
+        layers = self.n_layers * self.attn_params + self.n_dense_layers * self.dense_mlp_params
+        layers += self.n_moe_layers * (self.n_experts * self.expert_params + self.moe_shared_params)
+        head = self.dim if self.tie_embeddings else self.head_params
+        return layers + self.embedding_params + head
+
+    @property
+    def params_active(self) -> int:
+        """Parameters one token touches (top-k routed experts only)."""
+        return self.params_total - self.n_moe_layers * (self.n_experts - self.top_k) * self.expert_params
+
+    @property
+    def params_nonembed_active(self) -> int:
+        """N of the FLOPs convention: active parameters minus the input embedding, head included."""
+        n = self.params_active - self.embedding_params
+        return n + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+
+    def layer_params(self, moe: bool, active: bool = False) -> int:
+        """One block's parameters (MoE: all experts, or only the top-k when ``active``)."""
+        return _layer_params(self, moe, active)
+
+    def _count_layer_params(self, moe: bool, active: bool) -> int:
+        if not moe:
+            return self.attn_params + self.dense_mlp_params
+        experts = self.top_k if active else self.n_experts
+        return self.attn_params + self.moe_shared_params + experts * self.expert_params
+
+    # ---- FLOPs ---------------------------------------------------------------------------------
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (fwd + bwd), PaLM convention (see module docstring)."""
+        return 6.0 * self.params_nonembed_active + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """12 * L * H * D * T: QK^T and AV over all T x T pairs, fwd + bwd (PaLM appendix B)."""
+        d_qk = self.head_dim + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+        d_v = (self.v_head_dim or self.head_dim) if self.kv_lora_rank else self.head_dim
+        return 6.0 * self.n_layers * self.n_heads * (d_qk + d_v) * seq_len
+
+
+@lru_cache(maxsize=256)
+def _layer_params(spec: ModelSpec, moe: bool, active: bool) -> int:
+    return spec._count_layer_params(moe, active)
+
+
+def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int:
+    hidden = int(multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def from_model_config(m, name: str = "") -> ModelSpec:
+    """From an ``ndtrain.config.ModelConfig`` (dense Llama)."""
+    return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
+                     m.head_dim, m.ffn_dim, m.tie_embeddings)
+
+
+def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
+    """From a Hugging Face ``config.json`` dict; tolerates missing fields (Llama defaults)."""
+    g = cfg.get
+    dim = int(g("hidden_size") or g("d_model") or g("n_embd") or 4096)
+    heads = int(g("num_attention_heads") or g("n_head") or max(1, dim // 128))
+    kv = int(g("num_key_value_heads") or heads)
+    head_dim = int(g("head_dim") or dim // heads)
+    layers = int(g("num_hidden_layers") or g("n_layer") or 32)
+    ffn = int(g("intermediate_size") or _llama_ffn(dim))
+    n_exp = int(g("num_local_experts") or g("n_routed_experts") or g("num_experts") or 0)
+    top_k = int(g("num_experts_per_tok") or g("moe_top_k") or (2 if n_exp else 0))
+    moe_ffn = int(g("moe_intermediate_size") or ffn) if n_exp else 0
+    shared_hidden = int(g("shared_expert_intermediate_size") or 0)
+    n_shared = int(g("n_shared_experts") or (1 if shared_hidden else 0))
+    if n_shared and not shared_hidden:
+        shared_hidden = moe_ffn
+    mla = int(g("kv_lora_rank") or 0)
+    return ModelSpec(
+        name=name or str(g("_name_or_path") or g("model_type") or "hf"),
+        vocab_size=int(g("vocab_size") or 32000), dim=dim, n_layers=layers, n_heads=heads,
+        n_kv_heads=kv, head_dim=int(g("qk_nope_head_dim") or head_dim) if mla else head_dim,
+        ffn_hidden=ffn, tie_embeddings=bool(g("tie_word_embeddings", False)), n_experts=n_exp,
+        top_k=top_k, moe_ffn_hidden=moe_ffn, n_shared_experts=n_shared, shared_ffn_hidden=shared_hidden,
+        first_dense_layers=int(g("first_k_dense_replace") or 0) if n_exp else 0,
+        moe_layer_freq=int(g("moe_layer_freq") or g("decoder_sparse_step") or 1),
+        q_lora_rank=int(g("q_lora_rank") or 0), kv_lora_rank=mla,
+        qk_rope_head_dim=int(g("qk_rope_head_dim") or 0), v_head_dim=int(g("v_head_dim") or 0))
+
+
+def load_model_spec(source: str) -> tuple[ModelSpec, int]:
+    """A spec from a preset name / YAML path / HF ``config.json`` path or directory.
+
+    Returns (spec, default sequence length: the preset's ``data.seq_len`` or 4096 for HF configs).
+    Raises ValueError when the source is neither.
+    """
+    path = Path(source)
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.exists():
+        cfg = json.loads(path.read_text())
+        seq = int(cfg.get("max_position_embeddings") or 4096)
+        return from_hf_config(cfg, name=path.parent.name or path.stem), min(seq, 4096)
+    from ndtrain.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(source)
+    except ConfigError as e:
+        raise ValueError(f"model {source!r}: not a HF config.json and not a preset ({e})") from None
+    return from_model_config(cfg.model, name=Path(source).stem), cfg.data.seq_len
+
+
+def estimate_training_flops(n_params: float, tokens: float) -> float:
+    """C = 6 N D: forward 2 N D plus backward 4 N D FLOPs (Kaplan et al. 2020), attention ignored.
+
+    The seed's examples: an 8B model on a 4 x 4096-token step, 7.9e14 FLOPs; Llama 3 405B on
+    15.6T tokens, 3.8e25 FLOPs.
+    """
+    return 6.0 * n_params * tokens
