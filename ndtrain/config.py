@@ -79,7 +79,9 @@ class TrainingConfig:
     steps: int = 100  # optimizer steps (the LR schedule spans these)
     stop_at_step: int = 0  # end this job early at this step, schedule unchanged (0 = run to steps)
     seed: int = 0  # seeds the weights, the data order and dropout
-    dtype: str = "float32"  # float64 | float32 | bfloat16 (bf16 autocast over fp32 master weights)
+    dtype: str = "float32"  # float64 | float32 | bfloat16 | float16 (autocast over fp32 master weights)
+    loss_scale_init: float = 65536.0  # float16: initial dynamic loss scale
+    loss_scale_growth_interval: int = 2000  # float16: finite steps in a row before the scale doubles
     device: str = "auto"  # auto | cpu | cuda
     global_batch_size: int = 8  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 0  # sequences per microbatch per rank (0 = the whole local batch)
@@ -111,7 +113,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
     ep: int = 1  # expert parallel degree (borrows ranks from dp_shard x cp)
-    zero_stage: int = 0  # 0 = plain data parallel (DDP), 1, 2, 3
+    zero_stage: int = 0  # 0 = plain data parallel (DDP), 1, 2, 3 (sharded over dp_shard x cp)
+    reshard_after_forward: bool = True  # zero_stage 3: free gathered params after each unit's forward
+    keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
     cp_impl: str = "ring"  # ring | ulysses
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
@@ -259,14 +263,13 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-_DTYPES = ("float64", "float32", "bfloat16")
+_DTYPES = ("float64", "float32", "bfloat16", "float16")
 _AC = ("none", "full", "sqrt", "selective")
 # Layout knobs validated now but implemented by later work; a value other than the default is a
 # clear error rather than a silent ignore. Delete an entry when its axis lands.
 NOT_IMPLEMENTED: dict[str, Any] = {
     "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1,
-    "parallel.sequence_parallel": False, "parallel.zero_stage": 0,
-    "training.activation_checkpoint": "none",
+    "parallel.sequence_parallel": False,
 }
 
 
@@ -297,6 +300,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     ok_ac = ac in _AC or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
     _check(ok_ac, f"training.activation_checkpoint ({ac}) must be none|full|every:C|sqrt|selective")
     _check(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage ({p.zero_stage}) must be 0, 1, 2 or 3")
+    _validate_zero(cfg)
     _check(p.cp_impl in ("ring", "ulysses"), f"parallel.cp_impl ({p.cp_impl}) must be ring|ulysses")
     _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"),
            f"parallel.pp_schedule ({p.pp_schedule}) must be gpipe|1f1b|interleaved|zero_bubble")
@@ -321,6 +325,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         mb = t.micro_batch_size or local
         _check(local % mb == 0, f"local batch ({local} = global_batch_size / dp) is not divisible by "
                                 f"micro_batch_size ({mb})")
+
+
+def _validate_zero(cfg: Config) -> None:
+    """Rules for ZeRO / FSDP and mixed precision (see ``docs/sharded_data_parallel.md``)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    if p.zero_stage == 3:
+        _check(not m.tie_embeddings, "zero_stage 3 with model.tie_embeddings is not implemented "
+                                     "(a weight shared by two FSDP units)")
+    if p.zero_stage > 0:
+        for axis in ("tp", "pp", "cp"):
+            _check(getattr(p, axis) == 1, f"zero_stage ({p.zero_stage}) > 0 with parallel.{axis} "
+                                          f"({getattr(p, axis)}) > 1 is not implemented yet")
+    if t.dtype == "float16":
+        _check(t.loss_scale_init > 0, f"training.loss_scale_init ({t.loss_scale_init}) must be > 0")
+        _check(t.loss_scale_growth_interval >= 1,
+               f"training.loss_scale_growth_interval ({t.loss_scale_growth_interval}) must be >= 1")
 
 
 def dump_json(cfg: Config) -> str:

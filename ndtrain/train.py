@@ -23,7 +23,9 @@ from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.model import build_model
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
+from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import parallelize
+from ndtrain.precision import build_loss_scaler, compute_dtype
 
 IGNORE_INDEX = -100
 
@@ -41,7 +43,12 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t = cfg.training
         self.param_dtype = torch.float64 if t.dtype == "float64" else torch.float32
-        self.autocast = t.dtype == "bfloat16"
+        self.autocast_dtype = compute_dtype(t.dtype)  # bf16 / fp16 autocast, None = off
+        self.autocast = self.autocast_dtype is not None
+        self.scaler = build_loss_scaler(t)  # fp16 dynamic loss scaling (ndtrain.precision)
+        self.mem = StateMemory()  # per-rank bytes held (ndtrain.mem_account)
+        self.measure_memory = False  # also meter activations / in-hook peaks on the next step
+        self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
         self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
         self.dp = parallelize(self.model, mesh, cfg)
         self.optimizer = self.dp.build_optimizer(t)
@@ -53,7 +60,7 @@ class Trainer:
 
     def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T)."""
-        ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
+        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
                else contextlib.nullcontext())
         with ctx:
             logits = self.model(inputs)  # (B, T, V)
@@ -75,22 +82,46 @@ class Trainer:
         denom = max(n_valid, 1.0)
         n_micro = inputs.shape[0] // self.micro_batch
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.mem.reset()
+        if hasattr(self.dp, "mem"):  # sample inside the data-parallel hooks too
+            self.dp.mem = self.mem if self.measure_memory else None
+        act_peak = 0
         for i in range(n_micro):
             sl = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             last = i == n_micro - 1
-            with contextlib.nullcontext() if last else self.dp.no_sync():
+            meter = (ActivationMeter(self.model.parameters()) if self.measure_memory and i == 0
+                     else contextlib.nullcontext())
+            with contextlib.nullcontext() if last else self.dp.no_sync(), meter:
                 ls = self._forward_loss_sum(inputs[sl], labels[sl])
-                (ls / denom).backward()
+                loss = ls / denom
+                (loss * self.scaler.scale if self.scaler else loss).backward()
+            act_peak = max(act_peak, getattr(meter, "peak", 0))
+            self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
             loss_sum += ls.detach().double()
         self.dp.finish_grad_sync()
-        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip, self.mesh)
+        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
+        ok = True
+        if self.scaler is not None:  # fp16: unscale; an overflow on any rank skips the step everywhere
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            ok = self.scaler.unscale_and_check(grads, self.mesh)
+            self.scaler.update(ok)
+        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip, self.mesh) if ok else float("nan")
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         self.optimizer.zero_grad(set_to_none=True)
         comm.all_reduce(loss_sum, dp_cp)
         self.step_count += 1
-        return {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
+        out = {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
+        out.update(self.mem.report())
+        if self.measure_memory:
+            self.activation_peak_bytes = act_peak
+        out["mem_activations_peak_bytes"] = self.activation_peak_bytes
+        if self.scaler is not None:
+            out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
+        return out
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
@@ -148,6 +179,8 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         trainer.scheduler.load_state_dict(meta["scheduler"])
         sampler.load_state_dict(meta["sampler"])
         trainer.step_count = meta["step"]
+        if trainer.scaler is not None and "loss_scale" in meta:
+            trainer.scaler.load_state_dict(meta["loss_scale"])
         if rank == 0:
             print(f"resumed from {start} at step {trainer.step_count}", flush=True)
 
@@ -172,13 +205,17 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         log.log({"step": 0, "val_loss": val_loss()})
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
     window_t, window_tokens = 0.0, 0
+    # rank 0 generates alone: not with ZeRO-3 parameters sharded over ranks (forward is collective)
+    can_sample = not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
     mesh.reset_stats()
+    first_step = trainer.step_count + 1
     while trainer.step_count < stop:
         step = trainer.step_count + 1
         inputs, labels = _local(data, sampler.next_global(), dims.dp, dp_rank, "train", T, sampler)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
         out = trainer.step(inputs, labels)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -195,6 +232,7 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
                    "tokens_per_s": tps, "step_time_s": window_t / (window_tokens / (t.global_batch_size * T)),
                    "mfu": fpt * tps / (peak * world) if peak else None, "peak_mem_bytes": int(mem),
                    "comm_bytes": comm_bytes}
+            row.update({k: v for k, v in out.items() if k.startswith(("mem_", "loss_scale", "skipped"))})
             window_t, window_tokens = 0.0, 0
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             row = row or {"step": step, "loss": out["loss"]}
@@ -204,11 +242,14 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop):
             meta = {"step": step, "scheduler": trainer.scheduler.state_dict(),
                     "sampler": sampler.state_dict(), "layout": dims.degrees()}
+            if trainer.scaler is not None:
+                meta["loss_scale"] = trainer.scaler.state_dict()
             ckpt.save_checkpoint(ckpt_root, step, trainer.tensor_state(), meta, cfg.checkpoint.keep_last)
-        if rank == 0 and t.sample_every and step % t.sample_every == 0:
+        if rank == 0 and can_sample and t.sample_every and step % t.sample_every == 0:
             print(f"sample @ {step}: {sample_text(trainer, data, cfg)!r}", flush=True)
     if rank == 0 and trainer.step_count == t.steps:
-        print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
+        if can_sample:
+            print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
         if cfg.logging.plot and log.rows:
             print(f"plot: {metrics.plot_run(run_dir)}", flush=True)
     return log.rows
@@ -224,7 +265,7 @@ def sample_text(trainer: Trainer, data, cfg: Config) -> str:
     prompt = torch.tensor(ids[-(cfg.model.max_seq_len - 1):], dtype=torch.long)
     gen = torch.Generator().manual_seed(cfg.training.seed)
     trainer.model.eval()
-    ctx = (torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.autocast
+    ctx = (torch.autocast(trainer.device.type, dtype=trainer.autocast_dtype) if trainer.autocast
            else contextlib.nullcontext())
     with ctx:
         n_new = max(0, min(cfg.training.sample_tokens, cfg.model.max_seq_len - prompt.numel()))

@@ -20,10 +20,24 @@ from ndtrain.parallel.ddp import DataParallel
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    """Wrap ``model``'s gradient synchronisation over the ``dp`` axis (plain DDP, ZeRO stage 0)."""
+    """Wrap ``model``'s gradient synchronisation: plain DDP over ``dp`` (zero_stage 0), ZeRO-1/2
+    (``ndtrain.parallel.zero``) or ZeRO-3 / HSDP (``ndtrain.parallel.fsdp``) over ``dp_shard_cp``
+    (x ``dp_replicate``). All return an object with the ``DataParallel`` interface."""
     p = cfg.parallel
     if p.zero_stage != 0:
-        raise NotImplementedError(f"parallel.zero_stage={p.zero_stage} is not implemented yet")
+        from ndtrain.precision import compute_dtype, grad_reduce_dtype
+
+        cd = compute_dtype(cfg.training.dtype)
+        rd = grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype)
+        if p.zero_stage in (1, 2):
+            from ndtrain.parallel.zero import ZeroDataParallel
+
+            return ZeroDataParallel(model, mesh, p.zero_stage, p.bucket_size_bytes, cd, rd)
+        from ndtrain.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, mesh, reshard_after_forward=p.reshard_after_forward,
+                                        keep_last_unit=p.keep_last_unit_gathered,
+                                        compute_dtype=cd, reduce_dtype=rd)
     reduce_dtype = None
     if cfg.training.dtype == "bfloat16":
         reduce_dtype = getattr(torch, p.grad_reduce_dtype)

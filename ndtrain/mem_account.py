@@ -1,0 +1,161 @@
+"""Per-rank memory accounting without an allocator: model-state bytes and peak activation bytes.
+
+Model state (``StateMemory``): the bytes of the tensors a rank holds, counted directly from their
+storages (each storage once, even when several tensors view it; a freed FSDP parameter's storage
+has size 0), in four categories:
+
+* ``params``  - parameters the model computes with (full compute-dtype params for DDP / ZeRO-1/2;
+  the sharded fp32 params for ZeRO-3);
+* ``grads``   - gradients: full ones not yet reduced, reduced shards, the optimizer's ``.grad``;
+* ``optim``   - optimizer state: Adam moments and step counters, plus fp32 master shards where they
+  are a separate copy (ZeRO-1/2);
+* ``buffers`` - transient communication buffers and gathered (unsharded) ZeRO-3 parameters.
+
+Data-parallel objects expose ``memory_tensors() -> {category: [tensors]}``; plain DDP does not and
+is read from the model and optimizer (``state_tensors``). Samples are taken at fixed points of a
+step (after each microbatch's backward, after the gradient sync, after the optimizer step) and,
+while ``track`` is on, inside the data-parallel hooks; the log reports each category's peak and
+the peak of params + grads + optim (``mem_state_peak_bytes``).
+
+Activations (``ActivationMeter``): a ``TorchDispatchMode`` that sees every tensor an operator
+creates during one microbatch's forward and backward and follows its storage's lifetime with a
+``weakref.finalize``; after every operator it records the bytes of storages alive at once. It
+therefore measures saved activations, recomputed activations (activation checkpointing) and
+activation gradients, on CPU and GPU alike. Excluded: storages created inside gradient
+accumulation / data-parallel gradient hooks (the autograd node running is ``AccumulateGrad``),
+storages that become a parameter's ``.grad``, and anything created inside ``untracked()``
+(data-parallel gather / reduce buffers).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("params", "grads", "optim", "buffers")
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None entries skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if st.nbytes() and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def state_tensors(model: torch.nn.Module, optimizer, dp=None) -> dict[str, list[torch.Tensor]]:
+    """``dp.memory_tensors()`` when the data-parallel object has it, else params / grads of the
+    model and the optimizer's state tensors (plain data parallel: the params are the masters)."""
+    if dp is not None and hasattr(dp, "memory_tensors"):
+        return dp.memory_tensors()
+    params = list(model.parameters())
+    optim = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return {"params": params, "grads": [p.grad for p in params], "optim": optim, "buffers": []}
+
+
+class StateMemory:
+    """Peak bytes per category since the last ``reset``, sampled with ``sample(tensors_by_cat)``."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.peak_state = 0
+
+    def sample(self, tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+        now = {c: storage_bytes(tensors.get(c, [])) for c in CATEGORIES}
+        for c in CATEGORIES:
+            self.peak[c] = max(self.peak[c], now[c])
+        self.peak_state = max(self.peak_state, now["params"] + now["grads"] + now["optim"])
+        return now
+
+    def report(self) -> dict[str, int]:
+        out = {f"mem_{c}_bytes": self.peak[c] for c in CATEGORIES}
+        out["mem_state_peak_bytes"] = self.peak_state
+        return out
+
+
+_UNTRACKED = [0]
+
+
+@contextlib.contextmanager
+def untracked():
+    """Tensors created inside are not activations (data-parallel buffers); nestable."""
+    _UNTRACKED[0] += 1
+    try:
+        yield
+    finally:
+        _UNTRACKED[0] -= 1
+
+
+class ActivationMeter(TorchDispatchMode):
+    """Peak bytes of live activation storages while active; see the module docstring.
+
+    Args:
+        params: the model's parameters; storages that become their ``.grad`` are excluded.
+    Use: ``with ActivationMeter(model.parameters()) as m: loss.backward()...``; then ``m.peak``.
+    """
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = [p for p in params if p.requires_grad]
+        self.live: dict[int, int] = {}  # storage key -> bytes (tracked, alive)
+        self.current = 0
+        self.peak = 0
+        self._hooks = []
+
+    def __enter__(self):
+        self._hooks = [p.register_post_accumulate_grad_hook(self._exclude_grad) for p in self.params]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return super().__exit__(*exc)
+
+    def _exclude_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._forget(_skey(p.grad))
+
+    def _forget(self, key) -> None:
+        nbytes = self.live.pop(key, None)
+        if nbytes is not None:
+            self.current -= nbytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _skey(t)
+        if key in self.live:
+            return
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return
+        self.live[key] = nbytes
+        self.current += nbytes
+        weakref.finalize(st, self._forget, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _UNTRACKED[0] == 0:
+            node = torch._C._current_autograd_node()
+            if node is None or "AccumulateGrad" not in node.name():
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                        self._track(t)
+                self.peak = max(self.peak, self.current)
+        return out
+
+
+def _skey(t: torch.Tensor) -> tuple[int, str]:
+    return (t.untyped_storage().data_ptr(), str(t.device))

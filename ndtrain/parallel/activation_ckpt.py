@@ -1,0 +1,109 @@
+"""Activation checkpointing policies for the transformer blocks (``training.activation_checkpoint``).
+
+* ``none``      - keep every activation.
+* ``full``      - each block is a segment: only its input is kept, everything inside is recomputed
+  during backward (Chen et al. 2016; Megatron "full recompute"). Memory O(L) block inputs + one
+  block's activations.
+* ``every:C``   - segments of C consecutive blocks (Chen et al. 2016, "Training Deep Nets with
+  Sublinear Memory Cost"): only every C-th block input is kept; the backward of a segment
+  recomputes its C blocks at once. Memory O(L / C + C) block inputs + one block's activations.
+* ``sqrt``      - ``every:C`` with C = round(sqrt(L)): O(sqrt(L)) memory for one extra forward.
+* ``selective`` - per block, keep the outputs of matrix multiplies (``aten.mm / addmm / bmm``)
+  and recompute everything else: the attention core (softmax(QK^T)V, whose saved state grows with
+  T^2 in a non-fused kernel) and the elementwise ops (RoPE, SiLU, products, norms) (Korthikanti
+  et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"). Implemented as a
+  per-op policy with ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+Mechanism: ``torch.utils.checkpoint``'s non-reentrant checkpoint, opened in the first block's
+forward pre-hook and closed in the last block's forward hook of each segment, so module names,
+parameters and other forward hooks (ZeRO-3's gather / free) are untouched. The recompute replays
+the segment's blocks through their ``__call__``; RNG state (CPU and CUDA) is stashed when the
+segment starts and restored for the recompute (``preserve_rng_state``), so dropout masks match;
+autocast state is restored too. Blocks called without grad (evaluation, generation with a KV
+cache) are not checkpointed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+_RECOMPUTING = [0]  # > 0 while a segment replays its blocks in backward
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def parse_policy(policy: str, n_layers: int) -> tuple[str, int]:
+    """``policy`` -> (kind, blocks per segment): ("none", 0), ("segment", C) or ("selective", 1).
+
+    Raises ValueError for an unknown policy.
+    """
+    if policy == "none":
+        return "none", 0
+    if policy == "full":
+        return "segment", 1
+    if policy == "sqrt":
+        return "segment", max(1, round(math.sqrt(n_layers)))
+    if policy == "selective":
+        return "selective", 1
+    if policy.startswith("every:") and policy[6:].isdigit() and int(policy[6:]) >= 1:
+        return "segment", int(policy[6:])
+    raise ValueError(f"activation_checkpoint {policy!r} must be none|full|every:C|sqrt|selective")
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn():
+    """Forward / recompute contexts of the selective policy (matmul outputs are saved)."""
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+class _Segment:
+    """Consecutive blocks checkpointed as one region (hooks on the first and last block)."""
+
+    def __init__(self, blocks: list[nn.Module], context_fn):
+        self.blocks, self.context_fn, self._gen = blocks, context_fn, None
+        self.handles = [blocks[0].register_forward_pre_hook(self._enter),
+                        blocks[-1].register_forward_hook(self._exit)]
+
+    def _enter(self, module, args):
+        if not torch.is_grad_enabled() or _RECOMPUTING[0] or (len(args) > 3 and args[3] is not None):
+            return
+        from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+
+        self._gen = _checkpoint_without_reentrant_generator(
+            self._replay, True, self.context_fn, "default", False, True, *args[:3])
+        next(self._gen)  # stash RNG, start discarding saved tensors
+
+    def _exit(self, module, args, output):
+        if self._gen is not None:
+            gen, self._gen = self._gen, None
+            next(gen, None)  # leave the region
+
+    def _replay(self, x, cos, sin):
+        _RECOMPUTING[0] += 1
+        try:
+            for block in self.blocks:
+                x = block(x, cos, sin)  # (B, T, C)
+            return x
+        finally:
+            _RECOMPUTING[0] -= 1
+
+
+def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Segment]:
+    """Checkpoint ``model.layers`` by ``policy`` (see module docstring); returns the segments.
+
+    Blocks are called as ``block(x, cos, sin, kv_cache=None)``. Raises ValueError for an unknown
+    policy or a model without ``layers``.
+    """
+    if not hasattr(model, "layers"):
+        raise ValueError("activation checkpointing needs a model with a `layers` ModuleDict")
+    blocks = list(model.layers.values())
+    kind, c = parse_policy(policy, len(blocks))
+    if kind == "none":
+        return []
+    ctx = selective_context_fn if kind == "selective" else noop_context_fn
+    return [_Segment(blocks[i:i + c], ctx) for i in range(0, len(blocks), c)]

@@ -1,0 +1,119 @@
+"""Dim-0 sharding with padding of a group of parameters into one flat buffer (ZeRO / FSDP).
+
+Every parameter is split along dim 0 into N row blocks of ``r = ceil(d0 / N)`` rows (the last
+blocks shorter or empty), exactly ``torch.chunk`` and DTensor ``Shard(0)`` semantics, so a rank's
+valid rows are its local tensor of a ``Shard(0)`` DTensor and checkpoints load under any layout.
+Each block is zero-padded to ``r`` rows; rank k's flat shard is the concatenation over parameters
+of its padded blocks:
+
+    parameter i: shape (d0_i, *rest_i), c_i = prod(rest_i) elements per row
+    rows per shard r_i = ceil(d0_i / N), padded shard size s_i = r_i * c_i, offset o_i = sum_{j<i} s_j
+    flat shard (S,), S = sum_i s_i; the gathered buffer (N * S,) viewed (N, S) holds rank k's shard
+    in row k, so parameter i's rows k*r_i .. (k+1)*r_i - 1 are columns [o_i, o_i + s_i) of row k.
+
+All-gather and reduce-scatter therefore move ``N * S`` elements: the padding is real traffic, and
+the byte counts of ``ndtrain.parallel.comm`` include it.
+
+``pack`` (reduce-scatter input) uses ``torch._chunk_cat``; ``pack_reference`` is its slow twin
+(a loop over ranks) and the tests pin them together.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class FlatShardLayout:
+    """The dim-0 padded layout of parameters with ``shapes`` over ``n`` ranks, seen from ``rank``.
+
+    Args:
+        shapes: global shapes; each must have at least one dim (0-d parameters raise ValueError).
+        n: shard count N >= 1.
+        rank: this rank's index in [0, N).
+    Attributes: ``rows[i]`` (r_i), ``sizes[i]`` (s_i), ``offsets[i]`` (o_i), ``shard_numel`` (S),
+    ``valid_rows[i]`` (rows of parameter i this rank really holds, 0 .. r_i).
+    """
+
+    def __init__(self, shapes: list[torch.Size], n: int, rank: int):
+        if n < 1 or not 0 <= rank < n:
+            raise ValueError(f"rank ({rank}) must be in [0, n={n})")
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.n, self.rank = n, rank
+        self.rows, self.sizes, self.offsets, self.valid_rows, self.cols = [], [], [], [], []
+        off = 0
+        for s in self.shapes:
+            if len(s) == 0:
+                raise ValueError("0-d parameters cannot be sharded along dim 0")
+            d0, c = s[0], math.prod(s[1:])
+            r = -(-d0 // n)
+            self.rows.append(r)
+            self.cols.append(c)
+            self.sizes.append(r * c)
+            self.offsets.append(off)
+            self.valid_rows.append(max(0, min(r, d0 - rank * r)))
+            off += r * c
+        self.shard_numel = off
+
+    @property
+    def padded_numel(self) -> int:
+        """N * S: elements one all-gather produces (and one reduce-scatter consumes)."""
+        return self.n * self.shard_numel
+
+    def row_range(self, i: int) -> tuple[int, int]:
+        """Global rows [lo, hi) of parameter ``i`` held by this rank."""
+        lo = min(self.rank * self.rows[i], self.shapes[i][0])
+        return lo, lo + self.valid_rows[i]
+
+    def shard_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s padded shard inside a flat shard (S,): a (r_i, *rest_i) view."""
+        o = self.offsets[i]
+        return flat[o:o + self.sizes[i]].view(self.rows[i], *self.shapes[i][1:])
+
+    def valid_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """The unpadded rows of parameter ``i`` in a flat shard: (valid_rows_i, *rest_i) view."""
+        return self.shard_view(flat, i)[: self.valid_rows[i]]
+
+    @torch.no_grad()
+    def shard_from_full(self, fulls: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Write this rank's rows of each full tensor into ``out`` (S,), padding with zeros."""
+        out.zero_()
+        for i, full in enumerate(fulls):
+            lo, hi = self.row_range(i)
+            self.valid_view(out, i).copy_(full[lo:hi])
+        return out
+
+    @torch.no_grad()
+    def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Reduce-scatter input: full tensors -> ``out`` (N * S,) in the gathered layout (padded).
+
+        ``tensors[i]`` has shape ``shapes[i]`` and ``out``'s dtype (cast beforehand).
+        """
+        views = [t.reshape(t.shape[0], -1) for t in tensors]  # (d0, c) each
+        torch._chunk_cat(views, dim=0, num_chunks=self.n, out=out.view(self.n, -1))
+        return out
+
+    @torch.no_grad()
+    def pack_reference(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Slow twin of ``pack``: one copy per (rank, parameter)."""
+        out.zero_()
+        grid = out.view(self.n, self.shard_numel)  # (N, S)
+        for i, t in enumerate(tensors):
+            t2 = t.reshape(t.shape[0], -1)  # (d0, c)
+            r, c, o = self.rows[i], self.cols[i], self.offsets[i]
+            for k in range(self.n):
+                rows = t2[k * r:(k + 1) * r]  # (<= r, c)
+                grid[k, o:o + rows.numel()].copy_(rows.reshape(-1))
+        return out
+
+    @torch.no_grad()
+    def unpack(self, gathered: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        """All-gather output (N * S,) -> full tensors ``outs[i]`` (shape ``shapes[i]``), padding dropped."""
+        grid = gathered.view(self.n, self.shard_numel)  # (N, S)
+        pieces = torch.split(grid, self.sizes, dim=1)  # (N, s_i) each
+        for i, (piece, out) in enumerate(zip(pieces, outs)):
+            d0, r, c = self.shapes[i][0], self.rows[i], self.cols[i]
+            if d0 == self.n * r:
+                out.view(self.n, r * c).copy_(piece)
+            else:
+                out.view(d0, c).copy_(piece.reshape(self.n * r, c)[:d0])  # (N r, c) -> (d0, c)

@@ -1,0 +1,338 @@
+"""ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP"),
+and HSDP (FSDP inside ``dp_shard_cp``, gradients all-reduced over ``dp_replicate``).
+
+Parameters are grouped into units (default: the token embedding, each transformer block, and the
+head = final norm + output projection). Each unit's parameters are sharded along dim 0 with padding
+(``flat_shard``) into one flat fp32 (master-dtype) shard per rank; the module keeps, under its own
+names, unsharded compute-dtype ``nn.Parameter`` s whose storage is allocated only while gathered
+(``untyped_storage().resize_``), so autograd's saved references see the re-gathered values.
+
+Per microbatch, for unit u (N = |dp_shard_cp|):
+
+* forward pre-hook: all-gather u (or wait for its prefetch), then start the asynchronous
+  all-gather of unit u+1 (forward prefetch);
+* forward post-hook: register a pre-backward hook on u's output; free u's unsharded storage unless
+  ``reshard_after_forward=False`` (parameters stay gathered until u's backward: the ZeRO-2-like
+  mode Llama 3 used) or u is the last unit and ``keep_last_unit=True`` (its backward comes first);
+* pre-backward (gradient of u's output ready): all-gather u again if it was freed, and prefetch u-1;
+* post-backward (every parameter of u accumulated its gradient): pack the gradients, free them and
+  the unsharded storage, and reduce-scatter asynchronously in ``reduce_dtype``; shards accumulate
+  over microbatches in the master dtype. Units are reduced strictly in reverse unit order on every
+  rank; an autograd end-of-backward callback reduces units whose parameters got no gradient.
+  ZeRO-3 reduces every microbatch: ``no_sync`` is a no-op (no full gradient is kept).
+* activation-checkpoint recompute (a forward run inside backward) gathers without prefetching and
+  never frees: the unit is freed after its gradients are reduced.
+
+Traffic per rank per microbatch: all-gather forward + all-gather backward + reduce-scatter =
+(N-1)/N Psi_pad (2 b_c + b_r) = 3 (N-1)/N Psi_pad b when the dtypes agree (b_c compute, b_r
+reduce bytes); units kept gathered skip the backward all-gather. HSDP adds, once per step,
+2 (R-1)/R Psi_pad / N b_r over ``dp_replicate``. Model state per parameter: 16/N bytes (fp32 shard,
+fp32 gradient shard, two fp32 Adam moments) plus the gathered units.
+
+Unsharded parameters are placeholders outside a unit's forward / backward; read weights through
+``model_state_dict()``. Tied parameters shared by two units are rejected.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn as nn
+
+from ndtrain.mem_account import untracked
+from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
+from ndtrain.parallel import comm
+from ndtrain.parallel.flat_shard import FlatShardLayout
+from ndtrain.parallel.sharded_state import ShardedDataParallelBase, ShardEntry
+
+
+def default_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """(name, modules in forward order) per unit: embedding, each block, head (norm + output).
+
+    A model without ``layers`` is one unit.
+    """
+    if not hasattr(model, "layers"):
+        return [("model", [model])]
+    units = []
+    if getattr(model, "tok_embeddings", None) is not None:
+        units.append(("tok_embeddings", [model.tok_embeddings]))
+    for key, layer in model.layers.items():
+        units.append((f"layers.{key}", [layer]))
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if head:
+        units.append(("head", head))
+    return units
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a node, i.e. a forward inside backward (checkpoint recompute)."""
+    return torch._C._current_autograd_node() is not None
+
+
+class _Unit:
+    def __init__(self, index: int, name: str, modules: list[nn.Module]):
+        self.index, self.name, self.modules = index, name, modules
+        self.full: list[nn.Parameter] = []  # unsharded compute-dtype params registered in modules
+        self.entries: list[ShardEntry] = []
+        self.layout: FlatShardLayout | None = None
+        self.shard: torch.Tensor | None = None  # (S,) master dtype
+        self.state = "sharded"  # sharded | gathering | gathered
+        self.gather = None  # (work, buf (N*S,), src (S,))
+        self.ready = 0
+        self.launched = False
+        self.acc: torch.Tensor | None = None  # (S,) accumulated gradient shard, master dtype
+        self.pending = None  # (work, out (S,), in (N*S,))
+
+
+class FullyShardedDataParallel(ShardedDataParallelBase):
+    """ZeRO-3 over ``mesh.group("dp_shard_cp")``; HSDP when ``dp_replicate`` > 1.
+
+    Args:
+        module: the model, full parameters in the master dtype, equal on all ranks.
+        mesh: the ``Mesh``.
+        units: ``(name, modules)`` in forward order (default ``default_units``).
+        reshard_after_forward: free gathered parameters after each unit's forward.
+        keep_last_unit: keep the last unit gathered from its forward into its backward.
+        compute_dtype / reduce_dtype: all-gather + compute dtype, reduce-scatter dtype (None =
+            master dtype).
+    Raises ValueError if a parameter belongs to no unit or to two (tied weights across units).
+    """
+
+    def __init__(self, module: nn.Module, mesh, units=None, reshard_after_forward: bool = True,
+                 keep_last_unit: bool = True, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
+        self.module = module
+        self.shard_group, self.replicate_group = mesh.group("dp_shard_cp"), mesh.group("dp_replicate")
+        self.reshard_after_forward, self.keep_last_unit = reshard_after_forward, keep_last_unit
+        order = [name for name, p in module.named_parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in module.parameters()}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.master_dtype = dtypes.pop()
+        self.compute_dtype = compute_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        mod_names = {id(m): n for n, m in module.named_modules()}
+        self.units = [_Unit(i, name, mods) for i, (name, mods) in enumerate(units or default_units(module))]
+        owner_of, by_name = {}, {}
+        for u in self.units:
+            self._shard_unit(u, mod_names, owner_of, by_name)
+        missing = [n for n in order if n not in by_name]
+        if missing:
+            raise ValueError(f"parameters in no FSDP unit: {missing}")
+        self.entries = [by_name[n] for n in order]
+        self._rs_next = 0  # index into reversed unit order of the next reduce-scatter
+        self._inflight: list[_Unit] = []
+        self._callback_queued = False
+        self.mem = None  # optional StateMemory sampled inside hooks
+        self._hooks = []
+        for u in self.units:
+            self._hooks.append(u.modules[0].register_forward_pre_hook(functools.partial(self._pre_forward, u)))
+            self._hooks.append(u.modules[-1].register_forward_hook(functools.partial(self._post_forward, u)))
+            for p in u.full:
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u)))
+        self._init_dtensor_mesh(mesh)
+
+    @torch.no_grad()
+    def _shard_unit(self, u: _Unit, mod_names, owner_of, by_name) -> None:
+        owned = []  # (fqn, owner module, attribute, param)
+        for m in u.modules:
+            prefix = mod_names[id(m)]
+            for sub_name, sub in m.named_modules():
+                for attr, p in list(sub._parameters.items()):
+                    if p is None or not p.requires_grad:
+                        continue
+                    fqn = ".".join(x for x in (prefix, sub_name, attr) if x)
+                    if id(p) in owner_of:
+                        raise ValueError(f"{fqn} is shared with {owner_of[id(p)]} (tied weights "
+                                         "across FSDP units are not supported)")
+                    owner_of[id(p)] = fqn
+                    owned.append((fqn, sub, attr, p))
+        n, rank = self.shard_group.size, self.shard_group.rank
+        device = owned[0][3].device if owned else torch.device("cpu")
+        u.layout = FlatShardLayout([p.shape for *_, p in owned], n, rank)
+        u.shard = u.layout.shard_from_full([p.detach() for *_, p in owned],
+                                           torch.empty(u.layout.shard_numel, dtype=self.master_dtype,
+                                                       device=device))
+        for i, (fqn, sub, attr, p) in enumerate(owned):
+            sp = nn.Parameter(u.layout.shard_view(u.shard, i))
+            full = nn.Parameter(torch.empty(p.shape, dtype=self.compute_dtype, device=device))
+            for t in (sp, full):
+                setattr(t, SHARD_AXES_ATTR, shard_axes(p))
+            full.untyped_storage().resize_(0)
+            sub._parameters[attr] = full
+            u.full.append(full)
+            e = ShardEntry(fqn, p.shape, u.layout, i, sp, shard_axes(p))
+            u.entries.append(e)
+            by_name[fqn] = e
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """No-op: ZeRO-3 reduce-scatters every microbatch so that no full gradient is kept."""
+        yield
+
+    # --- gather / free ----------------------------------------------------------------------
+    def _start_gather(self, u: _Unit) -> None:
+        if u.state != "sharded":
+            return
+        with untracked():
+            src = u.shard if self.compute_dtype == self.master_dtype else u.shard.to(self.compute_dtype)
+            buf = torch.empty(u.layout.padded_numel, dtype=self.compute_dtype, device=u.shard.device)
+        u.gather = (comm.all_gather_into(buf, src, self.shard_group, async_op=True), buf, src)
+        u.state = "gathering"
+
+    @torch.no_grad()
+    def _gather(self, u: _Unit) -> None:
+        if u.state == "gathered":
+            return
+        self._start_gather(u)
+        work, buf, _ = u.gather
+        if work is not None:
+            work.wait()
+        for p in u.full:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        u.layout.unpack(buf, [p.data for p in u.full])  # .data: no version-counter bump
+        u.gather, u.state = None, "gathered"
+        self._sample()
+
+    def _reshard(self, u: _Unit) -> None:
+        if u.state == "gathering":
+            work = u.gather[0]
+            if work is not None:
+                work.wait()
+            u.gather = None
+        for p in u.full:
+            p.untyped_storage().resize_(0)
+        u.state = "sharded"
+
+    # --- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, u: _Unit, module, args) -> None:
+        self._gather(u)
+        if u.index + 1 < len(self.units) and not _in_backward():
+            self._start_gather(self.units[u.index + 1])
+
+    def _post_forward(self, u: _Unit, module, args, output):
+        if _in_backward():  # activation-checkpoint recompute: keep u gathered for its backward
+            return output
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(functools.partial(self._pre_backward, u))
+            keep = not self.reshard_after_forward or (self.keep_last_unit and u.index == len(self.units) - 1)
+            if not keep:
+                self._reshard(u)
+        else:
+            self._reshard(u)
+        return output
+
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _pre_backward(self, u: _Unit, grad) -> None:
+        self._queue_callback()
+        self._gather(u)
+        if u.index > 0:
+            self._start_gather(self.units[u.index - 1])
+
+    def _on_grad(self, u: _Unit, p) -> None:
+        self._queue_callback()
+        u.ready += 1
+        self._sample()
+        order = self.units[::-1]
+        while self._rs_next < len(order) and order[self._rs_next].ready == len(order[self._rs_next].full):
+            self._launch(order[self._rs_next])
+            self._rs_next += 1
+
+    # --- gradient reduction -----------------------------------------------------------------
+    def _launch(self, u: _Unit) -> None:
+        with untracked():
+            grads = [(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=u.shard.device))
+                     .to(self.reduce_dtype) for p in u.full]
+            full = u.layout.pack(grads, torch.empty(u.layout.padded_numel, dtype=self.reduce_dtype,
+                                                    device=u.shard.device))
+            out = torch.empty(u.layout.shard_numel, dtype=self.reduce_dtype, device=u.shard.device)
+        del grads
+        for p in u.full:
+            p.grad = None
+        self._reshard(u)
+        u.pending = (comm.reduce_scatter_into(out, full, self.shard_group, async_op=True), out, full)
+        u.ready, u.launched = 0, True
+        self._inflight.append(u)
+        self._sample()
+        while len(self._inflight) > 1:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, u: _Unit) -> None:
+        work, out, _ = u.pending
+        if work is not None:
+            work.wait()
+        u.pending = None
+        if u.acc is None:
+            u.acc = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
+        else:
+            u.acc.add_(out)
+
+    def _end_of_backward(self) -> None:
+        order = self.units[::-1]
+        while self._rs_next < len(order):  # units some of whose parameters got no gradient
+            self._launch(order[self._rs_next])
+            self._rs_next += 1
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        for u in self.units:
+            u.launched = False
+            if u.state != "sharded":
+                self._reshard(u)
+        self._rs_next = 0
+        self._callback_queued = False
+
+    def finish_grad_sync(self) -> None:
+        """All-reduce the accumulated shards over ``dp_replicate`` (HSDP) and hand them to the
+        sharded parameters' ``.grad`` (zeros if no backward ran)."""
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        works = []
+        for u in self.units:
+            if u.acc is None:
+                u.acc = torch.zeros(u.layout.shard_numel, dtype=self.master_dtype, device=u.shard.device)
+            if self.replicate_group.size > 1:
+                t = u.acc if self.reduce_dtype == self.master_dtype else u.acc.to(self.reduce_dtype)
+                works.append((u, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
+        for u, t, w in works:
+            w.wait()
+            if t is not u.acc:
+                u.acc.copy_(t)
+        for u in self.units:
+            for e in u.entries:
+                e.param.grad = u.layout.shard_view(u.acc, e.index)
+            u.acc = None
+
+    def _after_load(self) -> None:
+        for u in self.units:
+            self._reshard(u)
+
+    # --- accounting ---------------------------------------------------------------------------
+    def _sample(self) -> None:
+        if self.mem is not None:
+            self.mem.sample(self.memory_tensors())
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """params: fp32 shards (the masters); grads: unreduced full grads and gradient shards;
+        optim: Adam state; buffers: gathered parameters and communication buffers."""
+        grads = [p.grad for u in self.units for p in u.full if p.grad is not None]
+        grads += [u.acc for u in self.units if u.acc is not None]
+        grads += [e.param.grad for e in self.entries if e.param.grad is not None]
+        optim = []
+        if self.optimizer is not None:
+            optim = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        buffers = [p for u in self.units for p in u.full]
+        for u in self.units:
+            buffers += list(u.gather[1:]) if u.gather else []
+            buffers += list(u.pending[1:]) if u.pending else []
+        return {"params": [u.shard for u in self.units], "grads": grads, "optim": optim, "buffers": buffers}
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

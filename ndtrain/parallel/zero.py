@@ -1,0 +1,248 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models"): the fp32 master weights and Adam moments are sharded over ``dp_shard_cp``;
+the model keeps full parameters in the compute dtype (bf16 / fp16 under mixed precision).
+
+Per step, over N = |dp_shard_cp| ranks, with Psi parameters padded to Psi_pad (see ``flat_shard``):
+
+* gradients are reduce-scattered in ``reduce_dtype`` bucket by bucket: ZeRO-1 once per step in
+  ``finish_grad_sync`` (the full gradient lives until then, as in DDP; ``no_sync`` accumulation is
+  local), ZeRO-2 from post-accumulate-grad hooks as soon as a bucket is complete, *every*
+  microbatch, freeing the full gradients right away, so a full-size gradient is never kept; the
+  reduced shards accumulate in the master dtype;
+* HSDP-style replication (``dp_replicate`` > 1): the accumulated shards are all-reduced over
+  ``dp_replicate`` once per step;
+* each rank's AdamW steps its shards; a step post-hook all-gathers the updated shards (cast to the
+  compute dtype) back into the model's parameters.
+
+Traffic per rank per step (b_r reduce bytes, b_c compute bytes, M microbatches, R replicas):
+ZeRO-1: (N-1)/N Psi_pad (b_r + b_c); ZeRO-2: (N-1)/N Psi_pad (M b_r + b_c); HSDP adds
+2 (R-1)/R Psi_pad / N b_r on ``dp_replicate``.
+Model-state bytes per parameter (bf16 compute, fp32 master + Adam, K = 12; the gradient shards
+are held in fp32): ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + (4 + 12)/N.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ndtrain.mem_account import untracked
+from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
+from ndtrain.parallel import comm
+from ndtrain.parallel.flat_shard import FlatShardLayout
+from ndtrain.parallel.sharded_state import ShardedDataParallelBase, ShardEntry
+
+
+class _Bucket:
+    """Parameters reduced together; their master shards live in one flat buffer (S,)."""
+
+    def __init__(self, params: list[nn.Parameter], layout: FlatShardLayout, master: torch.Tensor):
+        self.params, self.layout, self.master = params, layout, master
+        self.entries: list[ShardEntry] = []
+        self.acc: torch.Tensor | None = None  # (S,) accumulated reduced gradient, master dtype
+        self.ready: set[int] = set()
+        self.pending: list[tuple] = []  # (work, out (S,), in (N*S,))
+
+
+def unique_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+class ZeroDataParallel(ShardedDataParallelBase):
+    """ZeRO-1 / ZeRO-2 over ``mesh.group("dp_shard_cp")`` (plus ``dp_replicate`` for HSDP).
+
+    Args:
+        module: the model, full parameters in the master dtype (fp32 / fp64), equal on all ranks.
+        mesh: the ``Mesh``.
+        stage: 1 or 2.
+        bucket_size_bytes: bucket size in reduce-dtype bytes.
+        compute_dtype: dtype the model's parameters are cast to (None = master dtype).
+        reduce_dtype: dtype of gradient reductions (None = master dtype).
+    Raises ValueError for another stage or parameters of mixed dtypes.
+    """
+
+    def __init__(self, module: nn.Module, mesh, stage: int, bucket_size_bytes: int = 25 * 2**20,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
+        self.module, self.stage = module, stage
+        self.shard_group, self.replicate_group = mesh.group("dp_shard_cp"), mesh.group("dp_replicate")
+        named = unique_named_params(module)
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.master_dtype = dtypes.pop()
+        self.compute_dtype = compute_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        n, rank = self.shard_group.size, self.shard_group.rank
+        esize = torch.empty((), dtype=self.reduce_dtype).element_size()
+        groups, current, size = [], [], 0
+        for name, p in reversed(named):  # backward produces gradients roughly in reverse order
+            current.append((name, p))
+            size += p.numel() * esize
+            if size >= bucket_size_bytes:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        self.buckets: list[_Bucket] = []
+        by_name = {}
+        with torch.no_grad():
+            for grp in groups:
+                params = [p for _, p in grp]
+                layout = FlatShardLayout([p.shape for p in params], n, rank)
+                master = layout.shard_from_full(
+                    [p.detach() for p in params],
+                    torch.empty(layout.shard_numel, dtype=self.master_dtype, device=params[0].device))
+                b = _Bucket(params, layout, master)
+                for i, (name, p) in enumerate(grp):
+                    sp = nn.Parameter(layout.shard_view(master, i))
+                    setattr(sp, SHARD_AXES_ATTR, shard_axes(p))
+                    e = ShardEntry(name, p.shape, layout, i, sp, shard_axes(p))
+                    b.entries.append(e)
+                    by_name[name] = e
+                self.buckets.append(b)
+            for _, p in named:
+                if p.dtype != self.compute_dtype:
+                    p.data = p.data.to(self.compute_dtype)
+        self.entries = [by_name[name] for name, _ in named]
+        self._where = {id(p): (bi, pi) for bi, b in enumerate(self.buckets) for pi, p in enumerate(b.params)}
+        self._next_launch = 0
+        self._inflight: list[_Bucket] = []
+        self._callback_queued = False
+        self.mem = None  # optional StateMemory sampled inside hooks
+        self._hooks = []
+        if stage == 2:
+            for _, p in named:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._init_dtensor_mesh(mesh)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """ZeRO-1: accumulate full gradients locally (they are reduced once, in
+        ``finish_grad_sync``, anyway). ZeRO-2 reduces every microbatch (never holding a full
+        gradient), so this is a no-op for it too."""
+        yield
+
+    # --- gradient reduction --------------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._callback_queued:  # launch leftovers (unused parameters) at the end of backward
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bi, pi = self._where[id(p)]
+        self.buckets[bi].ready.add(pi)
+        self._sample()
+        while self._next_launch < len(self.buckets):  # strictly in index order on every rank
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        with untracked():
+            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).to(self.reduce_dtype)
+                     for p in b.params]
+            full = b.layout.pack(grads, torch.empty(b.layout.padded_numel, dtype=self.reduce_dtype,
+                                                    device=b.master.device))
+            out = torch.empty(b.layout.shard_numel, dtype=self.reduce_dtype, device=b.master.device)
+        for p in b.params:
+            p.grad = None
+        del grads
+        work = comm.reduce_scatter_into(out, full, self.shard_group, async_op=True)
+        b.pending.append((work, out, full))
+        b.ready.clear()
+        self._inflight.append(b)
+        self._sample()
+        while len(self._inflight) > 1:  # at most two buckets in flight: bounded buffer memory
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, b: _Bucket) -> None:
+        work, out, _ = b.pending.pop(0)
+        if work is not None:
+            work.wait()
+        if b.acc is None:
+            b.acc = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
+        else:
+            b.acc.add_(out)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+
+    def _end_of_backward(self) -> None:
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        self._drain()
+        self._next_launch = 0
+        self._callback_queued = False
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is left (ZeRO-1: everything), all-reduce over ``dp_replicate``, and hand
+        the gradient shards to the master parameters (``entry.param.grad``)."""
+        if self.stage == 1 or self._next_launch:
+            for b in self.buckets[self._next_launch:]:
+                self._launch(b)
+        self._drain()
+        self._next_launch = 0
+        works = []
+        for b in self.buckets:
+            if b.acc is None:  # no backward ran: zero gradients keep every rank's step identical
+                b.acc = torch.zeros(b.layout.shard_numel, dtype=self.master_dtype, device=b.master.device)
+            if self.replicate_group.size > 1:
+                t = b.acc if self.reduce_dtype == self.master_dtype else b.acc.to(self.reduce_dtype)
+                works.append((b, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
+        for b, t, w in works:
+            w.wait()
+            if t is not b.acc:
+                b.acc.copy_(t)
+        for b in self.buckets:
+            for e in b.entries:
+                e.param.grad = b.layout.shard_view(b.acc, e.index)
+            b.acc = None  # owned by the optimizer's .grad now; freed by zero_grad(set_to_none=True)
+
+    # --- parameters --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        """All-gather the updated master shards (cast to the compute dtype) into the model."""
+        launched = []
+        for b in self.buckets:
+            src = b.master if self.compute_dtype == self.master_dtype else b.master.to(self.compute_dtype)
+            buf = torch.empty(b.layout.padded_numel, dtype=self.compute_dtype, device=b.master.device)
+            launched.append((b, buf, src, comm.all_gather_into(buf, src, self.shard_group, async_op=True)))
+        for b, buf, _, work in launched:
+            if work is not None:
+                work.wait()
+            b.layout.unpack(buf, [p.data for p in b.params])
+
+    _after_load = _after_step
+
+    def _sample(self) -> None:
+        if self.mem is not None:
+            self.mem.sample(self.memory_tensors())
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held per category (``ndtrain.mem_account``): model params (compute dtype),
+        gradients (full ones not yet reduced, shards), optimizer state (masters + moments)."""
+        params = [p for b in self.buckets for p in b.params]
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += [b.acc for b in self.buckets if b.acc is not None]
+        grads += [e.param.grad for e in self.entries if e.param.grad is not None]
+        optim = [b.master for b in self.buckets]
+        if self.optimizer is not None:
+            optim += [t for st in self.optimizer.state.values() for t in st.values()
+                      if isinstance(t, torch.Tensor)]
+        buffers = [t for b in self.buckets for (_, o, f) in b.pending for t in (o, f)]
+        return {"params": params, "grads": grads, "optim": optim, "buffers": buffers}
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
