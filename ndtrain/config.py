@@ -45,6 +45,52 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest position the RoPE table covers
     tie_embeddings: bool = False  # output head shares the token embedding
     init_std: float = 0.02  # std of the normal init of linear / embedding weights
+    # --- Mixture of Experts (ndtrain.model.moe); moe_experts == 0 keeps every layer dense ---
+    moe_experts: int = 0  # routed experts E per MoE layer (0 = dense model)
+    moe_top_k: int = 2  # routed experts per token, 1..8
+    moe_shared_experts: int = 0  # always-on experts per MoE layer, each moe_ffn_hidden wide (DeepSeekMoE)
+    moe_ffn_hidden: int = 0  # SwiGLU hidden of one expert (0 = ffn_dim; smaller = fine-grained experts)
+    moe_score: str = "softmax"  # softmax | sigmoid: router score function (sigmoid: DeepSeek-V3)
+    moe_renormalize: bool = True  # rescale the selected top-k scores to sum to 1
+    moe_route_scale: float = 1.0  # multiplies the routed weights (DeepSeek-V3 routed_scaling_factor)
+    moe_n_groups: int = 1  # group-limited routing: experts split into groups (DeepSeek-V3 n_group)
+    moe_topk_groups: int = 1  # ... and tokens pick experts only within their best groups (topk_group)
+    moe_capacity_factor: float = 0.0  # expert capacity = ceil(cf * tokens * k / E) per microbatch (0 = dropless)
+    moe_aux_loss_coef: float = 0.0  # Switch Transformer load-balancing loss weight (Fedus 2021)
+    moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight
+    moe_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE, Zoph 2022)
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per optimizer step (0 = off)
+    moe_aux_scope: str = "microbatch"  # microbatch | global: over which tokens Switch-loss loads are counted
+    moe_layer_start: int = 0  # layers before this stay dense (DeepSeek first_k_dense_replace)
+    moe_layer_interleave: int = 1  # from moe_layer_start, every k-th layer is MoE
+    # --- attention kind; "mha" covers MHA / GQA / MQA via n_kv_heads ---
+    attention: str = "mha"  # mha | mla (DeepSeek-V2 Multi-head Latent Attention)
+    mla_q_rank: int = 0  # MLA query latent rank (0 = full-rank query projection)
+    mla_kv_rank: int = 0  # MLA key/value latent rank d_c (what the KV cache stores per token)
+    mla_rope_dim: int = 0  # MLA decoupled RoPE dims per head (the shared RoPE key is cached too)
+    mla_nope_dim: int = 0  # MLA non-RoPE query/key dims per head (0 = head_dim)
+    mla_v_dim: int = 0  # MLA value dims per head (0 = head_dim)
+    # --- multi-token prediction (DeepSeek-V3) ---
+    mtp_depth: int = 0  # D extra sequential modules, module k predicts token t+k+1 (0 = off)
+    mtp_loss_weight: float = 0.3  # lambda: loss += lambda * mean over depths of the MTP losses
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True if decoder block ``layer`` (0-based) has an MoE feed-forward."""
+        return (self.is_moe and layer >= self.moe_layer_start
+                and (layer - self.moe_layer_start) % self.moe_layer_interleave == 0)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims per head that RoPE rotates: head_dim, or MLA's decoupled slice."""
+        return self.mla_rope_dim if self.attention == "mla" else self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -268,7 +314,7 @@ _AC = ("none", "full", "sqrt", "selective")
 # Layout knobs validated now but implemented by later work; a value other than the default is a
 # clear error rather than a silent ignore. Delete an entry when its axis lands.
 NOT_IMPLEMENTED: dict[str, Any] = {
-    "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1,
+    "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1,
     "parallel.sequence_parallel": False,
 }
 
@@ -282,7 +328,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.n_kv_heads >= 0, f"n_kv_heads ({m.n_kv_heads}) must be >= 0")
     _check(m.n_heads % m.kv_heads == 0,
            f"n_heads ({m.n_heads}) is not divisible by n_kv_heads ({m.kv_heads})")
-    _check(m.head_dim % 2 == 0, f"head_dim = dim / n_heads ({m.head_dim}) must be even for RoPE")
+    _validate_moe_mla_mtp(cfg)
+    _check(m.rope_dim % 2 == 0 and m.rope_dim > 0,
+           f"RoPE dims per head ({m.rope_dim}; head_dim = dim / n_heads, or mla_rope_dim) must be even and > 0")
     _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")
     _check(d.seq_len <= m.max_seq_len,
            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
@@ -313,6 +361,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         _check(value == default, f"{key}={value} is not implemented yet (only {default} is supported)")
+    if p.ep > 1:
+        _check(m.is_moe, f"parallel.ep ({p.ep}) > 1 needs an MoE model (model.moe_experts > 0)")
+        _check(m.moe_experts % p.ep == 0,
+               f"moe_experts ({m.moe_experts}) is not divisible by ep ({p.ep})")
     if world_size is not None:
         from ndtrain.mesh import ParallelDims  # local import: mesh imports config
 
@@ -341,6 +393,51 @@ def _validate_zero(cfg: Config) -> None:
         _check(t.loss_scale_init > 0, f"training.loss_scale_init ({t.loss_scale_init}) must be > 0")
         _check(t.loss_scale_growth_interval >= 1,
                f"training.loss_scale_growth_interval ({t.loss_scale_growth_interval}) must be >= 1")
+
+
+def _validate_moe_mla_mtp(cfg: Config) -> None:
+    """Rules for the MoE / MLA / MTP fields of ``cfg.model`` (see ``docs/moe.md``)."""
+    m = cfg.model
+    _check(m.moe_experts >= 0, f"model.moe_experts ({m.moe_experts}) must be >= 0")
+    if m.is_moe:
+        e, k = m.moe_experts, m.moe_top_k
+        _check(1 <= k <= min(8, e), f"moe_top_k ({k}) must be in 1..min(8, moe_experts={e})")
+        _check(m.moe_score in ("softmax", "sigmoid"), f"moe_score ({m.moe_score}) must be softmax|sigmoid")
+        _check(m.moe_shared_experts >= 0, f"moe_shared_experts ({m.moe_shared_experts}) must be >= 0")
+        _check(m.moe_ffn_hidden >= 0, f"moe_ffn_hidden ({m.moe_ffn_hidden}) must be >= 0")
+        _check(m.moe_capacity_factor >= 0, f"moe_capacity_factor ({m.moe_capacity_factor}) must be >= 0")
+        for name in ("moe_aux_loss_coef", "moe_seq_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate"):
+            _check(getattr(m, name) >= 0, f"model.{name} ({getattr(m, name)}) must be >= 0")
+        _check(m.moe_aux_scope in ("microbatch", "global"),
+               f"moe_aux_scope ({m.moe_aux_scope}) must be microbatch|global")
+        g, tg = m.moe_n_groups, m.moe_topk_groups
+        _check(g >= 1 and e % g == 0, f"moe_experts ({e}) is not divisible by moe_n_groups ({g})")
+        _check(1 <= tg <= g, f"moe_topk_groups ({tg}) must be in 1..moe_n_groups ({g})")
+        _check(k <= tg * (e // g), f"moe_top_k ({k}) exceeds the experts in moe_topk_groups groups "
+                                   f"({tg} x {e // g})")
+        _check(0 <= m.moe_layer_start < m.n_layers,
+               f"moe_layer_start ({m.moe_layer_start}) must be in 0..n_layers-1 ({m.n_layers - 1})")
+        _check(m.moe_layer_interleave >= 1, f"moe_layer_interleave ({m.moe_layer_interleave}) must be >= 1")
+    _check(m.attention in ("mha", "mla"), f"model.attention ({m.attention}) must be mha|mla")
+    if m.attention == "mla":
+        _check(m.mla_kv_rank > 0, f"attention=mla needs mla_kv_rank > 0 (got {m.mla_kv_rank})")
+        for name in ("mla_q_rank", "mla_nope_dim", "mla_v_dim"):
+            _check(getattr(m, name) >= 0, f"model.{name} ({getattr(m, name)}) must be >= 0")
+    _check(m.mtp_depth >= 0, f"model.mtp_depth ({m.mtp_depth}) must be >= 0")
+    _check(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight ({m.mtp_loss_weight}) must be >= 0")
+    _check(m.mtp_depth < cfg.data.seq_len,
+           f"mtp_depth ({m.mtp_depth}) must be < data.seq_len ({cfg.data.seq_len})")
+    p = cfg.parallel  # combinations not implemented yet: rejected rather than silently wrong
+    _check(not (m.is_moe and p.tp > 1), f"MoE layers with tp ({p.tp}) > 1 are not implemented "
+                                        "(experts are not tensor-parallel)")
+    _check(not (m.attention == "mla" and (p.tp > 1 or p.cp > 1)),
+           f"attention=mla with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
+    _check(not (m.mtp_depth and (p.tp > 1 or p.cp > 1)),
+           f"mtp_depth > 0 with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
+    _check(not ((m.is_moe or m.mtp_depth) and p.pp > 1),
+           f"MoE / MTP models with pp ({p.pp}) > 1 are not implemented (aux / MTP losses of every stage)")
+    _check(not (p.ep > 1 and p.zero_stage > 0),
+           f"parallel.ep ({p.ep}) > 1 with zero_stage ({p.zero_stage}) > 0 is not implemented")
 
 
 def dump_json(cfg: Config) -> str:

@@ -31,7 +31,7 @@ class KVCache:
         self.v: dict[str, torch.Tensor] = {}
 
     def update(self, layer_id: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, G, T, D) at positions [length, length + T) of layer ``layer_id``.
+        """Write k (B, G, T, D), v (B, G, T, D_v) at positions [length, length + T) of ``layer_id``.
 
         Returns views (B, G, length + T, D) of everything cached for the layer.
         Raises ValueError if the batch size differs or the cache would overflow.
@@ -45,7 +45,8 @@ class KVCache:
         if layer_id not in self.k:
             shape = (b, g, self.max_seq_len, d)  # (B, G, S, D)
             self.k[layer_id] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v[layer_id] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            # v may be narrower than k (MLA caches its latent as k and its RoPE key as v)
+            self.v[layer_id] = torch.zeros(shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
         ck, cv = self.k[layer_id], self.v[layer_id]
         ck[:, :, self.length:end] = k
         cv[:, :, self.length:end] = v

@@ -141,12 +141,18 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
     """Read config.json and (possibly sharded) safetensors from ``folder`` into a ``Transformer``.
+    Mixtral and DeepSeek-V3 checkpoints are delegated to ``ndtrain.hf_moe``.
 
     Returns (cfg, model) with parameters in ``dtype`` on ``device``.
     Raises FileNotFoundError, ValueError (unsupported config) or KeyError (missing weights).
     """
     folder = Path(folder)
-    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("model_type") in ("mixtral", "deepseek_v3"):  # MoE families: ndtrain.hf_moe
+        from ndtrain.hf_moe import load_hf_moe_checkpoint
+
+        return load_hf_moe_checkpoint(folder, device, dtype)
+    cfg = config_from_hf(hf)
     sd = state_dict_from_hf(_read_safetensors(folder), cfg)
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -7,6 +7,16 @@ fastest link). Derived axes are named by purpose:
 * ``dp_shard_cp`` = dp_shard x cp: what FSDP / ZeRO shards over;
 * ``dp_cp``       = dp_replicate x dp_shard x cp: what the loss and grad norm reduce over.
 
+Expert parallel (torchtitan's convention) borrows its ranks from ``dp_shard x cp``: flatten that
+block (dp_shard-major, cp-minor, the mesh's own order) and cut it into consecutive chunks of ``ep``
+ranks. Two more groups follow:
+
+* ``ep``  = one chunk: the ranks that split the experts between them (all-to-all dispatch);
+* ``edp`` = dp_replicate x (dp_shard x cp / ep): ranks holding the *same* experts, over which
+  expert gradients are reduced (the expert-data-parallel group).
+
+With ep = 1, ``ep`` has size 1 and ``edp`` is ``dp_cp``.
+
 ``ParallelDims`` of all ones works in one process without ``init_process_group``: every group is a
 size-1 ``AxisGroup`` whose collectives are no-ops. The mesh is an explicit value passed down, never
 a global.
@@ -132,6 +142,8 @@ class Mesh:
             self._flat = {d: self.device_mesh[axes]._flatten(d) for d, axes in DERIVED.items()}
         for name in AXES + tuple(DERIVED):
             self._groups[name] = self._make_group(name)
+        self.ep_device_mesh = None  # (pp, dp_replicate, edp_shard, ep, tp) view when ep > 1
+        self._make_expert_groups(device_type)
 
     def _make_group(self, name: str) -> AxisGroup:
         size = getattr(self.dims, name) if name in AXES else _prod(self.dims, DERIVED[name])
@@ -139,6 +151,29 @@ class Mesh:
             return AxisGroup(name, size, 0, None, self.stats)
         sub = self._flat[name] if name in DERIVED else self.device_mesh[name]
         return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
+
+    def _make_expert_groups(self, device_type: str) -> None:
+        """Add the ``ep`` and ``edp`` groups (see module docstring)."""
+        d = self.dims
+        if d.ep == 1:
+            self._groups["ep"] = AxisGroup("ep", 1, 0, None, self.stats)
+            dp_cp = self._groups["dp_cp"]
+            self._groups["edp"] = AxisGroup("edp", dp_cp.size, dp_cp.rank, dp_cp.pg, self.stats)
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # Same linear rank order as the main mesh: dp_shard x cp flattened, split (outer, inner=ep).
+        shape = (d.pp, d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep, d.tp)
+        names = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+        self.ep_device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        ep_mesh = self.ep_device_mesh["ep"]
+        self._groups["ep"] = AxisGroup("ep", d.ep, ep_mesh.get_local_rank(), ep_mesh.get_group(), self.stats)
+        edp_size = d.dp_replicate * d.dp_shard * d.cp // d.ep
+        if edp_size == 1:
+            self._groups["edp"] = AxisGroup("edp", 1, 0, None, self.stats)
+        else:
+            edp = self.ep_device_mesh[("dp_replicate", "edp_shard")]._flatten("edp")
+            self._groups["edp"] = AxisGroup("edp", edp_size, edp.get_local_rank(), edp.get_group(), self.stats)
 
     def group(self, name: str) -> AxisGroup:
         return self._groups[name]

@@ -4,7 +4,8 @@ Loss convention (token-weighted): the loss of a step is the sum of the per-token
 all valid labels (label != -100) of the *global* batch, divided by the number of valid labels of the
 global batch. Each microbatch backpropagates ``sum_ce / n_valid_global``; data-parallel gradients are
 summed. Splitting a batch into microbatches or across ranks therefore gives the single-process
-gradient exactly, even when ranks hold very different numbers of valid tokens.
+gradient exactly, even when ranks hold very different numbers of valid tokens. MoE auxiliary
+losses and MTP losses are added the same way (``ndtrain.train_extras``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import parallelize
+from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
 
 IGNORE_INDEX = -100
@@ -51,6 +53,9 @@ class Trainer:
         self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
         self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
         self.dp = parallelize(self.model, mesh, cfg)
+        # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train_extras); None if dense
+        self.extras = (ExtraLosses(cfg, self.model, mesh, device)
+                       if cfg.model.is_moe or cfg.model.mtp_depth else None)
         self.optimizer = self.dp.build_optimizer(t)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step_count = 0
@@ -73,13 +78,16 @@ class Trainer:
         """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64.
 
         Returns ``loss`` (global token-weighted mean), ``grad_norm`` (before clipping), ``lr``,
-        ``n_tokens`` (valid labels in the global batch).
+        ``n_tokens`` (valid labels in the global batch); MoE / MTP models add ``aux_loss``,
+        ``mtp_loss``, ``moe_load_max_mean``, ``moe_dropped_frac``... (``ExtraLosses.end_step``).
         """
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         dp_cp = self.mesh.group("dp_cp")
         n_valid = comm.all_reduce_scalar(float((labels != IGNORE_INDEX).sum()), dp_cp,
                                          device=self.device)
         denom = max(n_valid, 1.0)
+        if self.extras is not None:
+            self.extras.begin_step(inputs, labels)
         n_micro = inputs.shape[0] // self.micro_batch
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.mem.reset()
@@ -94,6 +102,8 @@ class Trainer:
             with contextlib.nullcontext() if last else self.dp.no_sync(), meter:
                 ls = self._forward_loss_sum(inputs[sl], labels[sl])
                 loss = ls / denom
+                if self.extras is not None:
+                    loss = loss + self.extras.micro_loss(labels[sl])
                 (loss * self.scaler.scale if self.scaler else loss).backward()
             act_peak = max(act_peak, getattr(meter, "peak", 0))
             self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
@@ -121,6 +131,8 @@ class Trainer:
         out["mem_activations_peak_bytes"] = self.activation_peak_bytes
         if self.scaler is not None:
             out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
+        if self.extras is not None:  # aux / MTP losses, expert loads; aux-loss-free bias update
+            out.update(self.extras.end_step())
         return out
 
     @torch.no_grad()
@@ -207,6 +219,7 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     window_t, window_tokens = 0.0, 0
     # rank 0 generates alone: not with ZeRO-3 parameters sharded over ranks (forward is collective)
     can_sample = not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
+    can_sample = can_sample and dims.ep == 1  # ep: experts live on other ranks
     mesh.reset_stats()
     first_step = trainer.step_count + 1
     while trainer.step_count < stop:
@@ -232,6 +245,7 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
                    "tokens_per_s": tps, "step_time_s": window_t / (window_tokens / (t.global_batch_size * T)),
                    "mfu": fpt * tps / (peak * world) if peak else None, "peak_mem_bytes": int(mem),
                    "comm_bytes": comm_bytes}
+            row.update({k: v for k, v in out.items() if k.startswith(("moe_", "aux_", "mtp_"))})
             row.update({k: v for k, v in out.items() if k.startswith(("mem_", "loss_scale", "skipped"))})
             window_t, window_tokens = 0.0, 0
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:

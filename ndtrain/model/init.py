@@ -68,14 +68,18 @@ def init_weights(model: nn.Module, seed: int) -> None:
         shape = tuple(p.shape)  # global shape, also for DTensors
         if isinstance(mod, RMSNorm):
             full = torch.ones(shape, dtype=torch.float32)
-        elif isinstance(mod, (nn.Linear, nn.Embedding)):
-            std = cfg.init_std
-            if canonical_name(mod_name).rpartition(".")[2] in _RESIDUAL_OUT:
+        elif isinstance(mod, (nn.Linear, nn.Embedding)) or getattr(mod, "ndtrain_normal_init", False):
+            std = cfg.init_std  # modules flagged ndtrain_normal_init (MoE experts) hold raw weights
+            leaf = canonical_name(mod_name).rpartition(".")[2]
+            if leaf in _RESIDUAL_OUT or (not isinstance(mod, nn.Linear) and name.rpartition(".")[2] in _RESIDUAL_OUT):
                 std = std / math.sqrt(2 * cfg.n_layers)
             full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=param_generator(seed, name))
         else:
             raise NotImplementedError(f"init_weights: no rule for {name} ({type(mod).__name__})")
         _copy_full_(p, full)
+    for m in model.modules():  # buffers that are state, e.g. MoE expert biases
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
     if hasattr(model, "init_rope"):
         model.init_rope()
 

@@ -20,7 +20,8 @@ from ndtrain.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/D)``, i = 0 .. D/2-1, with optional Llama 3.1 scaling.
+    """Inverse frequencies ``theta^(-2i/D)``, i = 0 .. D/2-1 (D = ``cfg.rope_dim``), with optional
+    Llama 3.1 scaling.
 
     Llama 3.1 scaling (``cfg.rope_scaling``): with wavelength ``w = 2 pi / inv_freq`` and
     ``L = rope_original_max_seq_len``, frequencies whose wavelength is below ``L / high_freq_factor``
@@ -29,7 +30,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
     Returns: (D/2,) float32 on CPU. Raises ValueError if the scaling factors are inconsistent.
     """
-    d = cfg.head_dim
+    d = cfg.rope_dim  # head_dim, or MLA's decoupled RoPE slice
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))  # (D/2,)
     if not cfg.rope_scaling:
         return inv_freq

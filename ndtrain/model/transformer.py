@@ -20,7 +20,10 @@ from torch import nn
 
 from ndtrain.config import ModelConfig
 from ndtrain.model.attention import Attention, KVCacheLike
+from ndtrain.model.mla import MLAttention
 from ndtrain.model.mlp import FeedForward
+from ndtrain.model.moe import MoE
+from ndtrain.model.mtp import MTPModule, mtp_forward
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import rope_tables
 
@@ -28,16 +31,21 @@ from ndtrain.model.rope import rope_tables
 class TransformerBlock(nn.Module):
     """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
 
-    Shapes: x (B, T, C), cos / sin (T, D/2) or (B, T, D/2) -> (B, T, C).
+    ``attention`` is ``Attention`` (MHA / GQA) or ``MLAttention`` (``cfg.attention == "mla"``);
+    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``).
+
+    Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: str):
+    def __init__(self, cfg: ModelConfig, layer_id: str, layer_index: int | None = None):
         super().__init__()
         self.layer_id = layer_id
+        index = int(layer_id) if layer_index is None else layer_index
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id)
+        self.attention = (MLAttention(cfg, layer_id) if cfg.attention == "mla"
+                          else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id))
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCacheLike | None = None) -> torch.Tensor:
@@ -64,8 +72,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, str(i)) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # DeepSeek-V3 multi-token prediction modules (ndtrain.model.mtp); None when mtp_depth == 0
+        self.mtp: nn.ModuleDict | None = (nn.ModuleDict({str(k): MTPModule(cfg, k) for k in range(cfg.mtp_depth)})
+                                          if cfg.mtp_depth else None)
+        self.mtp_logits: list[torch.Tensor] = []  # set by a training forward when mtp is present
         self.tie_weights()
-        half = cfg.head_dim // 2
+        half = cfg.rope_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         if not self.rope_cos.is_meta:
@@ -102,7 +114,9 @@ class Transformer(nn.Module):
                 appended and the cache is advanced by T.
 
         Returns: logits (B, T, V) in the parameter / autocast dtype, or hidden states (B, T, C) when
-        ``output`` is None.
+        ``output`` is None. A training forward (``self.training``, grad enabled, no cache) of a model
+        with MTP modules also sets ``self.mtp_logits`` (depth k: (B, T-k, V)); MoE layers record
+        their auxiliary losses (``ndtrain.model.moe_balance.pop_aux_loss``).
         Raises ValueError if a cached forward would run past ``max_seq_len``.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
@@ -117,6 +131,10 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, kv_cache)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(t)
+        self.mtp_logits = []
+        if (self.mtp is not None and kv_cache is None and self.training and torch.is_grad_enabled()
+                and self.tok_embeddings is not None and self.output is not None):
+            self.mtp_logits = mtp_forward(self, tokens, h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V) or (B, T, C)

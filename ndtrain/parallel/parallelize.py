@@ -3,7 +3,7 @@
 Order (each step sees the result of the previous ones):
   1. pipeline split                       (parallel.pp; not implemented yet)
   2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel; not yet)
-  3. expert parallel                      (parallel.ep; not yet)
+  3. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
   4. context parallel                     (parallel.cp; not yet)
   5. activation checkpointing             (training.activation_checkpoint)
   6. data parallel: DDP / ZeRO / FSDP     (parallel.zero_stage, dp_replicate x dp_shard)
@@ -46,8 +46,19 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     """Apply every configured axis to ``model`` (in place) and return its gradient synchroniser."""
+    p = cfg.parallel
+    expert_names: list[str] = []
+    if cfg.model.is_moe:
+        from ndtrain.parallel.ep import apply_ep
+
+        expert_names = apply_ep(model, mesh, cfg)
     if cfg.training.activation_checkpoint != "none":
         from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
 
         apply_activation_checkpoint(model, cfg.training.activation_checkpoint)
+    if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep)
+        from ndtrain.parallel.ep import ExpertDataParallel
+
+        reduce_dtype = getattr(torch, p.grad_reduce_dtype) if cfg.training.dtype == "bfloat16" else None
+        return ExpertDataParallel(model, mesh, cfg, expert_names, reduce_dtype)
     return apply_data_parallel(model, mesh, cfg)

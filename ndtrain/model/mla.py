@@ -1,0 +1,103 @@
+"""Multi-head Latent Attention (MLA; DeepSeek-V2, 2024, section 2.1), as used by DeepSeek-V3.
+
+Keys and values of all heads are reconstructed from one low-rank latent per token,
+``c_kv = RMSNorm(W_dkv x)`` of width ``d_c = mla_kv_rank``; RoPE, which would not commute with the
+up-projection, is applied to a separate *decoupled* slice: each head's query has ``mla_rope_dim``
+extra dims, and one RoPE key of that width, shared by all heads, comes straight from ``x``.
+Queries optionally go through their own latent (``mla_q_rank``).
+
+    q  = W_uq RMSNorm(W_dq x)      -> per head [q_nope (d_n), q_rope (d_r)]  (or q = W_q x)
+    [c_kv, k_rope] = W_dkv x        c_kv (d_c), k_rope (d_r) shared by the heads
+    [k_nope, v] = W_ukv RMSNorm(c_kv) per head: k_nope (d_n), v (d_v)
+    attention(q = [q_nope, rope(q_rope)], k = [k_nope, rope(k_rope)], v), scale 1/sqrt(d_n + d_r)
+
+Generation cache: only ``c_kv`` and the rotated ``k_rope`` are cached, (d_c + d_r) values per token
+per layer instead of MHA's 2 * H * D; keys and values are re-expanded from the latent at each step
+(the matrix-absorption trick that folds ``W_ukv`` into the query / output projections is not
+applied). The cache is the ordinary ``KVCache`` holding the latent as a 1-head "key" of width d_c
+and the RoPE key as a 1-head "value" of width d_r.
+
+Parameter names: ``wq`` (full-rank) or ``wq_a`` / ``q_norm`` / ``wq_b``; ``wkv_a``, ``kv_norm``,
+``wkv_b``, ``wo``. Heads are read from ``wkv_b``'s shape at forward time. RoPE uses the
+rotate-half pairing of ``ndtrain.model.rope``; ``ndtrain.hf_moe`` permutes the RoPE rows of
+interleaved (DeepSeek-layout) checkpoints on import.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.config import ModelConfig
+from ndtrain.model.attention import KVCacheLike, causal_attention
+from ndtrain.model.norm import RMSNorm
+from ndtrain.model.rope import apply_rope
+
+LATENT_NORM_EPS = 1e-6  # eps of the latent RMSNorms, fixed as in DeepSeek's code (not cfg.norm_eps)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2 MLA. Shapes: x (B, T, C), cos / sin (T, d_r/2) or (B, T, d_r/2) -> (B, T, C).
+
+    Args:
+        cfg: ``attention == "mla"`` config: ``mla_kv_rank`` d_c, ``mla_q_rank`` (0 = no query
+            latent), ``mla_rope_dim`` d_r, ``mla_nope_dim`` d_n and ``mla_v_dim`` d_v (0 = head_dim).
+        layer_id: the block's key; names this layer in a KV cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: str = "0"):
+        super().__init__()
+        h, c = cfg.n_heads, cfg.dim
+        self.layer_id = layer_id
+        self.nope_dim = cfg.mla_nope_dim or cfg.head_dim
+        self.rope_dim = cfg.mla_rope_dim
+        self.v_dim = cfg.mla_v_dim or cfg.head_dim
+        self.kv_rank = cfg.mla_kv_rank
+        qk = self.nope_dim + self.rope_dim
+        if cfg.mla_q_rank:
+            self.wq_a = nn.Linear(c, cfg.mla_q_rank, bias=False)  # (d_q, C)
+            self.q_norm = RMSNorm(cfg.mla_q_rank, LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(cfg.mla_q_rank, h * qk, bias=False)  # (H*(d_n+d_r), d_q)
+        else:
+            self.wq = nn.Linear(c, h * qk, bias=False)  # (H*(d_n+d_r), C)
+        self.wkv_a = nn.Linear(c, self.kv_rank + self.rope_dim, bias=False)  # (d_c+d_r, C)
+        self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)  # (H*(d_n+d_v), d_c)
+        self.wo = nn.Linear(h * self.v_dim, c, bias=False)  # (C, H*d_v)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention: q, k (B, H, T, d_n+d_r), v (B, H, T, d_v) -> (B, H, T, d_v)."""
+        return causal_attention(q, k, v)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "wq"):
+            return self.wq(x)
+        return self.wq_b(self.q_norm(self.wq_a(x)))  # (B, T, H*(d_n+d_r))
+
+    def expand_kv(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents c_kv (B, S, d_c) (normalised) and rotated k_rope (B, S, d_r) -> k (B, H, S, d_n+d_r),
+        v (B, H, S, d_v)."""
+        b, s, _ = c_kv.shape
+        kv = self.wkv_b(c_kv).view(b, s, -1, self.nope_dim + self.v_dim)  # (B, S, H, d_n+d_v)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        h = kv.shape[2]
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, h, self.rope_dim)], dim=-1)  # (B, S, H, d_n+d_r)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.queries(x).view(b, t, -1, self.nope_dim + self.rope_dim)  # (B, T, H, d_n+d_r)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1).transpose(1, 2)  # (B, H, T, d_n+d_r)
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, d_c), (B, T, d_r)
+        c_kv = self.kv_norm(c_kv)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # (B, T, d_r)
+        if kv_cache is None:
+            k, v = self.expand_kv(c_kv, k_rope)
+            out = self.core(q, k, v)  # (B, H, T, d_v)
+        else:
+            past = kv_cache.length
+            c_all, r_all = kv_cache.update(self.layer_id, c_kv.unsqueeze(1), k_rope.unsqueeze(1))  # (B, 1, S, .)
+            k, v = self.expand_kv(c_all.squeeze(1), r_all.squeeze(1))
+            out = causal_attention(q, k, v, q_offset=past)  # (B, H, T, d_v)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, H*d_v) -> (B, T, C)

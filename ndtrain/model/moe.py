@@ -1,0 +1,217 @@
+"""Mixture-of-Experts feed-forward: router, top-k routing, capacity, grouped SwiGLU experts.
+
+Algorithms: sparsely-gated MoE (Shazeer 2017); top-k softmax routing with renormalised weights as in
+Mixtral (Jiang 2024); GShard / Switch capacity and token dropping (Lepikhin 2020, Fedus 2021);
+shared plus fine-grained experts (DeepSeekMoE, Dai 2024); sigmoid scores, group-limited routing,
+routed scaling and the selection-only bias of auxiliary-loss-free balancing (DeepSeek-V3, 2024).
+The balancing losses and the bias update live in ``ndtrain.model.moe_balance``.
+
+Compute path (no Python loop over tokens): the N*k (token, expert) assignments are sorted by expert
+(stable argsort), the tokens are gathered into that order, each expert runs on its contiguous
+segment (``grouped_mm``), and the results are scattered back to (token, slot) positions and summed
+with the routing weights. ``grouped_mm`` uses ``torch._grouped_mm`` (one kernel for all experts;
+float32 / bfloat16, 16-byte aligned rows) when available, else ``grouped_mm_loop`` (its slow twin:
+one matmul per expert over its segment; always used for float64). ``tests/unit/test_moe.py`` pins
+the two together, outputs and gradients.
+
+``MoE.run_experts(xs, counts)`` is the hook expert parallel overrides per instance (like
+``Attention.core`` for context parallel): given tokens sorted by global expert id and the count per
+expert, return the expert outputs in the same order. This file never communicates.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.config import ModelConfig
+from ndtrain.model.mlp import FeedForward
+from ndtrain.model import moe_balance
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Reference grouped matmul: rows of ``x`` are grouped by expert, ``counts[e]`` rows each.
+
+    Args:
+        x: (M, K) rows sorted by group; w: (E, N, K) weights in ``nn.Linear`` layout; counts: E
+            Python ints summing to M.
+    Returns: (M, N), row r of group e is ``x[r] @ w[e].T``. Every expert's weight enters the graph
+    (an empty segment contributes a zero gradient, never None).
+    """
+    outs, off = [], 0
+    for e, n in enumerate(counts):
+        outs.append(x[off:off + n] @ w[e].t())  # (n, N)
+        off += n
+    return torch.cat(outs, dim=0)
+
+
+def _fused_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    align = 16 // x.element_size()  # the kernel needs 16-byte aligned row strides
+    return x.shape[0] > 0 and x.shape[1] % align == 0 and w.shape[1] % align == 0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Grouped matmul over expert segments: ``torch._grouped_mm`` when usable, else the loop.
+
+    Args: x (M, K) sorted by group; w (E, N, K); counts (E,) int64; impl auto | loop | fused.
+    Returns: (M, N). Raises RuntimeError if ``impl == "fused"`` but the kernel cannot run here.
+    """
+    w = w.to(x.dtype) if w.dtype != x.dtype else w  # bf16 autocast does not cover _grouped_mm
+    if impl == "loop" or (impl == "auto" and not _fused_ok(x, w)):
+        return grouped_mm_loop(x, w, counts.tolist())
+    if not _fused_ok(x, w):
+        raise RuntimeError(f"torch._grouped_mm cannot run on {x.dtype} {tuple(x.shape)} x {tuple(w.shape)}")
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each group
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # (M, N)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked weights: ``w1`` / ``w3`` (E, F, C), ``w2`` (E, C, F).
+
+    ``forward(xs, counts)``: xs (M, C) sorted by expert, counts (E,) -> (M, C). E is read from the
+    weights, so expert parallel can keep only a slice of the experts.
+    """
+
+    ndtrain_normal_init = True  # init.py: normal(0, init_std); w2 scaled like other residual outputs
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate (E, F, C)
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up   (E, F, C)
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down (E, C, F)
+        self.impl = "auto"  # auto | loop | fused (see grouped_mm)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        h = F.silu(grouped_mm(xs, self.w1, counts, self.impl)) * grouped_mm(xs, self.w3, counts, self.impl)
+        return grouped_mm(h, self.w2, counts, self.impl)  # (M, F) -> (M, C)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared experts) replacing a block's feed-forward.
+
+    Args:
+        cfg: model config (``moe_*`` fields; see ``ModelConfig``).
+
+    Parameters: ``router`` Linear C -> E (computed in float32, or float64 in a float64 model),
+    ``experts`` GroupedExperts, ``shared`` FeedForward of hidden ``moe_shared_experts *
+    moe_ffn_hidden`` or None. Buffer ``expert_bias`` (E,): the aux-loss-free selection bias.
+
+    Shapes: x (B, T, C) -> (B, T, C). In training (``self.training`` and grad enabled) the forward
+    also records, via ``moe_balance``, the auxiliary-loss token sums (``aux_sum``) and the load
+    statistics used by logging and the bias update. Capacity dropping applies in training only;
+    evaluation and generation are dropless.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)  # (E, C)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_ffn_dim)
+        self.shared = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_ffn_dim)
+                       if cfg.moe_shared_experts else None)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+        self.load_reducer = None  # set by parallel code: sums a (E,) count tensor over dp_cp
+        self.stats = moe_balance.LoadStats(cfg.moe_experts)
+        self.aux_sum: torch.Tensor | None = None  # weighted aux-loss token sum of the last forward
+
+    def init_buffers(self) -> None:
+        """Zero the aux-loss-free bias (called by ``init_weights``)."""
+        self.expert_bias.zero_()
+
+    # ---- routing ---------------------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, C) -> logits (N, E) in float32 (float64 for a float64 model); autocast disabled."""
+        rdt = torch.promote_types(self.router.weight.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(rdt), self.router.weight.to(rdt))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores, top-k expert ids and routing weights from logits (N, E).
+
+        Selection uses ``scores + expert_bias`` (the bias never enters the weights), restricted to
+        the ``moe_topk_groups`` best of ``moe_n_groups`` expert groups (group score: sum of its two
+        best biased scores, DeepSeek-V3). Weights are the unbiased scores of the chosen experts,
+        renormalised to sum to 1 if ``moe_renormalize``, times ``moe_route_scale``.
+
+        Returns: scores (N, E), idx (N, k) int64 (in descending biased-score order), weights (N, k).
+        """
+        c = self.cfg
+        scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()  # (N, E)
+        choice = scores.detach() + self.expert_bias.to(scores.dtype)  # (N, E)
+        if c.moe_n_groups > 1:
+            n, e, g = choice.shape[0], self.n_experts, c.moe_n_groups
+            grouped = choice.view(n, g, e // g)  # (N, G, E/G)
+            gscore = grouped.topk(min(2, e // g), dim=-1).values.sum(-1)  # (N, G)
+            keep = torch.zeros_like(gscore, dtype=torch.bool)
+            keep.scatter_(1, gscore.topk(c.moe_topk_groups, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(n, e), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, idx)  # (N, k)
+        if c.moe_renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * c.moe_route_scale
+
+    def capacity_keep(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """Which assignments fit the expert capacity ``ceil(cf * N * k / E)`` (None: dropless).
+
+        Priority is deterministic (GShard's): all first choices in token order, then all second
+        choices, and so on; an expert keeps its first ``capacity`` assignments in that order.
+        idx (N, k) -> keep (N, k) bool.
+        """
+        cf = self.cfg.moe_capacity_factor
+        if cf <= 0 or not self.training:
+            return None
+        n, k = idx.shape
+        cap = math.ceil(cf * n * k / self.n_experts)
+        slot_major = idx.t().reshape(-1)  # (k*N,) first choices of all tokens first
+        order = torch.argsort(slot_major, stable=True)
+        counts = torch.bincount(slot_major, minlength=self.n_experts)  # (E,)
+        starts = torch.cumsum(counts, 0) - counts  # (E,)
+        rank = torch.empty_like(slot_major)
+        rank[order] = torch.arange(slot_major.numel(), device=idx.device) - starts[slot_major[order]]
+        return (rank < cap).view(k, n).t()  # (N, k)
+
+    # ---- experts ---------------------------------------------------------------------------------
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs (M, C) sorted by expert id, counts (E,) -> (M, C). Overridden by expert parallel."""
+        return self.experts(xs, counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        flat = x.reshape(-1, c)  # (N, C)
+        n, k, e = flat.shape[0], self.top_k, self.n_experts
+        logits = self.router_logits(flat)  # (N, E)
+        scores, idx, weights = self.route(logits)
+        keep = self.capacity_keep(idx)
+        assign = idx.reshape(-1)  # (N*k,) expert of assignment (token i, slot j) at i*k + j
+        if keep is not None:
+            assign = assign.masked_fill(~keep.reshape(-1), e)  # dropped -> sentinel E, sorts last
+        order = torch.argsort(assign, stable=True)  # (N*k,)
+        counts = torch.bincount(assign, minlength=e + 1)[:e]  # (E,) kept assignments per expert
+        kept = int(counts.sum())
+        order = order[:kept]
+        xs = flat[order // k]  # (M, C) tokens in expert order
+        ys = self.run_experts(xs, counts)  # (M, C)
+        y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C), dropped rows stay 0
+        out_dtype = torch.promote_types(ys.dtype, weights.dtype)
+        out = (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, C)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            # An activation-checkpoint recompute (inside backward) rebuilds the same aux graph, so
+            # the recomputed saved tensors line up, but must not count loads or losses twice.
+            first = torch._C._current_graph_task_id() == -1
+            aux = moe_balance.record(self, logits, scores, idx, keep, (b, t), update_stats=first)
+            if first:
+                self.aux_sum = aux
+        return out.view(b, t, c)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every MoE module of ``model`` in registration order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]

@@ -1,0 +1,164 @@
+"""MoE load balancing: auxiliary losses, load statistics, and the aux-loss-free bias update.
+
+Losses (each computed per MoE layer and summed over layers):
+
+* Switch Transformer load-balancing loss (Fedus 2021, eq. 4, top-k form as in GShard / Mixtral):
+  ``E * sum_i f_i * P_i`` with ``f_i`` the fraction of the N*k assignments routed to expert i and
+  ``P_i`` the mean router probability of expert i (for sigmoid scores: scores normalised to sum 1
+  per token, as DeepSeek-V3 does). 1.0 at perfect balance.
+* Sequence-wise balance loss (DeepSeek-V3, eq. 17-20): the same product computed per sequence with
+  ``f_i = E / (k T) * count_i``, averaged over sequences.
+* Router z-loss (ST-MoE, Zoph 2022): mean over tokens of ``logsumexp(logits)^2``.
+
+**Scope and normalisation.** ndtrain's loss is a token-weighted sum over the global batch (sum over
+valid labels / global valid labels, DP gradients summed), so every auxiliary term is produced here
+as a *token sum* -- the loss of its statistics scope times the tokens it covers -- and the Trainer
+divides the weighted sum by the global number of routed tokens (global batch x T). The total is
+then independent of how microbatches are spread over ranks whenever the statistics scope is:
+
+* sequence-wise loss and z-loss: per sequence / per token, so always partition-independent;
+* Switch loss, ``moe_aux_scope = "microbatch"`` (default): ``f`` and ``P`` over one rank's
+  microbatch; the step's value is the token-weighted mean of the microbatch losses. It depends on
+  the microbatch partition of the global batch (dp degree x micro_batch_size), not on ep;
+* Switch loss, ``moe_aux_scope = "global"``: ``f`` counted over the same microbatch index on all
+  ``dp_cp`` ranks (an all-reduce of the (E,) counts, installed by ``ndtrain.parallel.ep``;
+  Megatron's "global" load balancing). With one microbatch per rank this is the global batch.
+
+The gradient of the Switch loss only flows through ``P`` (``f`` is a count), so the token-sum form
+``E * sum_i f_i * sum_t p_ti`` summed over ranks equals the scope's loss times its tokens exactly.
+
+**Aux-loss-free balancing** (DeepSeek-V3, Wang et al. 2024): after each optimizer step the per-
+expert assignment counts of the whole global batch (all microbatches, all-reduced over dp_cp) give
+``b_i += rate * sign(mean_load - load_i)``; ``b`` only biases selection (``MoE.route``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+AUX_TERMS = ("switch", "seq", "z")
+
+
+class LoadStats:
+    """Counters one MoE layer accumulates over the training forwards of one optimizer step.
+
+    ``counts`` (E,) float64: router demand (assignments per expert, before capacity dropping);
+    ``dropped`` / ``assigned``: assignments dropped by capacity / made; ``terms``: unweighted aux
+    token sums (switch, seq, z) for logging. Reset by ``end_step``.
+    """
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: torch.Tensor | None = None
+        self.dropped = 0.0
+        self.assigned = 0.0
+        self.terms: dict[str, float] = {}
+
+
+def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
+           keep: torch.Tensor | None, shape: tuple[int, int], update_stats: bool = True) -> torch.Tensor | None:
+    """Return the weighted auxiliary-loss token sum (None if no aux loss) and, if
+    ``update_stats``, add this forward's loads and aux values to ``moe.stats``.
+
+    Args: logits / scores (N, E) router outputs; idx (N, k) chosen experts; keep (N, k) or None;
+    shape (B, T) with N = B*T.
+    """
+    c, st = moe.cfg, moe.stats
+    n, k = idx.shape
+    e = scores.shape[1]
+    counts = torch.bincount(idx.reshape(-1), minlength=e).to(torch.float64)  # (E,)
+    if update_stats:
+        st.counts = counts if st.counts is None else st.counts + counts
+        st.assigned += n * k
+        if keep is not None:
+            st.dropped += float((~keep).sum())
+    probs = scores if c.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)  # (N, E)
+    terms: dict[str, torch.Tensor] = {}
+    if c.moe_aux_loss_coef > 0:
+        cnt = counts
+        if c.moe_aux_scope == "global" and moe.load_reducer is not None:
+            cnt = moe.load_reducer(counts.clone())  # (E,) summed over dp_cp
+        f = (cnt / cnt.sum().clamp(min=1)).to(probs.dtype)  # (E,) fraction of assignments
+        terms["switch"] = (c.moe_aux_loss_coef, e * (f * probs.sum(0)).sum())
+    if c.moe_seq_aux_loss_coef > 0:
+        b, t = shape
+        cnt_seq = torch.zeros(b, e, dtype=probs.dtype, device=probs.device)
+        cnt_seq.scatter_add_(1, idx.view(b, t * k), torch.ones(b, t * k, dtype=probs.dtype, device=probs.device))
+        f_seq = cnt_seq * (e / (k * t))  # (B, E)
+        terms["seq"] = (c.moe_seq_aux_loss_coef, (f_seq * probs.view(b, t, e).sum(1)).sum())
+    if c.moe_z_loss_coef > 0:
+        terms["z"] = (c.moe_z_loss_coef, torch.logsumexp(logits, dim=-1).pow(2).sum())
+    if not terms:
+        return None
+    total = None
+    for name, (coef, value) in terms.items():
+        if update_stats:
+            st.terms[name] = st.terms.get(name, 0.0) + float(value.detach())
+        total = coef * value if total is None else total + coef * value
+    return total
+
+
+def pop_aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
+    """Sum and clear the ``aux_sum`` of every MoE layer of ``model`` (None if there is none)."""
+    from ndtrain.model.moe import moe_layers  # local: moe imports this module
+
+    total = None
+    for m in moe_layers(model):
+        if m.aux_sum is not None:
+            total = m.aux_sum if total is None else total + m.aux_sum
+            m.aux_sum = None
+    return total
+
+
+@torch.no_grad()
+def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object] | None,
+             bias_update_rate: float) -> dict[str, float]:
+    """After the optimizer step: reduce load statistics, update expert biases, reset counters.
+
+    Args:
+        model: the (possibly parallelised) model.
+        all_reduce: in-place sum of a float64 tensor over the ranks that hold different data
+            (``dp_cp``); None in one process. Called once with every layer's counters packed.
+        bias_update_rate: aux-loss-free step ``gamma`` (0 = no update).
+
+    Returns (empty for a dense model): ``moe_load_max_mean`` (max/mean expert load over the global
+    batch, averaged over MoE layers), ``moe_load_max_mean_worst`` (worst layer),
+    ``moe_dropped_frac`` (dropped / assigned), and ``aux_<name>_sum`` for each of ``AUX_TERMS``:
+    the unweighted token sum over the global batch and all MoE layers (divide by routed tokens for
+    the mean).
+    """
+    from ndtrain.model.moe import moe_layers
+
+    layers = [m for m in moe_layers(model) if m.stats.counts is not None]
+    if not layers:
+        return {}
+    e, extra = layers[0].n_experts, 2 + len(AUX_TERMS)
+    rows = []
+    for m in layers:
+        st = m.stats
+        tail = [st.dropped, st.assigned] + [st.terms.get(name, 0.0) for name in AUX_TERMS]
+        rows.append(torch.cat([st.counts.cpu(), torch.tensor(tail, dtype=torch.float64)]))
+    packed = torch.cat(rows).to(layers[0].expert_bias.device)  # (L_moe * (E + 5),)
+    if all_reduce is not None:
+        all_reduce(packed)
+    ratios, dropped, assigned = [], 0.0, 0.0
+    terms = dict.fromkeys(AUX_TERMS, 0.0)
+    for i, m in enumerate(layers):
+        row = packed[i * (e + extra):(i + 1) * (e + extra)]
+        counts = row[:e]  # (E,) load of this step over the global batch
+        mean = counts.mean()
+        ratios.append(float(counts.max() / mean.clamp(min=1e-12)))
+        dropped, assigned = dropped + float(row[e]), assigned + float(row[e + 1])
+        for j, name in enumerate(AUX_TERMS):
+            terms[name] += float(row[e + 2 + j])
+        if bias_update_rate > 0:
+            m.expert_bias += (bias_update_rate * torch.sign(mean - counts)).to(m.expert_bias.dtype)
+        m.stats.reset()
+    out = {"moe_load_max_mean": sum(ratios) / len(ratios), "moe_load_max_mean_worst": max(ratios),
+           "moe_dropped_frac": dropped / max(assigned, 1.0)}
+    out.update({f"aux_{name}_sum": v for name, v in terms.items()})
+    return out

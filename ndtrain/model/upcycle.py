@@ -1,0 +1,61 @@
+"""Sparse upcycling: build an MoE model from a dense checkpoint (Komatsuzaki et al. 2023, "Sparse
+Upcycling"; used for Qwen-MoE and MiniCPM-MoE).
+
+Every expert of an MoE layer starts as a copy of that layer's dense SwiGLU FFN; the router is new
+(drawn by ``init_weights`` from the MoE config's seed); everything else is copied unchanged. With
+routing weights that sum to 1 (``moe_renormalize=True``, ``moe_route_scale=1``), no shared
+experts and no token dropping, each token's MoE output is ``sum_j w_j FFN(x) = FFN(x)``: the
+upcycled model computes the dense model's function, so its step-0 loss equals the dense loss (up
+to float rounding). Training then lets the copies diverge.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ndtrain.config import ModelConfig
+from ndtrain.model.init import build_model
+
+_MOE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")}
+
+
+def upcycle(dense: nn.Module, moe_cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    """Return a new MoE ``Transformer`` initialised from ``dense`` (a full dense ``Transformer``).
+
+    Args:
+        dense: the source model; its config must equal ``moe_cfg`` apart from the ``moe_*`` fields.
+        moe_cfg: target config (``moe_experts > 0``); experts must be as wide as the dense FFN
+            (``moe_ffn_hidden`` 0 or ``ffn_dim``) and there must be no shared experts.
+        seed: init seed of the new parameters (routers).
+
+    Returns the MoE model on ``dense``'s device and dtype, in train mode.
+    Raises ValueError if the configs differ elsewhere or the expert shape does not match.
+    """
+    dcfg: ModelConfig = dense.cfg
+    if not moe_cfg.is_moe:
+        raise ValueError("upcycle: moe_cfg.moe_experts must be > 0")
+    diff = [f.name for f in dataclasses.fields(ModelConfig)
+            if f.name not in _MOE_FIELDS | {"name"} and getattr(dcfg, f.name) != getattr(moe_cfg, f.name)]
+    if diff:
+        raise ValueError(f"upcycle: dense and MoE configs differ in {diff}")
+    if moe_cfg.expert_ffn_dim != dcfg.ffn_dim or moe_cfg.moe_shared_experts:
+        raise ValueError(f"upcycle: experts must copy the dense FFN (moe_ffn_hidden {moe_cfg.expert_ffn_dim} "
+                         f"vs ffn_dim {dcfg.ffn_dim}) and moe_shared_experts must be 0")
+    p = next(dense.parameters())
+    moe = build_model(moe_cfg, p.device, p.dtype, seed)
+    src = dense.state_dict()
+    dst = moe.state_dict()
+    with torch.no_grad():
+        for name, t in dst.items():
+            if name in src:
+                t.copy_(src[name])
+        for i in range(moe_cfg.n_layers):
+            if not moe_cfg.is_moe_layer(i):
+                continue
+            for w in ("w1", "w2", "w3"):
+                dense_w = src[f"layers.{i}.feed_forward.{w}.weight"]  # (F, C) or (C, F)
+                dst[f"layers.{i}.feed_forward.experts.{w}"].copy_(dense_w.expand_as(dst[f"layers.{i}.feed_forward.experts.{w}"]))
+    moe.load_state_dict(dst)
+    return moe
