@@ -164,6 +164,7 @@ class ParallelConfig:
     keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
     cp_impl: str = "ring"  # ring | ulysses
+    cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
     pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
@@ -314,8 +315,7 @@ _AC = ("none", "full", "sqrt", "selective")
 # Layout knobs validated now but implemented by later work; a value other than the default is a
 # clear error rather than a silent ignore. Delete an entry when its axis lands.
 NOT_IMPLEMENTED: dict[str, Any] = {
-    "parallel.cp": 1, "parallel.tp": 1, "parallel.pp": 1,
-    "parallel.sequence_parallel": False,
+    "parallel.pp": 1,
 }
 
 
@@ -361,6 +361,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         _check(value == default, f"{key}={value} is not implemented yet (only {default} is supported)")
+    _validate_tp_cp(cfg)
     if p.ep > 1:
         _check(m.is_moe, f"parallel.ep ({p.ep}) > 1 needs an MoE model (model.moe_experts > 0)")
         _check(m.moe_experts % p.ep == 0,
@@ -385,8 +386,8 @@ def _validate_zero(cfg: Config) -> None:
     if p.zero_stage == 3:
         _check(not m.tie_embeddings, "zero_stage 3 with model.tie_embeddings is not implemented "
                                      "(a weight shared by two FSDP units)")
-    if p.zero_stage > 0:
-        for axis in ("tp", "pp", "cp"):
+    if p.zero_stage > 0:  # tp / cp compose (tests/parallel/test_3d.py): TP shards are what ZeRO shards
+        for axis in ("pp",):
             _check(getattr(p, axis) == 1, f"zero_stage ({p.zero_stage}) > 0 with parallel.{axis} "
                                           f"({getattr(p, axis)}) > 1 is not implemented yet")
     if t.dtype == "float16":
@@ -438,6 +439,38 @@ def _validate_moe_mla_mtp(cfg: Config) -> None:
            f"MoE / MTP models with pp ({p.pp}) > 1 are not implemented (aux / MTP losses of every stage)")
     _check(not (p.ep > 1 and p.zero_stage > 0),
            f"parallel.ep ({p.ep}) > 1 with zero_stage ({p.zero_stage}) > 0 is not implemented")
+
+
+def _validate_tp_cp(cfg: Config) -> None:
+    """Rules for tensor / sequence / context parallel (see ``docs/tensor_parallel.md`` and
+    ``docs/context_parallel.md``)."""
+    m, p, T = cfg.model, cfg.parallel, cfg.data.seq_len
+    _check(p.cp_layout in ("auto", "load_balanced", "contiguous"),
+           f"parallel.cp_layout ({p.cp_layout}) must be auto|load_balanced|contiguous")
+    if p.tp > 1:
+        _check(m.n_heads % p.tp == 0, f"n_heads ({m.n_heads}) is not divisible by tp ({p.tp})")
+        _check(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
+               f"n_kv_heads ({m.kv_heads}) and tp ({p.tp}): one must divide the other (kv heads are "
+               "split when n_kv_heads % tp == 0, replicated when tp % n_kv_heads == 0)")
+        _check(m.ffn_dim % p.tp == 0, f"ffn hidden ({m.ffn_dim}) is not divisible by tp ({p.tp})")
+    _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs tp > 1")
+    layout = p.cp_layout
+    if layout == "auto":
+        layout = "load_balanced" if p.cp_impl == "ring" else "contiguous"
+    chunks = 2 * p.cp if layout == "load_balanced" else p.cp
+    if p.cp > 1:
+        _check(p.cp_impl == "ring" or layout == "contiguous",
+               "parallel.cp_impl=ulysses needs cp_layout contiguous (or auto)")
+        _check(T % chunks == 0, f"seq_len ({T}) is not divisible by the {chunks} chunks of the {layout} "
+                                f"cp layout (cp={p.cp})")
+        if p.cp_impl == "ulysses":
+            _check((m.n_heads // p.tp) % p.cp == 0,
+                   f"Ulysses: heads per tp rank (n_heads / tp = {m.n_heads // p.tp}) are not divisible "
+                   f"by cp ({p.cp})")
+    if p.sequence_parallel:
+        _check(T % (p.cp * p.tp) == 0,
+               f"sequence parallel: tokens per cp rank (seq_len / cp = {T // p.cp}) are not divisible "
+               f"by tp ({p.tp})")
 
 
 def dump_json(cfg: Config) -> str:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ndtrain import checkpoint as ckpt
 from ndtrain import metrics
@@ -25,7 +24,7 @@ from ndtrain.model import build_model
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
-from ndtrain.parallel.parallelize import parallelize
+from ndtrain.parallel.parallelize import build_batch_plan, parallelize
 from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
 
@@ -53,6 +52,7 @@ class Trainer:
         self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
         self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
         self.dp = parallelize(self.model, mesh, cfg)
+        self.plan = build_batch_plan(mesh, cfg)  # cuts batches for cp, vocab-parallel loss for tp
         # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train_extras); None if dense
         self.extras = (ExtraLosses(cfg, self.model, mesh, device)
                        if cfg.model.is_moe or cfg.model.mtp_depth else None)
@@ -63,16 +63,16 @@ class Trainer:
         self.local_batch = t.global_batch_size // dims.dp
         self.micro_batch = t.micro_batch_size or self.local_batch
 
-    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T)."""
+    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,)."""
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
                else contextlib.nullcontext())
         with ctx:
-            logits = self.model(inputs)  # (B, T, V)
+            logits = self.model(inputs, positions)  # (B, T, V), or (B, T, V / tp) under tp
         if logits.dtype != self.param_dtype:
             logits = logits.to(self.param_dtype)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return self.plan.loss_sum(logits, labels)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64.
@@ -82,6 +82,7 @@ class Trainer:
         ``mtp_loss``, ``moe_load_max_mean``, ``moe_dropped_frac``... (``ExtraLosses.end_step``).
         """
         inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, positions = self.plan.shard(inputs, labels)  # this cp rank's tokens
         dp_cp = self.mesh.group("dp_cp")
         n_valid = comm.all_reduce_scalar(float((labels != IGNORE_INDEX).sum()), dp_cp,
                                          device=self.device)
@@ -100,7 +101,7 @@ class Trainer:
             meter = (ActivationMeter(self.model.parameters()) if self.measure_memory and i == 0
                      else contextlib.nullcontext())
             with contextlib.nullcontext() if last else self.dp.no_sync(), meter:
-                ls = self._forward_loss_sum(inputs[sl], labels[sl])
+                ls = self._forward_loss_sum(inputs[sl], labels[sl], positions)
                 loss = ls / denom
                 if self.extras is not None:
                     loss = loss + self.extras.micro_loss(labels[sl])
@@ -141,8 +142,8 @@ class Trainer:
         self.model.eval()
         tot = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            tot[0] += self._forward_loss_sum(inputs, labels).double()
+            inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
+            tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
             tot[1] += (labels != IGNORE_INDEX).sum()
         self.model.train()
         comm.all_reduce(tot, self.mesh.group("dp_cp"))
@@ -218,7 +219,8 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
     window_t, window_tokens = 0.0, 0
     # rank 0 generates alone: not with ZeRO-3 parameters sharded over ranks (forward is collective)
-    can_sample = not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
+    can_sample = dims.tp == 1 and dims.cp == 1  # split heads / vocabulary: forward is collective
+    can_sample = can_sample and not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
     can_sample = can_sample and dims.ep == 1  # ep: experts live on other ranks
     mesh.reset_stats()
     first_step = trainer.step_count + 1

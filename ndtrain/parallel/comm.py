@@ -149,3 +149,168 @@ def all_gather_object(obj, group: AxisGroup) -> list:
     count(group, (group.size - 1) * len(pickle.dumps(obj)))
     dist.all_gather_object(out, obj, group=group.pg)
     return out
+
+
+# --- autograd-aware collectives for tensor / sequence / context parallel (Megatron f / g) ---
+def _gather_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    """Concatenate ``x`` over the group's ranks along ``dim`` (rank order); counted as all-gather."""
+    xs = x.movedim(dim, 0).contiguous()  # (S, ...) with the gathered dim first
+    out = xs.new_empty((group.size * xs.shape[0],) + tuple(xs.shape[1:]))
+    all_gather_into(out, xs, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    """This rank's ``1/N`` slice along ``dim`` of the sum of ``x`` over ranks; counted as reduce-scatter."""
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by {group.name} ({group.size})")
+    xs = x.movedim(dim, 0).contiguous()  # (N*S, ...)
+    out = xs.new_empty((xs.shape[0] // group.size,) + tuple(xs.shape[1:]))
+    reduce_scatter_into(out, xs, group)
+    return out.movedim(0, dim)
+
+
+def _split_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by {group.name} ({group.size})")
+    return x.chunk(group.size, dim)[group.rank].contiguous()
+
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's f operator: enter a tensor-parallel region with a replicated input.
+
+    fwd: identity, bwd: all-reduce (sum) over ``group``.
+    Also applied to weights that every rank of ``group`` holds whole but uses on different data
+    (norm gains under sequence parallel, replicated kv heads), so their gradients are summed.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's g operator: leave a tensor-parallel region by summing partial outputs.
+
+    fwd: all-reduce (sum) over ``group``, bwd: identity.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Keep this rank's 1/N slice of a replicated tensor along ``dim`` (sequence parallel entry).
+
+    fwd: split along ``dim`` (no communication), bwd: all-gather along ``dim``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_dim(g, ctx.dim, ctx.group), None, None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Sequence-sharded -> full sequence before a tensor-parallel region (Korthikanti 2022, g-bar).
+
+    fwd: all-gather along ``dim``, bwd: reduce-scatter along ``dim`` (the region's partial input
+    gradients are summed and each rank keeps its own sequence slice).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _reduce_scatter_dim(g, ctx.dim, ctx.group), None, None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Partial sums of a tensor-parallel region -> summed, sequence-sharded (Korthikanti 2022).
+
+    fwd: reduce-scatter along ``dim``, bwd: all-gather along ``dim``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_dim(g, ctx.dim, ctx.group), None, None
+
+
+def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    n = group.size
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} is not "
+                         f"divisible by {group.name} ({n})")
+    send = torch.stack(x.chunk(n, scatter_dim)).contiguous()  # (N, ...) chunk i goes to rank i
+    recv = torch.empty_like(send)
+    count(group, (n - 1) / n * _nbytes(send))
+    dist.all_to_all_single(recv, send, group=group.pg)
+    return torch.cat(recv.unbind(0), dim=gather_dim)  # chunks from ranks 0..N-1 in order
+
+
+class AllToAll(torch.autograd.Function):
+    """Re-shard a tensor from ``gather_dim`` to ``scatter_dim`` (DeepSpeed-Ulysses, Jacobs 2023).
+
+    Each rank splits ``x`` into N chunks along ``scatter_dim``, sends chunk i to rank i, and
+    concatenates what it receives along ``gather_dim`` in rank order.
+    fwd: all-to-all (scatter ``scatter_dim``, gather ``gather_dim``), bwd: the inverse all-to-all.
+    Bytes: (N-1)/N * S per rank each way.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        if group.pg is None:
+            return x.view_as(x)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if ctx.group.pg is None:
+            return g, None, None, None
+        s, gd = ctx.dims
+        return _all_to_all(g.contiguous(), ctx.group, gd, s), None, None, None
+
+
+def ring_exchange(send: torch.Tensor, group: AxisGroup, tag: int = 0):
+    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's.
+
+    Returns ``(recv, works)``: ``recv`` is valid after every handle in ``works`` has been waited
+    on, so the caller can compute while the transfer runs (ring attention, Liu et al. 2023).
+    Counted as ``send``'s bytes on ``group``. Raises ValueError on a size-1 group.
+    """
+    if group.pg is None:
+        raise ValueError("ring_exchange needs a group of size > 1")
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    nxt, prv = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    ops = [dist.P2POp(dist.isend, send, group=group.pg, tag=tag, group_peer=nxt),
+           dist.P2POp(dist.irecv, recv, group=group.pg, tag=tag, group_peer=prv)]
+    count(group, _nbytes(send))
+    return recv, dist.batch_isend_irecv(ops)

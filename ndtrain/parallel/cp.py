@@ -1,0 +1,143 @@
+"""Context parallel: the sequence of every sample split over the ``cp`` axis.
+
+Layouts (``parallel.cp_layout``):
+
+* ``load_balanced`` (ring default): the sequence is cut into 2*cp equal chunks and rank i holds
+  chunks i and 2*cp-1-i, so under a causal mask every rank has the same amount of attention work
+  (Liu et al. 2023; Megatron-LM / Llama 3 practice);
+* ``contiguous``: rank i holds chunk i of cp (Ulysses always uses it).
+
+The data already gives shifted labels (``labels[t] = inputs[t+1]``), so the next-token shift
+happens before sharding; inputs, labels, RoPE positions (and, for packed data, document ids) are
+cut with the same layout (``shard_batch``). The attention core of every block is replaced
+(``apply_cp``) by ring attention (``cp_ring``) or Ulysses (``cp_ulysses``); everything else in
+the model is per token and runs unchanged on the local tokens. The loss is summed over ``dp_cp``
+and parameter gradients are summed over ``dp_cp`` too (cp ranks see different tokens of the same
+samples).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import AxisGroup, Mesh
+from ndtrain.parallel.cp_ring import ring_attention
+from ndtrain.parallel.cp_ulysses import ulysses_attention
+
+LAYOUTS = ("load_balanced", "contiguous")
+
+
+def resolve_layout(impl: str, layout: str) -> str:
+    """``auto`` -> load_balanced for ring, contiguous for Ulysses; Ulysses needs contiguous."""
+    if layout == "auto":
+        return "load_balanced" if impl == "ring" else "contiguous"
+    if layout not in LAYOUTS:
+        raise ValueError(f"cp layout ({layout}) must be auto|{'|'.join(LAYOUTS)}")
+    if impl == "ulysses" and layout != "contiguous":
+        raise ValueError("Ulysses context parallel needs the contiguous layout")
+    return layout
+
+
+def chunk_ids(cp: int, rank: int, layout: str) -> tuple[int, ...]:
+    """Indices of the sequence chunks rank ``rank`` holds (2*cp chunks load-balanced, else cp)."""
+    return (rank, 2 * cp - 1 - rank) if layout == "load_balanced" else (rank,)
+
+
+def n_chunks(cp: int, layout: str) -> int:
+    return 2 * cp if layout == "load_balanced" else cp
+
+
+def local_positions(seq_len: int, cp: int, rank: int, layout: str, device=None) -> torch.Tensor:
+    """(T/cp,) int64 sequence positions of this rank's tokens. Raises ValueError if T does not split."""
+    nc = n_chunks(cp, layout)
+    if seq_len % nc:
+        raise ValueError(f"seq_len ({seq_len}) is not divisible by the {nc} chunks of the {layout} "
+                         f"layout with cp={cp}")
+    c = seq_len // nc
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank, layout)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of ``x`` along ``dim`` (e.g. (B, T) -> (B, T/cp))."""
+    pos = local_positions(x.shape[dim], cp, rank, layout, x.device)
+    return x.index_select(dim, pos)
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence`` given every rank's shard in rank order."""
+    cp = len(shards)
+    t = shards[0].shape[dim] * cp
+    full = shards[0].new_empty(shards[0].shape[:dim] + (t,) + shards[0].shape[dim + 1:])
+    for r, s in enumerate(shards):
+        full.index_copy_(dim, local_positions(t, cp, r, layout, s.device), s)
+    return full
+
+
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, layout: str):
+    """(B, T) inputs / labels (labels already shifted) -> this cp rank's (B, T/cp) inputs, labels,
+    and their (T/cp,) positions for RoPE."""
+    pos = local_positions(inputs.shape[1], group.size, group.rank, layout, inputs.device)
+    return inputs.index_select(1, pos), labels.index_select(1, pos), pos
+
+
+class RingCore:
+    """Attention core (``Attention.core`` replacement) running ring attention over ``group``.
+
+    ``documents``: optional (B, T) document ids of the full batch for packed sequences; set it
+    before the forward and every rank's block masks respect document boundaries.
+    """
+
+    def __init__(self, group: AxisGroup, layout: str, causal: bool = True):
+        self.group, self.layout, self.causal = group, layout, causal
+        self.documents: torch.Tensor | None = None
+        self._pos: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def positions(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (local_len, str(device))
+        if key not in self._pos:
+            n, t = self.group.size, local_len * self.group.size
+            kv = torch.stack([local_positions(t, n, i, self.layout, device) for i in range(n)])  # (cp, Tl)
+            self._pos[key] = (kv[self.group.rank], kv)
+        return self._pos[key]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q_pos, kv_pos = self.positions(q.shape[2], q.device)
+        q_doc = kv_doc = None
+        if self.documents is not None:
+            n = self.group.size
+            kv_doc = torch.stack([shard_sequence(self.documents, n, i, self.layout) for i in range(n)])
+            q_doc = kv_doc[self.group.rank]  # (B, Tl); kv_doc (cp, B, Tl)
+        return ring_attention(q, k, v, self.group, q_pos, kv_pos, self.causal, q_doc, kv_doc)
+
+
+class UlyssesCore:
+    """Attention core running ``inner`` (the model's own core) under Ulysses all-to-alls."""
+
+    def __init__(self, group: AxisGroup, inner):
+        self.group, self.inner = group, inner
+
+    def __call__(self, q, k, v):
+        return ulysses_attention(q, k, v, self.group, self.inner)
+
+
+def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "auto",
+             causal: bool = True) -> str:
+    """Replace every block's attention core for context parallel over the ``cp`` axis.
+
+    ``causal`` applies to ring attention (Ulysses wraps whatever core the block has). Returns the
+    resolved layout, which the batch must be sharded with (``shard_batch``). Raises ValueError for
+    an unknown impl / layout or (at forward time) heads not divisible by cp under Ulysses.
+    """
+    group = mesh.group("cp")
+    layout = resolve_layout(impl, layout)
+    if group.size == 1:
+        return layout
+    for block in model.layers.values():
+        att = block.attention
+        if impl == "ring":
+            att.core = RingCore(group, layout, causal)
+        elif impl == "ulysses":
+            att.core = UlyssesCore(group, att.core)
+        else:
+            raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses")
+    return layout

@@ -1,0 +1,256 @@
+"""Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers"): exact
+attention over a sequence split across the ``cp`` ranks, with K/V blocks passed around the ring.
+
+Each rank holds queries, keys and values of its own tokens (any layout: the caller passes every
+rank's token positions, e.g. the load-balanced causal layout of ``ndtrain.parallel.cp``). Forward,
+for s = 0 .. cp-1 the rank holds the K/V block of rank ``(r - s) mod cp``; it starts the
+asynchronous send of that block to rank r+1 and receive from rank r-1 (``batch_isend_irecv``),
+computes the block's attention while the transfer runs, and merges the partial result into its
+running output with the online-softmax (log-sum-exp) rule, kept in fp32 (fp64 for fp64 inputs):
+
+    lse' = logaddexp(lse, lse_b);   out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
+
+Blocks that the mask hides entirely (causal: keys after every query; other documents) are
+skipped but still forwarded. Backward is exact (FlashAttention-2 style, Dao 2023): with the final
+``lse`` and ``delta = rowsum(dO * O)`` each block's ``P`` is recomputed; dQ accumulates locally,
+while K/V go around the ring again together with their dK/dV accumulators, which arrive back at
+their owner after cp hops.
+
+Masks come from positions and optional document ids (packed sequences): key t is visible to query
+s iff (not causal or pos_k[t] <= pos_q[s]) and doc_k[t] == doc_q[s].
+
+Communication per call (bytes sent per rank, b = element size, K/V block = 2 B G T_l D b):
+forward (cp-1) K/V blocks; backward (cp-1) K/V blocks + cp dK/dV blocks (in the accumulation dtype).
+The slow twin is full attention on the gathered sequence (``tests/ops/test_ring_attention.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel import comm
+
+NEG_INF = float("-inf")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the softmax statistics: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: torch.Tensor | None = None,
+               k_doc: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Visibility of keys to queries: q_pos (Tq,), k_pos (Tk,), docs (B, Tq) / (B, Tk) or None.
+
+    Returns bool (1 or B, 1, Tq, Tk), True = attend, or None when everything is visible.
+    """
+    mask = None
+    if causal:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
+    if q_doc is not None:
+        same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None]  # (B, 1, Tq, Tk)
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    g = kv.shape[1]
+    return kv if g == heads else kv.repeat_interleave(heads // g, dim=1)  # (B, H, Tk, D)
+
+
+def block_forward(q, k, v, mask, scale):
+    """Attention of queries q (B, H, Tq, D) to one key block k, v (B, G, Tk, D) in q's dtype.
+
+    Returns ``(out (B, H, Tq, D), lse (B, H, Tq))``; rows with no visible key have lse = -inf and
+    out = 0.
+    """
+    h = q.shape[1]
+    s = torch.matmul(q, _expand(k, h).transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.matmul(p, _expand(v, h)), lse
+
+
+def merge(out, lse, blk_out, blk_lse):
+    """Online-softmax merge of two partial attentions over disjoint key sets (-inf safe)."""
+    new = torch.logaddexp(lse, blk_lse)  # (B, H, Tq)
+    fin = _finite(new).unsqueeze(-1)
+    return out * torch.exp(lse.unsqueeze(-1) - fin) + blk_out * torch.exp(blk_lse.unsqueeze(-1) - fin), new
+
+
+def block_backward(dout, q, k, v, lse, delta, mask, scale):
+    """Gradients of one block given the *final* lse and delta = rowsum(dO * O) (B, H, Tq).
+
+    Returns ``(dq (B, H, Tq, D), dk (B, G, Tk, D), dv (B, G, Tk, D))``.
+    """
+    b, h, _, d = q.shape
+    g, tk = k.shape[1], k.shape[2]
+    ke, ve = _expand(k, h), _expand(v, h)
+    s = torch.matmul(q, ke.transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout)  # (B, H, Tk, D)
+    ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale  # (B, H, Tk, D)
+    if g != h:
+        dk = dk.view(b, g, h // g, tk, d).sum(2)  # (B, G, Tk, D)
+        dv = dv.view(b, g, h // g, tk, d).sum(2)
+    return dq, dk, dv
+
+
+def _mask_for(ctx_like, src: int):
+    q_pos, kv_pos, q_doc, kv_doc, causal = ctx_like
+    return block_mask(q_pos, kv_pos[src], causal, q_doc, None if kv_doc is None else kv_doc[src])
+
+
+def _visible(mask) -> bool:
+    return mask is None or bool(mask.any())
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Ring attention over ``group``; see the module docstring.
+
+    fwd: (cp-1) K/V send/recv around the ring, bwd: (cp-1) K/V + cp dK/dV send/recv.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group: AxisGroup, q_pos, kv_pos, q_doc, kv_doc, causal: bool, scale: float):
+        n, r = group.size, group.rank
+        cdt = compute_dtype(q.dtype)
+        meta = (q_pos, kv_pos, q_doc, kv_doc, causal)
+        qc = q.to(cdt)
+        out = torch.zeros(q.shape, dtype=cdt, device=q.device)  # (B, H, Tq, D)
+        lse = torch.full(q.shape[:-1], NEG_INF, dtype=cdt, device=q.device)  # (B, H, Tq)
+        kv = torch.stack([k, v])  # (2, B, G, Tk, D)
+        for s in range(n):
+            src = (r - s) % n
+            works = None
+            if s < n - 1:
+                nxt, works = comm.ring_exchange(kv, group, tag=0)  # overlaps the block below
+            mask = _mask_for(meta, src)
+            if _visible(mask):
+                blk_out, blk_lse = block_forward(qc, kv[0].to(cdt), kv[1].to(cdt), mask, scale)
+                out, lse = merge(out, lse, blk_out, blk_lse)
+            if works:
+                for w in works:
+                    w.wait()
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, kv_pos, q_doc, kv_doc)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_pos, kv_pos, q_doc, kv_doc = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r = group.size, group.rank
+        cdt = out.dtype
+        meta = (q_pos, kv_pos, q_doc, kv_doc, ctx.causal)
+        qc, doc = q.to(cdt), dout.to(cdt)
+        delta = (doc * out).sum(-1)  # (B, H, Tq)
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v])  # (2, B, G, Tk, D)
+        acc = acc_works = acc_recv = None
+        for s in range(n):
+            src = (r - s) % n
+            kv_works = None
+            if s < n - 1:
+                kv_next, kv_works = comm.ring_exchange(kv, group, tag=1)
+            contrib = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # (2, B, G, Tk, D)
+            mask = _mask_for(meta, src)
+            if _visible(mask):
+                dq_b, dk_b, dv_b = block_backward(doc, qc, kv[0].to(cdt), kv[1].to(cdt), lse, delta, mask, scale)
+                dq += dq_b
+                contrib[0], contrib[1] = dk_b, dv_b
+            if acc_works:  # dK/dV of block src accumulated by the ranks before us
+                for w in acc_works:
+                    w.wait()
+                contrib += acc_recv
+            acc = contrib
+            if n > 1:  # pass the accumulator on; after the last step it reaches the block's owner
+                acc_recv, acc_works = comm.ring_exchange(acc, group, tag=2)
+            if kv_works:
+                for w in kv_works:
+                    w.wait()
+                kv = kv_next
+        if n > 1:
+            for w in acc_works:
+                w.wait()
+            acc = acc_recv
+        return (dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)) + (None,) * 7
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, q_pos: torch.Tensor,
+                   kv_pos: torch.Tensor, causal: bool = True, q_doc: torch.Tensor | None = None,
+                   kv_doc: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Exact attention of this rank's queries to every rank's keys.
+
+    Args:
+        q: (B, H, Tq, D) this rank's queries; k, v: (B, G, Tk, D) its keys / values (H % G == 0).
+        group: the ``cp`` AxisGroup (size 1 = plain blockwise attention).
+        q_pos: (Tq,) int64 sequence positions of this rank's tokens.
+        kv_pos: (cp, Tk) positions of every rank's tokens (row i = rank i).
+        causal: mask keys at later positions.
+        q_doc, kv_doc: optional document ids (B, Tq) and (cp, B, Tk) for packed sequences.
+        scale: softmax scale, default 1 / sqrt(D).
+    Returns: (B, H, Tq, D) in q's dtype. Raises ValueError on inconsistent shapes.
+    """
+    if kv_pos.shape[0] != group.size or q.shape[1] % k.shape[1]:
+        raise ValueError(f"kv_pos rows ({kv_pos.shape[0]}) must equal cp ({group.size}) and query heads "
+                         f"({q.shape[1]}) be a multiple of kv heads ({k.shape[1]})")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttentionFunction.apply(q, k, v, group, q_pos, kv_pos, q_doc, kv_doc, causal, scale)
+
+
+def simulate_ring_attention(q, k, v, q_pos, kv_pos, causal=True, q_doc=None, kv_doc=None, scale=None):
+    """Single-process simulation of the ring: the same block / merge / backward steps each rank
+    runs, in ring order, on per-rank lists ``q[i]`` (B, H, Tq, D), ``k[i]``, ``v[i]`` (B, G, Tk, D);
+    ``q_pos`` (cp, Tq), ``kv_pos`` (cp, Tk), docs (cp, B, T) or None.
+
+    Returns ``(outs, backward)``: per-rank outputs and a function ``backward(douts)`` giving the
+    per-rank ``(dqs, dks, dvs)`` (dK/dV summed over every rank that used the block, as the ring's
+    travelling accumulators do). Used by the single-process tests to pin the ring's arithmetic.
+    """
+    n = len(q)
+    scale = 1.0 / math.sqrt(q[0].shape[-1]) if scale is None else scale
+    cdt = compute_dtype(q[0].dtype)
+    metas = [(q_pos[i], kv_pos, None if q_doc is None else q_doc[i], kv_doc, causal) for i in range(n)]
+    outs, lses = [], []
+    for r in range(n):
+        out = torch.zeros(q[r].shape, dtype=cdt)
+        lse = torch.full(q[r].shape[:-1], NEG_INF, dtype=cdt)
+        for s in range(n):
+            src = (r - s) % n
+            mask = _mask_for(metas[r], src)
+            if _visible(mask):
+                out, lse = merge(out, lse, *block_forward(q[r].to(cdt), k[src].to(cdt), v[src].to(cdt), mask, scale))
+        outs.append(out)
+        lses.append(lse)
+
+    def backward(douts):
+        dqs = [torch.zeros(x.shape, dtype=cdt) for x in q]
+        acc = [torch.zeros((2,) + tuple(x.shape), dtype=cdt) for x in k]  # held by block owner index
+        for s in range(n):  # step s: rank r works on block (r - s) mod n, in ring order
+            for r in range(n):
+                src = (r - s) % n
+                mask = _mask_for(metas[r], src)
+                if _visible(mask):
+                    delta = (douts[r].to(cdt) * outs[r]).sum(-1)
+                    dq, dk, dv = block_backward(douts[r].to(cdt), q[r].to(cdt), k[src].to(cdt), v[src].to(cdt),
+                                                lses[r], delta, mask, scale)
+                    dqs[r] += dq
+                    acc[src][0] += dk
+                    acc[src][1] += dv
+        return dqs, [a[0] for a in acc], [a[1] for a in acc]
+
+    return [o.to(q[0].dtype) for o in outs], backward
