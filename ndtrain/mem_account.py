@@ -19,7 +19,8 @@ the peak of params + grads + optim (``mem_state_peak_bytes``).
 
 Activations (``ActivationMeter``): a ``TorchDispatchMode`` that sees every tensor an operator
 creates during one microbatch's forward and backward and follows its storage's lifetime with a
-``weakref.finalize``; after every operator it records the bytes of storages alive at once. It
+``weakref.finalize`` (views and in-place results, which alias an input, are not new storage);
+after every operator it records the bytes of storages alive at once. It
 therefore measures saved activations, recomputed activations (activation checkpointing) and
 activation gradients, on CPU and GPU alike. Excluded: storages created inside gradient
 accumulation / data-parallel gradient hooks (the autograd node running is ``AccumulateGrad``),
@@ -150,8 +151,10 @@ class ActivationMeter(TorchDispatchMode):
         if _UNTRACKED[0] == 0:
             node = torch._C._current_autograd_node()
             if node is None or "AccumulateGrad" not in node.name():
+                # only storages the op allocated: views / in-place results alias an input
+                seen = {_skey(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
                 for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                    if isinstance(t, torch.Tensor) and _skey(t) not in seen:
                         self._track(t)
                 self.peak = max(self.peak, self.current)
         return out

@@ -5,19 +5,23 @@
   during backward (Chen et al. 2016; Megatron "full recompute"). Memory O(L) block inputs + one
   block's activations.
 * ``every:C``   - segments of C consecutive blocks (Chen et al. 2016, "Training Deep Nets with
-  Sublinear Memory Cost"): only every C-th block input is kept; the backward of a segment
-  recomputes its C blocks at once. Memory O(L / C + C) block inputs + one block's activations.
-* ``sqrt``      - ``every:C`` with C = round(sqrt(L)): O(sqrt(L)) memory for one extra forward.
+  Sublinear Memory Cost"), two-level: only every C-th block input is kept; the backward of a
+  segment first recomputes the segment keeping just its C block inputs, then each block recomputes
+  its own activations. Memory O(L / C + C) block inputs + one block's activations, for two extra
+  forwards (C = 1 is ``full``).
+* ``sqrt``      - ``every:C`` with C = round(sqrt(L)): O(sqrt(L)) block inputs.
 * ``selective`` - per block, keep the outputs of matrix multiplies (``aten.mm / addmm / bmm``)
   and recompute everything else: the attention core (softmax(QK^T)V, whose saved state grows with
   T^2 in a non-fused kernel) and the elementwise ops (RoPE, SiLU, products, norms) (Korthikanti
   et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"). Implemented as a
   per-op policy with ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
 
-Mechanism: ``torch.utils.checkpoint``'s non-reentrant checkpoint, opened in the first block's
-forward pre-hook and closed in the last block's forward hook of each segment, so module names,
-parameters and other forward hooks (ZeRO-3's gather / free) are untouched. The recompute replays
-the segment's blocks through their ``__call__``; RNG state (CPU and CUDA) is stashed when the
+Mechanism: ``torch.utils.checkpoint``'s non-reentrant checkpoint (its generator form), opened in
+the first block's forward pre-hook and closed in the last block's forward hook of each region, so
+module names, parameters and other forward hooks (ZeRO-3's gather / free) are untouched. Segments
+of ``every:C`` are level-0 regions holding one level-1 region per block (torch saves a nested
+region's inputs through the enclosing region, so they are dropped and recomputed). A recompute
+replays the region's blocks through their ``__call__``, re-opening only deeper regions; RNG state (CPU and CUDA) is stashed when the
 segment starts and restored for the recompute (``preserve_rng_state``), so dropout masks match;
 autocast state is restored too. Blocks called without grad (evaluation, generation with a KV
 cache) are not checkpointed.
@@ -30,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
-_RECOMPUTING = [0]  # > 0 while a segment replays its blocks in backward
+_REPLAYING: list[int] = []  # levels of the regions replaying their blocks (checkpoint recompute)
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
@@ -61,16 +65,21 @@ def selective_context_fn():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-class _Segment:
-    """Consecutive blocks checkpointed as one region (hooks on the first and last block)."""
+class _Region:
+    """Consecutive blocks checkpointed as one region at nesting ``level`` (0 outer, 1 per block)."""
 
-    def __init__(self, blocks: list[nn.Module], context_fn):
-        self.blocks, self.context_fn, self._gen = blocks, context_fn, None
-        self.handles = [blocks[0].register_forward_pre_hook(self._enter),
-                        blocks[-1].register_forward_hook(self._exit)]
+    def __init__(self, blocks: list[nn.Module], level: int, context_fn):
+        self.blocks, self.level, self.context_fn, self._gen = blocks, level, context_fn, None
+
+    def hook_enter(self) -> None:
+        self.handles = [self.blocks[0].register_forward_pre_hook(self._enter)]
+
+    def hook_exit(self) -> None:
+        self.handles.append(self.blocks[-1].register_forward_hook(self._exit))
 
     def _enter(self, module, args):
-        if not torch.is_grad_enabled() or _RECOMPUTING[0] or (len(args) > 3 and args[3] is not None):
+        replaying = _REPLAYING[-1] if _REPLAYING else -1
+        if not torch.is_grad_enabled() or replaying >= self.level or (len(args) > 3 and args[3] is not None):
             return
         from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
@@ -84,17 +93,17 @@ class _Segment:
             next(gen, None)  # leave the region
 
     def _replay(self, x, cos, sin):
-        _RECOMPUTING[0] += 1
+        _REPLAYING.append(self.level)
         try:
             for block in self.blocks:
                 x = block(x, cos, sin)  # (B, T, C)
             return x
         finally:
-            _RECOMPUTING[0] -= 1
+            _REPLAYING.pop()
 
 
-def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Segment]:
-    """Checkpoint ``model.layers`` by ``policy`` (see module docstring); returns the segments.
+def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Region]:
+    """Checkpoint ``model.layers`` by ``policy`` (see module docstring); returns the regions.
 
     Blocks are called as ``block(x, cos, sin, kv_cache=None)``. Raises ValueError for an unknown
     policy or a model without ``layers``.
@@ -106,4 +115,17 @@ def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Segment]
     if kind == "none":
         return []
     ctx = selective_context_fn if kind == "selective" else noop_context_fn
-    return [_Segment(blocks[i:i + c], ctx) for i in range(0, len(blocks), c)]
+    regions = []
+    for i in range(0, len(blocks), c):
+        seg = blocks[i:i + c]
+        outer = _Region(seg, 0, ctx) if len(seg) > 1 else None
+        inner = [_Region([b], 1, ctx) for b in seg]
+        if outer:  # hook order: outer enters before, and exits after, the per-block regions
+            outer.hook_enter()
+        for r in inner:
+            r.hook_enter()
+            r.hook_exit()
+        if outer:
+            outer.hook_exit()
+        regions += ([outer] if outer else []) + inner
+    return regions

@@ -87,8 +87,11 @@ class FlatShardLayout:
     def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Reduce-scatter input: full tensors -> ``out`` (N * S,) in the gathered layout (padded).
 
-        ``tensors[i]`` has shape ``shapes[i]`` and ``out``'s dtype (cast beforehand).
+        ``tensors[i]`` has shape ``shapes[i]``. When a dtype differs from ``out``'s, the copies
+        cast on the fly (``pack_reference``) rather than materialising cast copies of every tensor.
         """
+        if any(t.dtype != out.dtype for t in tensors):
+            return self.pack_reference(tensors, out)
         views = [t.reshape(t.shape[0], -1) for t in tensors]  # (d0, c) each
         torch._chunk_cat(views, dim=0, num_chunks=self.n, out=out.view(self.n, -1))
         return out
@@ -96,7 +99,6 @@ class FlatShardLayout:
     @torch.no_grad()
     def pack_reference(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Slow twin of ``pack``: one copy per (rank, parameter)."""
-        out.zero_()
         grid = out.view(self.n, self.shard_numel)  # (N, S)
         for i, t in enumerate(tensors):
             t2 = t.reshape(t.shape[0], -1)  # (d0, c)
@@ -104,6 +106,7 @@ class FlatShardLayout:
             for k in range(self.n):
                 rows = t2[k * r:(k + 1) * r]  # (<= r, c)
                 grid[k, o:o + rows.numel()].copy_(rows.reshape(-1))
+                grid[k, o + rows.numel():o + r * c].zero_()  # padding
         return out
 
     @torch.no_grad()

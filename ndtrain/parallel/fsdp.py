@@ -247,8 +247,8 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
     # --- gradient reduction -----------------------------------------------------------------
     def _launch(self, u: _Unit) -> None:
         with untracked():
-            grads = [(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=u.shard.device))
-                     .to(self.reduce_dtype) for p in u.full]
+            grads = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=u.shard.device)
+                     for p in u.full]
             full = u.layout.pack(grads, torch.empty(u.layout.padded_numel, dtype=self.reduce_dtype,
                                                     device=u.shard.device))
             out = torch.empty(u.layout.shard_numel, dtype=self.reduce_dtype, device=u.shard.device)
@@ -318,15 +318,15 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             self.mem.sample(self.memory_tensors())
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """params: fp32 shards (the masters); grads: unreduced full grads and gradient shards;
-        optim: Adam state; buffers: gathered parameters and communication buffers."""
-        grads = [p.grad for u in self.units for p in u.full if p.grad is not None]
-        grads += [u.acc for u in self.units if u.acc is not None]
+        """params: fp32 shards (the masters); grads: gradient shards; optim: Adam state;
+        buffers (transient, about one or two units): gathered parameters, a unit's full gradients
+        before its reduce-scatter, communication buffers."""
+        grads = [u.acc for u in self.units if u.acc is not None]
         grads += [e.param.grad for e in self.entries if e.param.grad is not None]
         optim = []
         if self.optimizer is not None:
             optim = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        buffers = [p for u in self.units for p in u.full]
+        buffers = [t for u in self.units for p in u.full for t in (p, p.grad)]
         for u in self.units:
             buffers += list(u.gather[1:]) if u.gather else []
             buffers += list(u.pending[1:]) if u.pending else []

@@ -87,11 +87,14 @@ class ShardedDataParallelBase:
         self._dmesh, self._placements = None, None
         if mesh.device_mesh is None or self.shard_group.size == 1:
             return  # shards are whole tensors: plain (replicated) tensors
+        # with cp = 1 the root's dp_shard dim is dp_shard_cp (same ranks, same order); slicing a
+        # flattened dim out of the root mesh is deprecated
+        shard_dim = "dp_shard" if mesh.dims.cp == 1 else "dp_shard_cp"
         if self.replicate_group.size > 1:
-            self._dmesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
+            self._dmesh = mesh.device_mesh["dp_replicate", shard_dim]
             self._placements = (Replicate(), Shard(0))
         else:
-            self._dmesh = mesh.device_mesh["dp_shard_cp"]
+            self._dmesh = mesh.device_mesh[shard_dim]
             self._placements = (Shard(0),)
 
     def _present(self, local: torch.Tensor, shape: torch.Size):

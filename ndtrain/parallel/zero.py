@@ -147,8 +147,7 @@ class ZeroDataParallel(ShardedDataParallelBase):
 
     def _launch(self, b: _Bucket) -> None:
         with untracked():
-            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).to(self.reduce_dtype)
-                     for p in b.params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             full = b.layout.pack(grads, torch.empty(b.layout.padded_numel, dtype=self.reduce_dtype,
                                                     device=b.master.device))
             out = torch.empty(b.layout.shard_numel, dtype=self.reduce_dtype, device=b.master.device)

@@ -26,11 +26,12 @@ from tests.dist_utils import run_ranks
 V, T, STEPS, MICRO = 61, 8, 10, 4
 
 
-def tiny_cfg(global_batch: int, micro: int, **parallel) -> Config:
+def tiny_cfg(global_batch: int, micro: int, ac: str = "none", **parallel) -> Config:
     return Config(model=ModelConfig(vocab_size=V, dim=30, n_layers=2, n_heads=3, n_kv_heads=1,
                                     ffn_hidden=45, max_seq_len=64, rope_theta=10000.0),
                   training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=global_batch,
-                                          micro_batch_size=micro, lr=1e-2, warmup_steps=2, grad_clip=0.05),
+                                          micro_batch_size=micro, lr=1e-2, warmup_steps=2, grad_clip=0.05,
+                                          activation_checkpoint=ac),
                   parallel=ParallelConfig(bucket_size_bytes=4096, **parallel))
 
 
@@ -121,14 +122,17 @@ def _check(res: dict, layouts: list[dict]) -> None:
 
 LAYOUTS_2 = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
              {"zero_stage": 3, "keep_last_unit_gathered": False},
-             {"zero_stage": 3, "reshard_after_forward": False}]
+             {"zero_stage": 3, "reshard_after_forward": False},
+             # recompute replays units that are already gathered for backward: no extra traffic
+             {"zero_stage": 3, "ac": "every:2"}, {"zero_stage": 2, "ac": "selective"}]
 LAYOUTS_4 = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3, "keep_last_unit_gathered": False},
              {"zero_stage": 3, "dp_replicate": 2, "dp_shard": 2},
              {"zero_stage": 2, "dp_replicate": 2, "dp_shard": 2}]
 
 
 def test_zero_stages_two_ranks_match_single_process():
-    """ZeRO-1/2/3 (and the reshard / keep-last variants) on 2 ranks, 4 microbatches, clipping on."""
+    """ZeRO-1/2/3 (reshard / keep-last variants, with activation checkpointing) on 2 ranks,
+    4 microbatches, clipping on."""
     for res in run_ranks(_layouts_vs_single, 2, LAYOUTS_2):
         _check(res, LAYOUTS_2)
 
