@@ -29,12 +29,12 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.model.moe import moe_layers  # noqa: E402
-from ndtrain.parallel import ep as ep_mod  # noqa: E402
-from ndtrain.parallel.parallelize import parallelize  # noqa: E402
-from ndtrain.model import build_model  # noqa: E402
+from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.model import build_model
+from ndtrain.model.moe import moe_layers
+from ndtrain.parallel import ep as ep_mod
+from ndtrain.parallel.parallelize import parallelize
 
 E, K, C, B, T = 8, 2, 256, 8, 128
 

@@ -24,11 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.metrics import flops_per_token  # noqa: E402
-from ndtrain.model.moe import moe_layers  # noqa: E402
-from ndtrain.train import Trainer  # noqa: E402
+from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.metrics import flops_per_token
+from ndtrain.model.moe import moe_layers
+from ndtrain.train import Trainer
 
 C, L, FE, E, K, B, T = 256, 4, 256, 8, 2, 8, 128
 

@@ -104,6 +104,7 @@ class ParallelDims:
 
     def __str__(self) -> str:
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []  # borrowed from dp_shard x cp
         return " x ".join(parts or ["single"]) + f" (world {self.world_size})"
 
     def build_mesh(self, device_type: str = "cpu") -> "Mesh":

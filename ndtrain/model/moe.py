@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model.mlp import FeedForward
 from ndtrain.model import moe_balance
+from ndtrain.model.mlp import FeedForward
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

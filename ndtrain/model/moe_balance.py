@@ -33,7 +33,7 @@ expert assignment counts of the whole global batch (all microbatches, all-reduce
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh

@@ -155,9 +155,16 @@ def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int
 
 
 def from_model_config(m, name: str = "") -> ModelSpec:
-    """From an ``ndtrain.config.ModelConfig`` (dense Llama)."""
+    """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
+    ``mla_*`` fields; MTP modules are not modelled)."""
+    moe = dict(n_experts=m.moe_experts, top_k=m.moe_top_k, moe_ffn_hidden=m.expert_ffn_dim,
+               n_shared_experts=m.moe_shared_experts, shared_ffn_hidden=m.expert_ffn_dim,
+               first_dense_layers=m.moe_layer_start, moe_layer_freq=m.moe_layer_interleave) if m.is_moe else {}
+    mla = dict(q_lora_rank=m.mla_q_rank, kv_lora_rank=m.mla_kv_rank, qk_rope_head_dim=m.mla_rope_dim,
+               v_head_dim=m.mla_v_dim or m.head_dim) if m.attention == "mla" else {}
+    head_dim = (m.mla_nope_dim or m.head_dim) if mla else m.head_dim
     return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
-                     m.head_dim, m.ffn_dim, m.tie_embeddings)
+                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla)
 
 
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from ndtrain.hf import load_hf_checkpoint  # noqa: E402
-from ndtrain.hf_moe import config_from_hf_moe  # noqa: E402
-from ndtrain.model.moe import moe_layers  # noqa: E402
+from ndtrain.hf import load_hf_checkpoint
+from ndtrain.hf_moe import config_from_hf_moe
+from ndtrain.model.moe import moe_layers
 
 
 def tokens():

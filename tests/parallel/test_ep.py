@@ -25,7 +25,7 @@ from tests.dist_utils import run_ranks
 V, T, G, E, STEPS = 64, 8, 8, 8, 10
 
 
-def moe_cfg(world: int, ep: int, micro: int, **kw) -> Config:
+def moe_cfg(world: int, ep: int, micro: int, cp: int = 1, **kw) -> Config:
     m = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
              rope_theta=10000.0, init_std=0.1, moe_experts=E, moe_top_k=2, moe_ffn_hidden=16,
              moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2, moe_topk_groups=2, moe_route_scale=1.5,
@@ -33,7 +33,7 @@ def moe_cfg(world: int, ep: int, micro: int, **kw) -> Config:
     cfg = Config(model=ModelConfig(**{**m, **kw}),
                  training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, micro_batch_size=micro,
                                          lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(dp_shard=world, ep=ep, bucket_size_bytes=4096))
+                 parallel=ParallelConfig(dp_shard=world // cp, cp=cp, ep=ep, bucket_size_bytes=4096))
     cfg.data.seq_len = T
     validate(cfg, world)
     return cfg
@@ -58,11 +58,11 @@ def train(tr: Trainer, rank: int, world: int, steps: int = STEPS) -> dict:
         return orig_clip(max_norm, mesh)
 
     tr.dp.clip_grad_norm = capture
-    local = G // world
+    local, dp_rank = G // tr.mesh.dims.dp, tr.mesh.group("dp").rank
     for step in range(steps):
         x, y = global_batch(step)
         tr.mesh.reset_stats()
-        out = tr.step(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
+        out = tr.step(x[dp_rank * local:(dp_rank + 1) * local], y[dp_rank * local:(dp_rank + 1) * local])
         rec.setdefault("bytes", tr.mesh.reset_stats())
         rec["loss"].append(out["loss"])
         rec["aux"].append(out["aux_loss"])
@@ -92,21 +92,21 @@ def compare(rank_rec: dict, ref: dict, ep_rank: int, ep: int) -> float:
     return worst
 
 
-def _layouts(rank: int, world: int, layouts: list[tuple[int, str]]) -> dict:
+def _layouts(rank: int, world: int, layouts: list[tuple[int, str, int]]) -> dict:
     refs, out = {}, {}
-    for ep, scope in layouts:
-        if scope not in refs:
-            micro = G // world if scope == "microbatch" else 0
-            ref_tr = Trainer(moe_cfg(1, 1, micro, moe_aux_scope=scope), ParallelDims(world_size=1).build_mesh(),
-                             torch.device("cpu"))
-            refs[scope] = train(ref_tr, 0, 1)
-        cfg = moe_cfg(world, ep, 0, moe_aux_scope=scope)
+    for ep, scope, cp in layouts:
+        kw = dict(moe_aux_scope=scope, moe_seq_aux_loss_coef=0.0 if cp > 1 else 0.01)
+        if (scope, cp) not in refs:
+            micro = G // (world // cp) if scope == "microbatch" else 0
+            ref_tr = Trainer(moe_cfg(1, 1, micro, **kw), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+            refs[(scope, cp)] = train(ref_tr, 0, 1)
+        cfg = moe_cfg(world, ep, 0, cp=cp, **kw)
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
         tr = Trainer(cfg, mesh, torch.device("cpu"))
         rec = train(tr, rank, world)
         expert_numel = sum(p.numel() for n, p in tr.model.named_parameters() if ".experts." in n)
         dense_numel = sum(p.numel() for n, p in tr.model.named_parameters() if ".experts." not in n)
-        out[(ep, scope)] = {"rel": compare(rec, refs[scope], mesh.group("ep").rank, ep), "bytes": rec["bytes"],
+        out[(ep, scope, cp)] = {"rel": compare(rec, refs[(scope, cp)], mesh.group("ep").rank, ep), "bytes": rec["bytes"],
                             "expert_numel": expert_numel, "dense_numel": dense_numel,
                             "edp": mesh.group("edp").size, "load": rec["load"], "loss": rec["loss"]}
     return out
@@ -125,18 +125,20 @@ def check_bytes(r: dict, world: int, ep: int) -> None:
 
 def test_ep_dp_layouts_world4_match_single_process():
     """EP1xDP4, EP2xDP2, EP4xDP1 (world 4, global batch 8): losses, aux losses, grad norms,
-    step-0 expert / router / dense gradients and final parameters vs the single process."""
-    layouts = [(1, "microbatch"), (2, "microbatch"), (4, "microbatch")]
+    step-0 expert / router / dense gradients and final parameters vs the single process. Plus EP4
+    borrowing cp ranks (dp_shard 2 x cp 2, global-scope Switch loss, no sequence-wise loss)."""
+    layouts = [(1, "microbatch", 1), (2, "microbatch", 1), (4, "microbatch", 1), (4, "global", 2)]
     res = run_ranks(_layouts, 4, layouts, timeout_s=240)
     for r in res:
-        for (ep, _), v in r.items():
-            assert v["rel"] < 1e-6, (ep, v["rel"])
-            check_bytes(v, 4, ep)
-    assert res[0][(2, "microbatch")]["edp"] == 2 and res[0][(4, "microbatch")]["edp"] == 1
+        for (ep, _, cp), v in r.items():
+            assert v["rel"] < 1e-6, (ep, cp, v["rel"])
+            if cp == 1:
+                check_bytes(v, 4, ep)
+    assert res[0][(2, "microbatch", 1)]["edp"] == 2 and res[0][(4, "microbatch", 1)]["edp"] == 1
 
 
 def _world2(rank: int, world: int, ckpt_dir: str) -> dict:
-    out = _layouts(rank, world, [(2, "microbatch"), (2, "global")])
+    out = _layouts(rank, world, [(2, "microbatch", 1), (2, "global", 1)])
     out["zero_tokens"] = _zero_token_rank(rank, world)
     out["ckpt"] = _checkpoint_round_trip(rank, world, ckpt_dir)
     return out
@@ -199,7 +201,7 @@ def test_ep2_world2_scopes_zero_tokens_and_checkpoint(tmp_path):
     experts receive no tokens; checkpoint save / reload across ep degrees."""
     res = run_ranks(_world2, 2, str(tmp_path), timeout_s=240)
     for r in res:
-        for key in ((2, "microbatch"), (2, "global")):
+        for key in ((2, "microbatch", 1), (2, "global", 1)):
             assert r[key]["rel"] < 1e-6, (key, r[key]["rel"])
             check_bytes(r[key], 2, 2)
         z = r["zero_tokens"]
@@ -208,7 +210,7 @@ def test_ep2_world2_scopes_zero_tokens_and_checkpoint(tmp_path):
     assert res[1]["zero_tokens"]["grad_abs"] == 0.0  # ep rank 1 saw no tokens: zero gradients
     assert res[0]["zero_tokens"]["grad_abs"] > 0.0
     # the two scopes give different aux losses (different statistics), both matched above
-    assert res[0][(2, "microbatch")]["loss"] != res[0][(2, "global")]["loss"]
+    assert res[0][(2, "microbatch", 1)]["loss"] != res[0][(2, "global", 1)]["loss"]
 
 
 @pytest.mark.parametrize("bad,rule", [({"parallel.ep": "3"}, "dp_shard\\*cp \\(4\\) is not divisible by ep \\(3\\)")])

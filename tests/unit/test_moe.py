@@ -12,7 +12,7 @@ from ndtrain.config import Config, ConfigError, DataConfig, ModelConfig, Trainin
 from ndtrain.mesh import ParallelDims
 from ndtrain.metrics import flops_per_token
 from ndtrain.model import build_model
-from ndtrain.model.moe import MoE, grouped_mm, grouped_mm_loop, moe_layers
+from ndtrain.model.moe import MoE, grouped_mm, moe_layers
 from ndtrain.model.moe_balance import end_step, pop_aux_loss
 from ndtrain.model.upcycle import upcycle
 from ndtrain.train import Trainer
@@ -242,6 +242,12 @@ def test_moe_presets_load():
         cfg = load_config(name)
         validate(cfg, 2 if "debug" in name else None)
     assert load_config("deepseek_v3").model.is_moe_layer(3) and not load_config("deepseek_v3").model.is_moe_layer(2)
+    from ndtrain.planner.model_spec import load_model_spec
+
+    # the planner reads the MoE / MLA fields: published totals / active counts (46.7B / 12.9B; 671B / 37B)
+    mix, ds = load_model_spec("mixtral_8x7b")[0], load_model_spec("deepseek_v3")[0]
+    assert round(mix.params_total / 1e9, 1) == 46.7 and round(mix.params_active / 1e9, 1) == 12.9
+    assert round(ds.params_total / 1e9) == 671 and 37 <= ds.params_active / 1e9 < 38
 
 
 def test_moe_with_activation_checkpointing_matches():
