@@ -314,9 +314,7 @@ _DTYPES = ("float64", "float32", "bfloat16", "float16")
 _AC = ("none", "full", "sqrt", "selective")
 # Layout knobs validated now but implemented by later work; a value other than the default is a
 # clear error rather than a silent ignore. Delete an entry when its axis lands.
-NOT_IMPLEMENTED: dict[str, Any] = {
-    "parallel.pp": 1,
-}
+NOT_IMPLEMENTED: dict[str, Any] = {}
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -362,6 +360,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         value = getattr(getattr(cfg, section), name)
         _check(value == default, f"{key}={value} is not implemented yet (only {default} is supported)")
     _validate_tp_cp(cfg)
+    _validate_pp(cfg)
     if p.ep > 1:
         _check(m.is_moe, f"parallel.ep ({p.ep}) > 1 needs an MoE model (model.moe_experts > 0)")
         _check(m.moe_experts % p.ep == 0,
@@ -378,6 +377,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         mb = t.micro_batch_size or local
         _check(local % mb == 0, f"local batch ({local} = global_batch_size / dp) is not divisible by "
                                 f"micro_batch_size ({mb})")
+        n_micro = p.pp_microbatches or local // mb
+        _check(p.pp == 1 or n_micro <= local,
+               f"pp_microbatches ({n_micro}) exceeds the local batch ({local} sequences = "
+               f"global_batch_size / dp): every microbatch needs >= 1 sequence")
 
 
 def _validate_zero(cfg: Config) -> None:
@@ -435,13 +438,32 @@ def _validate_moe_mla_mtp(cfg: Config) -> None:
            f"attention=mla with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
     _check(not (m.mtp_depth and (p.tp > 1 or p.cp > 1)),
            f"mtp_depth > 0 with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
-    _check(not (m.moe_seq_aux_loss_coef > 0 and p.cp > 1),
-           f"moe_seq_aux_loss_coef > 0 with cp ({p.cp}) > 1 is not implemented (a cp rank sees part of "
-           "each sequence; the per-sequence loads would need a cp all-reduce)")
     _check(not ((m.is_moe or m.mtp_depth) and p.pp > 1),
            f"MoE / MTP models with pp ({p.pp}) > 1 are not implemented (aux / MTP losses of every stage)")
     _check(not (p.ep > 1 and p.zero_stage > 0),
            f"parallel.ep ({p.ep}) > 1 with zero_stage ({p.zero_stage}) > 0 is not implemented")
+
+
+def _validate_pp(cfg: Config) -> None:
+    """Rules for pipeline parallel (see ``docs/pipeline_parallel.md``)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    v = p.pp_virtual_stages
+    _check(p.pp_microbatches >= 0, f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= 0")
+    _check(v >= 1, f"parallel.pp_virtual_stages ({v}) must be >= 1")
+    if p.pp_schedule == "interleaved":
+        _check(v >= 2, f"pp_schedule=interleaved needs pp_virtual_stages >= 2 (got {v})")
+    else:
+        _check(v == 1, f"pp_virtual_stages ({v}) > 1 needs pp_schedule=interleaved (got {p.pp_schedule})")
+    if p.pp > 1:
+        _check(m.n_layers >= p.pp * v, f"n_layers ({m.n_layers}) < pp * pp_virtual_stages ({p.pp * v}): "
+                                       "every pipeline stage needs at least one block")
+        _check(not m.is_moe and not m.mtp_depth,
+               "pipeline parallel supports dense models without mtp_depth (MoE auxiliary losses and "
+               "MTP heads are not carried across stages yet)")
+        if p.pp_schedule == "zero_bubble":
+            _check(t.activation_checkpoint == "none",
+                   "pp_schedule=zero_bubble needs activation_checkpoint=none (its W pass reuses the "
+                   "activations its B pass kept)")
 
 
 def _validate_tp_cp(cfg: Config) -> None:

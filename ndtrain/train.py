@@ -50,7 +50,12 @@ class Trainer:
         self.mem = StateMemory()  # per-rank bytes held (ndtrain.mem_account)
         self.measure_memory = False  # also meter activations / in-hook peaks on the next step
         self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
-        self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
+        if mesh.dims.pp > 1:  # only this rank's pipeline stage, built on meta (ndtrain.parallel.pp)
+            from ndtrain.parallel.pp import build_pipeline_stage
+
+            self.model = build_pipeline_stage(cfg, mesh, device, self.param_dtype, t.seed)
+        else:
+            self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
         self.dp = parallelize(self.model, mesh, cfg)
         self.plan = build_batch_plan(mesh, cfg)  # cuts batches for cp, vocab-parallel loss for tp
         # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train_extras); None if dense
@@ -62,6 +67,15 @@ class Trainer:
         dims = mesh.dims
         self.local_batch = t.global_batch_size // dims.dp
         self.micro_batch = t.micro_batch_size or self.local_batch
+        self.pipeline = None  # pp > 1: step() hands the microbatches to the pipeline schedule
+        if dims.pp > 1:
+            from ndtrain.parallel.pp import StagePipeline
+
+            n_micro = cfg.parallel.pp_microbatches or self.local_batch // self.micro_batch
+            self.pipeline = StagePipeline(
+                self.model, self.dp, mesh, cfg, lambda lg, y: self.plan.loss_sum(lg.to(self.param_dtype), y),
+                lambda: (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast
+                         else contextlib.nullcontext()), device, n_micro)
 
     def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +101,8 @@ class Trainer:
         n_valid = comm.all_reduce_scalar(float((labels != IGNORE_INDEX).sum()), dp_cp,
                                          device=self.device)
         denom = max(n_valid, 1.0)
+        if self.pipeline is not None:
+            return self._pipeline_step(inputs, labels, positions, n_valid)
         if self.extras is not None:
             self.extras.begin_step(inputs, labels)
         n_micro = inputs.shape[0] // self.micro_batch
@@ -136,6 +152,33 @@ class Trainer:
             out.update(self.extras.end_step())
         return out
 
+    def _pipeline_step(self, inputs, labels, positions, n_valid: float) -> dict[str, float]:
+        """``step`` under pipeline parallel: the schedule runs every microbatch (DP sync after the
+        last, tied-embedding grads summed), then global-norm clipping over all stages."""
+        denom = max(n_valid, 1.0)
+        scale = self.scaler.scale if self.scaler is not None else 1.0  # fp16: loss scaled by S
+        self.pipeline.runtime.track_memory = self.measure_memory
+        loss_sum = self.pipeline.forward_backward(inputs, labels, denom / scale, positions)
+        ok = True
+        if self.scaler is not None:  # unscale; an overflow on any rank of any stage skips the step
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            ok = self.scaler.unscale_and_check(grads, self.mesh)
+            self.scaler.update(ok)
+        grad_norm = self.pipeline.clip_grad_norm(self.cfg.training.grad_clip) if ok else float("nan")
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        comm.all_reduce(loss_sum, self.mesh.group("dp_cp"))
+        self.step_count += 1
+        out = {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
+        if self.measure_memory:  # live activation storages of the whole step on this stage
+            out["mem_activations_peak_bytes"] = self.pipeline.runtime.peak_activation_bytes
+        if self.scaler is not None:
+            out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
+        return out
+
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
         """Token-weighted mean loss over ``batches`` of (inputs, labels) local to this rank."""
@@ -143,7 +186,10 @@ class Trainer:
         tot = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
-            tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
+            if self.pipeline is not None:  # the last stage's loss, summed over pp (all ranks agree)
+                tot[0] += self.pipeline.eval_loss_sum(inputs, labels, positions)
+            else:
+                tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
             tot[1] += (labels != IGNORE_INDEX).sum()
         self.model.train()
         comm.all_reduce(tot, self.mesh.group("dp_cp"))
@@ -220,6 +266,7 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     window_t, window_tokens = 0.0, 0
     # rank 0 generates alone: not with ZeRO-3 parameters sharded over ranks (forward is collective)
     can_sample = dims.tp == 1 and dims.cp == 1  # split heads / vocabulary: forward is collective
+    can_sample = can_sample and dims.pp == 1  # pp: rank 0 holds only the first stage
     can_sample = can_sample and not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
     can_sample = can_sample and dims.ep == 1  # ep: experts live on other ranks
     mesh.reset_stats()

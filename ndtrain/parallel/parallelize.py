@@ -1,7 +1,8 @@
 """The one place that applies parallelism to a single-device model, in a fixed order.
 
 Order (each step sees the result of the previous ones):
-  1. pipeline split                       (parallel.pp; not implemented yet)
+  1. pipeline split                       (parallel.pp; ndtrain.parallel.pp: layers per stage,
+                                           parameters tagged "pp" after TP / EP re-create them)
   2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel)
   3. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
   4. context parallel                     (parallel.cp, cp_impl, cp_layout)
@@ -54,6 +55,10 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     """Apply every configured axis to ``model`` (in place) and return its gradient synchroniser."""
     p = cfg.parallel
+    if mesh.dims.pp > 1:  # no-op for a stage built by pp.build_pipeline_stage
+        from ndtrain.parallel.pp import apply_pipeline
+
+        apply_pipeline(model, mesh, cfg)
     if mesh.dims.tp > 1:
         from ndtrain.parallel.tp import apply_tp
 
@@ -71,6 +76,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
         from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
 
         apply_activation_checkpoint(model, cfg.training.activation_checkpoint)
+    if mesh.dims.pp > 1:  # stages hold disjoint parameters: grad-norm squares sum over pp
+        from ndtrain.parallel.pp import tag_pipeline_params
+
+        tag_pipeline_params(model)
     if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep)
         from ndtrain.parallel.ep import ExpertDataParallel
 

@@ -1,0 +1,322 @@
+"""Pipeline runtime: run one rank's schedule (``pp_schedules``) over torch.distributed point-to-point.
+
+Per step, on every pp rank:
+
+1. The local batch is cut into m microbatches (``tensor_split``: sizes differ by at most one, so
+   any m <= local batch works). Every rank holds the tokens and labels; stage 0 embeds the
+   tokens, the last stage computes the loss ``sum CE / n_valid_global`` (n_valid over all
+   microbatches and data-parallel ranks), so summed gradients are the single-process gradient.
+2. The rank's actions run in schedule order. ``F`` sends its output to the next virtual stage,
+   ``B`` its input gradient to the previous one. Every message is a fixed 8-int64 header (dtype,
+   ndim, shape) followed by the tensor, so receivers need no shape knowledge (microbatches of
+   different sizes, sequence / context-parallel shards all work).
+3. Overlap: sends are ``isend`` and waited only two actions later (or at the end); receives are
+   posted by one receiver thread per peer, in the order that peer sends (known from the schedule),
+   so a message is received while this rank computes, and a rank blocks only when the input of
+   its next action has not arrived. With that, any schedule order consistent with the dependency
+   graph runs without deadlock under any timing (``pp_schedules.simulate`` checks consistency).
+4. Data parallel: every backward that produces parameter gradients except the rank's last runs
+   under ``dp.no_sync()``; ``dp.finish_grad_sync()`` follows the last one. Then the tied embedding
+   gradient is summed between the first and last stage, and ``clip_grad_norm`` takes the global
+   norm over all stages (parameters carry the "pp" shard axis; the tied head is counted once).
+
+Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
+parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
+(so weight-gradient matmuls are skipped); ``W`` then backpropagates each recorded output's gradient
+into that module's own parameters (``autograd.backward(inputs=params)``), which are exactly the
+skipped terms. Needs modules that use their parameters only inside their own forward.
+
+Every action is timed (``time.time()``, comparable across local processes): ``last_events`` holds
+(kind, mb, chunk, start, end) and the time spent waiting for inputs; see ``ndtrain.parallel.pp_viz``.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel import comm
+from ndtrain.parallel.pp_schedules import Action, Schedule, build_schedule, forward_only
+from ndtrain.parallel.pp_schedules import Event
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_META_LEN = 8  # dtype code, ndim, up to 6 dims
+
+
+def _tag(kind: str, mb: int, stage: int, n_stages: int, data: bool) -> int:
+    return ((mb * n_stages + stage) * 2 + (kind == "B")) * 2 + int(data)
+
+
+class _Receiver:
+    """One thread per peer: receives that peer's messages (header, then tensor) in send order."""
+
+    def __init__(self, group: AxisGroup, device: torch.device, timeout_s: float):
+        self.group, self.device, self.timeout_s = group, device, timeout_s
+        self.inbox: dict[tuple, torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.threads: list[threading.Thread] = []
+
+    def start(self, peer: int, keys: list[tuple[tuple, int]]) -> None:
+        th = threading.Thread(target=self._loop, args=(peer, keys), daemon=True)
+        th.start()
+        self.threads.append(th)
+
+    def _loop(self, peer: int, keys) -> None:
+        try:
+            for key, tag in keys:
+                meta = torch.empty(_META_LEN, dtype=torch.int64)
+                comm.recv_async(meta, self.group, peer, tag).wait()
+                ndim = int(meta[1])
+                shape = [int(d) for d in meta[2:2 + ndim]]
+                buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
+                comm.recv_async(buf, self.group, peer, tag + 1).wait()
+                with self.cond:
+                    self.inbox[key] = buf
+                    self.cond.notify_all()
+        except BaseException as e:  # surface in the main thread
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def take(self, key: tuple) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while key not in self.inbox:
+                if self.error is not None:
+                    raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"pipeline: message {key} did not arrive in {self.timeout_s:.0f} s")
+                self.cond.wait(timeout=min(left, 1.0))
+            return self.inbox.pop(key)
+
+    def join(self) -> None:
+        for th in self.threads:
+            th.join(timeout=self.timeout_s)
+        self.threads.clear()
+        if self.error is not None:
+            raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
+
+
+class PipelineRuntime:
+    """Executes pipeline schedules for this rank's chunks.
+
+    Args:
+        chunks: this rank's modules, chunk c = virtual stage ``c * p + rank``; ``chunk(x)`` or
+            ``chunk(x, positions)`` maps (B, T) tokens (stage 0) or (B, T, C) hidden states to
+            hidden states, or to logits (B, T, V) on the last stage.
+        group: the ``pp`` AxisGroup.
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble"; v = len(chunks).
+        loss_fn: (logits, labels) -> sum of token losses of a microbatch (a 0-d tensor).
+        dp: the gradient synchroniser (``no_sync`` / ``finish_grad_sync``), or None.
+        forward_ctx: factory of the context forwards run in (e.g. bf16 autocast).
+        jitter_s: sleep uniform(0, jitter_s) seconds before every action (deadlock tests).
+        track_memory: measure the peak bytes of live activation storages of each step (saved
+            activations, activation gradients, buffers in flight; ``peak_activation_bytes``).
+        timeout_s: how long a receive may wait before raising TimeoutError.
+    """
+
+    def __init__(self, chunks: list[nn.Module], group: AxisGroup, schedule: str,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp=None,
+                 forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 device: torch.device | str = "cpu", jitter_s: float = 0.0, seed: int = 0,
+                 track_memory: bool = False, timeout_s: float = 300.0):
+        self.chunks, self.group, self.schedule_name = chunks, group, schedule
+        self.loss_fn, self.dp, self.forward_ctx = loss_fn, dp, forward_ctx
+        self.device = torch.device(device)
+        self.p, self.rank, self.v = group.size, group.rank, len(chunks)
+        self.jitter_s, self._rng = jitter_s, random.Random(seed * 1000 + group.rank)
+        self.timeout_s = timeout_s
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self.last_events: list[Event] = []
+        self.last_wait_s = 0.0
+        self.track_memory = track_memory
+        self.peak_activation_bytes = 0
+        self._capture: list | None = None
+        self._hooks = []
+        if schedule == "zero_bubble":
+            for chunk in chunks:
+                for mod in chunk.modules():
+                    if any(True for _ in mod.parameters(recurse=False)):
+                        self._hooks.append(mod.register_forward_hook(self._record_output))
+
+    # --- schedule and messaging -----------------------------------------------------------------
+    def schedule(self, m: int, name: str | None = None) -> Schedule:
+        name = name or self.schedule_name
+        key = (name, m)
+        if key not in self._schedules:
+            self._schedules[key] = (forward_only(self.p, m, self.v) if name == "forward_only"
+                                    else build_schedule(name, self.p, m, self.v))
+        return self._schedules[key]
+
+    def _incoming(self, s: Schedule) -> dict[int, list]:
+        """Per peer: (key, tag) of every message it sends to this rank, in its send order."""
+        out: dict[int, list] = {}
+        S = s.n_stages
+        for q in range(self.p):
+            if q == self.rank:
+                continue
+            for a in s.actions[q]:
+                st = s.stage(q, a.chunk)
+                if a.kind == "F" and st + 1 < S and s.where(st + 1)[0] == self.rank:
+                    key = ("F", a.mb, st + 1)
+                elif a.kind == "B" and st > 0 and s.where(st - 1)[0] == self.rank:
+                    key = ("B", a.mb, st - 1)
+                else:
+                    continue
+                out.setdefault(q, []).append((key, _tag(key[0], key[1], key[2], S, False)))
+        return out
+
+    def _send(self, t: torch.Tensor, kind: str, mb: int, to_stage: int, s: Schedule) -> None:
+        t = t.detach().contiguous()
+        meta = torch.zeros(_META_LEN, dtype=torch.int64)
+        meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
+        meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        dst = s.where(to_stage)[0]
+        tag = _tag(kind, mb, to_stage, s.n_stages, False)
+        w1 = comm.send_async(meta, self.group, dst, tag)
+        w2 = comm.send_async(t, self.group, dst, tag + 1)
+        self._sends.append((self._action_index, (w1, w2), (meta, t)))
+
+    def _reap_sends(self, final: bool = False) -> None:
+        keep = []
+        for idx, works, bufs in self._sends:
+            if final or idx <= self._action_index - 2:
+                for w in works:
+                    w.wait()
+            else:
+                keep.append((idx, works, bufs))
+        self._sends = keep
+
+    def _record_output(self, module, args, output) -> None:
+        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            self._capture.append((module, output))
+
+    # --- one step -----------------------------------------------------------------------------
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, m: int, denom: float = 1.0,
+            positions: torch.Tensor | None = None, train: bool = True) -> torch.Tensor:
+        """Run all m microbatches through the pipeline (forward and backward when ``train``).
+
+        inputs, labels: (B_local, T) on every pp rank; m <= B_local. Returns the sum of the token
+        losses over all microbatches (float64 0-d; non-zero only on the last stage). In training
+        the parameters' ``.grad`` hold d(sum CE / denom) after the data-parallel sync.
+        """
+        if m < 1 or m > inputs.shape[0]:
+            raise ValueError(f"microbatches m ({m}) must be in 1..local batch ({inputs.shape[0]})")
+        s = self.schedule(m, None if train else "forward_only")
+        xs, ys = inputs.tensor_split(m), labels.tensor_split(m)
+        self._sends, self._action_index = [], 0
+        self._state: dict[tuple[int, int], dict] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        recv = _Receiver(self.group, self.device, self.timeout_s)
+        for peer, keys in self._incoming(s).items():
+            recv.start(peer, keys)
+        acts = s.actions[self.rank]
+        grad_kind = "W" if s.split_backward else "B"
+        last_grad = max((i for i, a in enumerate(acts) if a.kind == grad_kind), default=-1)
+        events, wait_s = [], 0.0
+        mem = None
+        if self.track_memory and train:  # live activation storages (ndtrain.mem_account)
+            from ndtrain.mem_account import ActivationMeter
+
+            mem = ActivationMeter([q for c in self.chunks for q in c.parameters()])
+        grad_ctx = contextlib.nullcontext() if train else torch.no_grad()
+        try:
+            with grad_ctx, (mem or contextlib.nullcontext()):
+                for i, a in enumerate(acts):
+                    self._action_index = i
+                    self._reap_sends()
+                    if self.jitter_s:
+                        time.sleep(self._rng.uniform(0.0, self.jitter_s))
+                    st = s.stage(self.rank, a.chunk)
+                    t_wait = time.time()
+                    inp = None
+                    if a.kind == "F" and st > 0:
+                        inp = recv.take(("F", a.mb, st))
+                    elif a.kind == "B" and st < s.n_stages - 1:
+                        inp = recv.take(("B", a.mb, st))
+                    t0 = time.time()
+                    wait_s += t0 - t_wait
+                    sync = (self.dp is None or not train or a.kind != grad_kind or i == last_grad)
+                    with contextlib.nullcontext() if sync else self.dp.no_sync():
+                        if a.kind == "F":
+                            loss = self._forward(a, st, s, inp, xs[a.mb], ys[a.mb], denom, positions, train)
+                            if loss is not None:
+                                loss_sum += loss
+                        elif a.kind == "B":
+                            self._backward(a, st, s, inp)
+                        else:
+                            self._weight_grad(a)
+                    events.append(Event(a.kind, a.mb, a.chunk, t0, time.time()))
+                self._action_index = len(acts) + 2
+                self._reap_sends(final=True)
+                recv.join()
+        finally:
+            self._state = {}
+            self._capture = None
+        if mem is not None:
+            self.peak_activation_bytes = mem.peak
+        self.last_events, self.last_wait_s = events, wait_s
+        if train and self.dp is not None:
+            self.dp.finish_grad_sync()
+        comm.all_reduce(loss_sum, self.group)  # only the last stage holds a non-zero sum
+        return loss_sum
+
+    def _forward(self, a: Action, st: int, s: Schedule, inp, tokens, labels, denom, positions, train):
+        if st == 0:
+            x = tokens
+        else:
+            x = inp.requires_grad_(train and inp.is_floating_point())
+        chunk = self.chunks[a.chunk]
+        self._capture = [] if (train and s.split_backward) else None
+        with self.forward_ctx():
+            out = chunk(x) if positions is None else chunk(x, positions)
+        captured, self._capture = self._capture, None
+        loss = None
+        if st == s.n_stages - 1:
+            ls = self.loss_fn(out, labels)
+            loss = ls.detach().double()
+            out = ls / denom
+        else:
+            self._send(out, "F", a.mb, st + 1, s)
+        if train:
+            self._state[(a.mb, a.chunk)] = {"x": x if st > 0 else None, "out": out, "captured": captured}
+        return loss
+
+    def _backward(self, a: Action, st: int, s: Schedule, grad_out) -> None:
+        state = self._state[(a.mb, a.chunk)]
+        out, x = state.pop("out"), state["x"]
+        grads = None if grad_out is None else [grad_out]
+        if not s.split_backward:
+            torch.autograd.backward([out], grads)
+            gx = x.grad if x is not None else None
+            self._state.pop((a.mb, a.chunk))
+        else:  # input gradient and the gradients at every parameter-owning module's output
+            captured = state["captured"]
+            targets = ([x] if x is not None else []) + [y for _, y in captured]
+            got = torch.autograd.grad([out], targets, grads, retain_graph=True, allow_unused=True)
+            gx = got[0] if x is not None else None
+            state["wgrads"] = list(zip(captured, got[1 if x is not None else 0:]))
+            state.pop("captured")
+        if st > 0:
+            self._send(gx, "B", a.mb, st - 1, s)
+
+    def _weight_grad(self, a: Action) -> None:
+        state = self._state.pop((a.mb, a.chunk))
+        for (mod, y), g in state["wgrads"]:
+            if g is None:
+                continue
+            params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+            torch.autograd.backward([y], [g], inputs=params, retain_graph=True)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

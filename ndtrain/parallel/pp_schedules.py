@@ -1,0 +1,368 @@
+"""Pipeline schedules as explicit per-rank action lists, and a simulator that checks and times them.
+
+A schedule for ``p`` ranks, ``m`` microbatches and ``v`` model chunks per rank is, for every rank, the
+ordered list of compute actions it runs in one optimizer step:
+
+* ``F`` (forward of microbatch ``mb`` through chunk ``chunk``),
+* ``B`` (backward; the full backward, or only the input-gradient part when the schedule splits it),
+* ``W`` (weight-gradient part of the backward; split schedules only).
+
+Chunk ``c`` of rank ``r`` is virtual stage ``s = c * p + r`` (Megatron's interleaved placement), so
+a microbatch visits ranks 0, 1, ..., p-1, 0, 1, ... in its forward. Point-to-point traffic is not
+listed: it follows from the actions (the output of ``F`` at stage s goes to stage s+1, the input
+gradient of ``B`` at stage s to stage s-1). The runtime posts every receive ahead of time and never
+blocks on a send, so an order is deadlock-free under *any* timing iff it is consistent with the
+dependency graph; ``simulate`` checks exactly that (and times it).
+
+Schedules (any ``m >= 1``; ``m`` smaller than or not a multiple of ``p`` included):
+
+* GPipe (Huang et al. 2019): all forwards, then all backwards. Bubble (p-1)/(m+p-1); keeps all m
+  microbatches' activations.
+* 1F1B, PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient pipeline-parallel DNN training"):
+  warm-up of ``p-r-1`` forwards, steady one-forward-one-backward, cool-down. Same bubble as GPipe,
+  at most ``min(p-r, m)`` microbatches in flight on rank r.
+* Interleaved 1F1B (Narayanan et al. 2021, "Efficient large-scale language model training on GPU
+  clusters using Megatron-LM"): v chunks per rank, microbatches in groups of p; bubble
+  (p-1)/(v*m+p-1) when p divides m.
+* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): backward split into B (input grad,
+  on the critical path) and W (weight grad, deferred to fill bubbles), in-flight limit as 1F1B.
+  With equal F/B/W times the bubble is (p-1)/(3m+p-1), a third of 1F1B's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action of a rank: ``kind`` in "F" | "B" | "W", microbatch ``mb``, ``chunk``."""
+
+    kind: str
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists of one step. ``split_backward``: B is input-grad only and W exists."""
+
+    name: str
+    p: int
+    m: int
+    v: int
+    actions: list[list[Action]]
+    split_backward: bool = False
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Virtual stage index of ``chunk`` on ``rank``: ``chunk * p + rank``."""
+        return chunk * self.p + rank
+
+    def where(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding virtual stage ``stage``."""
+        return stage % self.p, stage // self.p
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    def formula_bubble(self) -> float:
+        """The textbook bubble fraction of this schedule (equal per-stage work, free p2p)."""
+        return bubble_formula(self.name, self.p, self.m, self.v)
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1) for GPipe / 1F1B, (p-1)/(v*m+p-1) interleaved
+    (Narayanan 2021), (p-1)/(3m+p-1) for ZB-H1 with equal F, B, W times (Qi 2023)."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+class DeadlockError(RuntimeError):
+    """Raised by ``simulate`` when no rank can make progress (the message lists each rank's wait)."""
+
+
+# --- builders -------------------------------------------------------------------------------------
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: every rank runs F0..F(m-1), then B0..B(m-1)."""
+    acts = [[Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)] for _ in range(p)]
+    return Schedule("gpipe", p, m, 1, acts)
+
+
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then alternate forward / backward, then the remaining backwards."""
+    warmup = min(warmup, len(fwd))
+    order = list(fwd[:warmup])
+    steady = len(fwd) - warmup
+    for i in range(steady):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + list(bwd[steady:])
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """PipeDream-Flush 1F1B: rank r warms up with ``min(p-r-1, m)`` forwards."""
+    acts = []
+    for r in range(p):
+        fwd = [Action("F", j) for j in range(m)]
+        bwd = [Action("B", j) for j in range(m)]
+        acts.append(_one_f_one_b(fwd, bwd, p - r - 1))
+    return Schedule("1f1b", p, m, 1, acts)
+
+
+def _interleaved_orders(p: int, m: int, v: int) -> tuple[list[Action], list[Action]]:
+    """Megatron's chunk order: microbatches in groups; within a group all chunks in turn, forward
+    chunks ascending, backward chunks descending. Groups hold p microbatches, except that the
+    remainder of m / p joins the last group (a group smaller than p would leave rank 0 waiting
+    for its own chunk-0 outputs to come round the ring); m < p gives one group of m."""
+    sizes = [m] if m < p else [p] * (m // p - 1) + [p + m % p]
+    fwd, bwd, start = [], [], 0
+    for size in sizes:
+        group = range(start, start + size)
+        start += size
+        for c in range(v):
+            fwd += [Action("F", j, c) for j in group]
+            bwd += [Action("B", j, v - 1 - c) for j in group]
+    return fwd, bwd
+
+
+def interleaved(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B with ``v`` chunks per rank.
+
+    Rank r warms up with ``(p-r-1)*2 + (v-1)*g`` forwards (Megatron-LM), g the largest group
+    (p when p divides m; the lag between a backward and its forward in the two orders). Should that warm-up ever be too short for some (p, m, v), the warm-up
+    of each stalled rank is lengthened one forward at a time until ``simulate`` finds no deadlock
+    (all forwards first, i.e. interleaved GPipe, is always valid, so this terminates). With
+    m >= p and equal chunk times the bubble is exactly (p-1)/(v*m+p-1) (tested).
+    Raises ValueError if ``v < 2``.
+    """
+    if v < 2:
+        raise ValueError(f"interleaved schedule needs pp_virtual_stages >= 2 (got {v})")
+    fwd, bwd = _interleaved_orders(p, m, v)
+    pos = {(a.mb, a.chunk): i for i, a in enumerate(fwd)}
+    lag = max(pos[(b.mb, b.chunk)] - i for i, b in enumerate(bwd))  # (v-1)*p for groups of p
+    warm = [min(len(fwd), (p - r - 1) * 2 + lag) for r in range(p)]
+    while True:
+        sched = Schedule("interleaved", p, m, v, [_one_f_one_b(fwd, bwd, w) for w in warm])
+        try:
+            simulate(sched)
+            return sched
+        except DeadlockError as e:
+            stuck = [r for r in e.args[1] if warm[r] < len(fwd)]
+            if not stuck:  # pragma: no cover - all-forwards-first cannot deadlock
+                raise
+            for r in stuck:
+                warm[r] += 1
+
+
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): B = input gradient (critical path), W = weight gradient (deferred).
+
+    Rank r runs the 1F1B order of F and B, and puts W_j right after B_{j+r} (the rest at the end):
+    later ranks defer more W passes, so in the cool-down the input gradients race back to rank 0
+    while every rank fills its waits with weight gradients. At most ``min(p, m)`` microbatches
+    are in flight per rank (1F1B's peak). With unit F, B, W times and m >= p the simulated bubble
+    is exactly (p-1)/(3m+p-1), a third of 1F1B's (tested).
+    """
+    acts = []
+    for r in range(p):
+        base = _one_f_one_b([Action("F", j) for j in range(m)], [Action("B", j) for j in range(m)],
+                            p - r - 1)
+        order, n_w = [], 0
+        for a in base:
+            order.append(a)
+            if a.kind == "B" and a.mb - r >= 0:
+                order.append(Action("W", a.mb - r))
+                n_w += 1
+        acts.append(order + [Action("W", j) for j in range(n_w, m)])
+    return Schedule("zero_bubble", p, m, 1, acts, split_backward=True)
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule ``name`` ("gpipe" | "1f1b" | "interleaved" | "zero_bubble") for p, m, v.
+
+    Raises ValueError for an unknown name, ``m < 1``, ``p < 1``, ``v != 1`` with a non-interleaved
+    schedule or ``v < 2`` with the interleaved one.
+    """
+    if p < 1 or m < 1:
+        raise ValueError(f"pipeline needs p >= 1 and m >= 1 (got p={p}, m={m})")
+    if name != "interleaved" and v != 1:
+        raise ValueError(f"pp_virtual_stages ({v}) > 1 needs pp_schedule=interleaved (got {name})")
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved(p, m, v)
+    if name == "zero_bubble":
+        return zero_bubble_h1(p, m)
+    raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+
+
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every rank runs F(mb, chunk) for mb in order, chunks in order (no backward)."""
+    acts = [[Action("F", j, c) for j in range(m) for c in range(v)] for _ in range(p)]
+    return Schedule("forward_only", p, m, v, acts)
+
+
+# --- simulation -----------------------------------------------------------------------------------
+@dataclass
+class Event:
+    """A timed action: ``start`` / ``end`` in the timeline's unit (simulated units or seconds)."""
+
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Per-rank events of one step (planned or measured), with bubble accounting."""
+
+    p: int
+    events: list[list[Event]]
+    name: str = ""
+    m: int = 0
+    v: int = 1
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def start(self) -> float:
+        return min(e.start for evs in self.events for e in evs)
+
+    @property
+    def end(self) -> float:
+        return max(e.end for evs in self.events for e in evs)
+
+    def busy(self, rank: int) -> float:
+        return sum(e.end - e.start for e in self.events[rank])
+
+    def bubble(self, rank: int) -> float:
+        """Idle fraction of rank ``rank`` over the step (first start to last end over all ranks)."""
+        span = self.end - self.start
+        return 1.0 - self.busy(rank) / span if span > 0 else 0.0
+
+    def bubbles(self) -> list[float]:
+        return [self.bubble(r) for r in range(self.p)]
+
+
+def dependencies(s: Schedule, rank: int, a: Action) -> list[tuple[int, Action]]:
+    """The (rank, action) pairs that must finish before ``a`` runs on ``rank``."""
+    st = s.stage(rank, a.chunk)
+    deps: list[tuple[int, Action]] = []
+    if a.kind == "F" and st > 0:
+        r, c = s.where(st - 1)
+        deps.append((r, Action("F", a.mb, c)))
+    if a.kind == "B":
+        deps.append((rank, Action("F", a.mb, a.chunk)))
+        if st < s.n_stages - 1:
+            r, c = s.where(st + 1)
+            deps.append((r, Action("B", a.mb, c)))
+    if a.kind == "W":
+        deps.append((rank, Action("B", a.mb, a.chunk)))
+    return deps
+
+
+def check_complete(s: Schedule) -> None:
+    """Raise ValueError unless every rank runs each F and B (and W when split) exactly once."""
+    kinds = ("F", "B", "W") if s.split_backward else ("F", "B")
+    want = sorted((k, j, c) for k in kinds for j in range(s.m) for c in range(s.v))
+    for r, acts in enumerate(s.actions):
+        got = sorted((a.kind, a.mb, a.chunk) for a in acts)
+        if got != want:
+            raise ValueError(f"rank {r}: actions are not each F/B{'/W' if s.split_backward else ''} "
+                             f"exactly once")
+
+
+def simulate(s: Schedule, t_f: float = 1.0, t_b: float | None = None, t_w: float = 1.0,
+             comm: float = 0.0, rendezvous: bool = False) -> Timeline:
+    """Run the schedule's per-rank orders against each other and return the planned timeline.
+
+    Semantics (the runtime's): receives are posted in advance and sends never block, so a rank
+    waits only for the inputs of its next action (``comm`` seconds after the producer finished).
+    ``rendezvous=True`` instead models naive blocking p2p: a send completes only when the receiver
+    reaches the action that consumes it, and the sender cannot go on until then (this deadlocks
+    1F1B; the test uses it to show the checker catches deadlocks).
+
+    Durations: F ``t_f``; B ``t_b`` (default ``2 t_f`` for a full backward, ``t_f`` when split);
+    W ``t_w``. Raises DeadlockError (args: message, list of stuck ranks) if no rank can progress.
+    """
+    check_complete(s)
+    if t_b is None:
+        t_b = t_f if s.split_backward else 2 * t_f
+    dur = {"F": t_f, "B": t_b, "W": t_w}
+    pos = [0] * s.p
+    free = [0.0] * s.p
+    end: dict[tuple[int, Action], float] = {}
+    events: list[list[Event]] = [[] for _ in range(s.p)]
+    pending_send: list[tuple[int, Action] | None] = [None] * s.p  # rendezvous: blocked sender
+    total = sum(len(a) for a in s.actions)
+    done = 0
+    while done < total:
+        progressed = False
+        for r in range(s.p):
+            if rendezvous and pending_send[r] is not None:
+                dst, consumer = pending_send[r]
+                at_recv = (pending_send[dst] is None and pos[dst] < len(s.actions[dst])
+                           and s.actions[dst][pos[dst]] == consumer)
+                if at_recv or (dst, consumer) in end:  # the receiver posted its receive
+                    pending_send[r] = None
+                    progressed = True
+                else:
+                    continue
+            if pos[r] >= len(s.actions[r]):
+                continue
+            a = s.actions[r][pos[r]]
+            deps = dependencies(s, r, a)
+            if any(d not in end for d in deps):
+                continue
+            ready = max([free[r]] + [end[d] + (comm if d[0] != r else 0.0) for d in deps])
+            t1 = ready + dur[a.kind]
+            end[(r, a)] = t1
+            events[r].append(Event(a.kind, a.mb, a.chunk, ready, t1))
+            free[r] = t1
+            pos[r] += 1
+            done += 1
+            progressed = True
+            if rendezvous:
+                pending_send[r] = _consumer(s, r, a)
+        if not progressed:
+            stuck = [r for r in range(s.p) if pos[r] < len(s.actions[r]) or pending_send[r]]
+            waits = {r: (str(s.actions[r][pos[r]]) if pos[r] < len(s.actions[r]) else "send")
+                     for r in stuck}
+            raise DeadlockError(f"{s.name} p={s.p} m={s.m} v={s.v} deadlocks; waiting: {waits}", stuck)
+    return Timeline(s.p, events, s.name, s.m, s.v)
+
+
+def _consumer(s: Schedule, rank: int, a: Action) -> tuple[int, Action] | None:
+    """(rank, action) that consumes the message ``a`` sends, or None if it sends nothing."""
+    st = s.stage(rank, a.chunk)
+    if a.kind == "F" and st < s.n_stages - 1:
+        r, c = s.where(st + 1)
+        return r, Action("F", a.mb, c)
+    if a.kind == "B" and st > 0:
+        r, c = s.where(st - 1)
+        return r, Action("B", a.mb, c)
+    return None
+
+
+def peak_in_flight(s: Schedule) -> list[int]:
+    """Per rank, the most microbatch-chunks whose activations are held at once (F done, last
+    backward pass not yet): the activation-memory bound of the schedule."""
+    out = []
+    last = "W" if s.split_backward else "B"
+    for acts in s.actions:
+        cur = peak = 0
+        for a in acts:
+            cur += 1 if a.kind == "F" else (-1 if a.kind == last else 0)
+            peak = max(peak, cur)
+        out.append(peak)
+    return out
