@@ -438,6 +438,9 @@ def _validate_moe_mla_mtp(cfg: Config) -> None:
            f"attention=mla with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
     _check(not (m.mtp_depth and (p.tp > 1 or p.cp > 1)),
            f"mtp_depth > 0 with tp ({p.tp}) or cp ({p.cp}) > 1 is not implemented")
+    _check(not (m.moe_seq_aux_loss_coef > 0 and p.cp > 1),
+           f"moe_seq_aux_loss_coef > 0 with cp ({p.cp}) > 1 is not implemented (a cp rank sees part of "
+           "each sequence; the per-sequence loads would need a cp all-reduce)")
     _check(not ((m.is_moe or m.mtp_depth) and p.pp > 1),
            f"MoE / MTP models with pp ({p.pp}) > 1 are not implemented (aux / MTP losses of every stage)")
     _check(not (p.ep > 1 and p.zero_stage > 0),

@@ -231,6 +231,7 @@ def test_flops_per_token_counts_active_parameters(kw):
     ({"model.moe_experts": "0", "parallel.ep": "2"}, r"needs an MoE model"),
     ({"model.attention": "mla"}, r"attention=mla needs mla_kv_rank > 0"),
     ({"model.mtp_depth": "40"}, r"mtp_depth \(40\) must be < data.seq_len"),
+    ({"model.moe_seq_aux_loss_coef": "0.01", "parallel.cp": "2"}, r"moe_seq_aux_loss_coef > 0 with cp \(2\)"),
 ])
 def test_moe_config_rules(overrides, rule):
     with pytest.raises(ConfigError, match=rule):
