@@ -50,6 +50,8 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torc
 def _fused_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0)):
+        return False  # the CUDA kernel is bf16-only, Hopper or newer
     align = 16 // x.element_size()  # the kernel needs 16-byte aligned row strides
     return x.shape[0] > 0 and x.shape[1] % align == 0 and w.shape[1] % align == 0
 
