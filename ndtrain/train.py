@@ -25,6 +25,7 @@ from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import build_batch_plan, parallelize
+from ndtrain.parallel.tp_state import gather_tp_state, scatter_tp_state
 from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
 
@@ -196,9 +197,11 @@ class Trainer:
         return (tot[0] / tot[1].clamp(min=1)).item()
 
     def tensor_state(self) -> dict:
-        return {"model": self.dp.model_state_dict(), "optim": self.dp.optim_state_dict(self.optimizer)}
+        state = {"model": self.dp.model_state_dict(), "optim": self.dp.optim_state_dict(self.optimizer)}
+        return gather_tp_state(state, self.model, self.mesh)  # TP-split tensors whole (global names)
 
     def load_tensor_state(self, state: dict) -> None:
+        state = scatter_tp_state(state, self.model, self.mesh)
         self.dp.load_model_state_dict(state["model"])
         self.dp.load_optim_state_dict(self.optimizer, state["optim"])
 

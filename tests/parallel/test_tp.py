@@ -8,11 +8,14 @@ Communication is checked exactly against ``theory_bytes``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ndtrain import checkpoint as ckpt
 from ndtrain.config import ConfigError, ParallelConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
 from ndtrain.parallel.tp import check_tp_heads, padded_vocab
@@ -72,7 +75,34 @@ def test_gqa_rule_and_padding():
     assert padded_vocab(61, 4) == 64 and padded_vocab(64, 4) == 64
 
 
-def _world2(rank: int, world: int) -> dict:
+def _local_batch(trainer: Trainer, step: int):
+    dp = trainer.mesh.group("dp")
+    inputs, labels = global_batch(step)
+    n = inputs.shape[0] // dp.size
+    return inputs[dp.rank * n:(dp.rank + 1) * n], labels[dp.rank * n:(dp.rank + 1) * n]
+
+
+def _checkpoint_roundtrip(tr: Trainer, cfg, mesh, ckpt_dir: str) -> dict:
+    """Save a trainer after 3 steps, load the checkpoint into a single-process trainer and a fresh
+    trainer of the same layout, and take step 4 on all three: the losses must agree (weights, AdamW
+    moments and LR schedule restored; saved tensors have global, unpadded shapes)."""
+    state = tr.tensor_state()
+    shapes = tuple(tuple(x.shape) for x in (state["model"]["output.weight"],
+                                             state["optim"]["state"]["layers.0.attention.wq.weight"]["exp_avg"]))
+    ckpt.save_checkpoint(Path(ckpt_dir), 3, state, {"scheduler": tr.scheduler.state_dict()})
+    path = ckpt.latest_checkpoint(Path(ckpt_dir))
+    losses = [tr.step(*_local_batch(tr, 3))["loss"]]
+    for t_cfg, t_mesh in ((tiny_cfg(1), ParallelDims(world_size=1).build_mesh()), (cfg, mesh)):
+        other = Trainer(t_cfg, t_mesh, torch.device("cpu"))
+        st = other.tensor_state()
+        meta = ckpt.load_checkpoint(path, st)
+        other.load_tensor_state(st)
+        other.scheduler.load_state_dict(meta["scheduler"])
+        losses.append(other.step(*_local_batch(other, 3))["loss"])
+    return {"ckpt_shapes": shapes, "ckpt_loss": max(abs(x - losses[0]) / losses[0] for x in losses)}
+
+
+def _world2(rank: int, world: int, ckpt_dir: str) -> dict:
     out = {"tp": run_layout(rank, world, tp=2),
            "sp": run_layout(rank, world, tp=2, sequence_parallel=True),
            "tied_micro": run_layout(rank, world, tie=True, micro=2, tp=2, sequence_parallel=True)}
@@ -82,13 +112,14 @@ def _world2(rank: int, world: int) -> dict:
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
     tr = Trainer(cfg, mesh, torch.device("cpu"))
     for step in range(3):
-        tr.step(*global_batch(step))
+        tr.step(*_local_batch(tr, step))
     norms = torch.cat([p.detach().reshape(-1) for n, p in tr.model.named_parameters() if "norm" in n])
     gathered = [torch.empty_like(norms) for _ in range(world)]
     dist.all_gather(gathered, norms)
     out["norm_spread"] = (gathered[0] - gathered[1]).abs().max().item()
     out["norm_moved"] = (norms - 1).abs().max().item()
     out["pad_rows"] = tr.model.output.weight[V - 31 * rank:].abs().max().item() if rank == 1 else 0.0
+    out.update(_checkpoint_roundtrip(tr, cfg, mesh, ckpt_dir))
     # Vocab-parallel CE over gloo vs F.cross_entropy on the gathered, unpadded logits.
     logits, labels = _ce_inputs(vp=padded_vocab(V, world))
     x = logits.chunk(world, dim=1)[rank].clone().requires_grad_()
@@ -102,11 +133,12 @@ def _world2(rank: int, world: int) -> dict:
     return out
 
 
-def test_tp2_and_sp_match_single_process():
+def test_tp2_and_sp_match_single_process(tmp_path):
     """tp=2 and tp=2 + SP (and SP with tied embeddings and 2 microbatches) reproduce the single-
     process run; SP norm gains stay identical over tp; padded vocabulary rows stay zero;
-    vocab-parallel CE equals F.cross_entropy; bytes per step equal the theory."""
-    res = run_ranks(_world2, 2, timeout_s=240)
+    vocab-parallel CE equals F.cross_entropy; bytes per step equal the theory; a tp=2 checkpoint
+    holds global shapes and resumes identically under tp=1 and tp=2."""
+    res = run_ranks(_world2, 2, str(tmp_path), timeout_s=240)
     for key in ("tp", "sp", "tied_micro"):
         assert_parity([r[key] for r in res])
     assert_bytes([r["tp"] for r in res], n_tp=2)
@@ -122,20 +154,36 @@ def test_tp2_and_sp_match_single_process():
         assert r["norm_moved"] > 1e-3  # the gains did train
         assert r["pad_rows"] == 0.0
         assert r["ce"] < 1e-12
+        assert r["ckpt_shapes"] == ((V, 32), (32, 32))  # whole wq moment, unpadded head
+        assert r["ckpt_loss"] < 1e-12
 
 
-def _world4(rank: int, world: int) -> dict:
-    return {"tp": run_layout(rank, world, tp=4),
-            "sp": run_layout(rank, world, tp=4, sequence_parallel=True)}
+def _world4(rank: int, world: int, ckpt_dir: str) -> dict:
+    out = {"tp": run_layout(rank, world, tp=4),
+           "sp": run_layout(rank, world, tp=4, sequence_parallel=True),
+           "zero3": run_layout(rank, world, tp=2, dp_shard=2, zero_stage=3, sequence_parallel=True)}
+    cfg = tiny_cfg(world, tp=2, dp_shard=2, zero_stage=3)
+    mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
+    tr = Trainer(cfg, mesh, torch.device("cpu"))
+    for step in range(3):
+        tr.step(*_local_batch(tr, step))
+    out.update(_checkpoint_roundtrip(tr, cfg, mesh, ckpt_dir))
+    return out
 
 
-def test_tp4_replicated_kv_heads_match_single_process():
+def test_tp4_replicated_kv_heads_match_single_process(tmp_path):
     """tp=4 with 2 kv heads: every rank keeps both kv heads and uses the one its q head needs; the
     kv weights' gradients are summed over tp. Vocabulary 61 padded to 64 (rank 3 holds 13 real
-    rows). Parity with and without SP; bytes include the replicated kv all-reduces."""
-    res = run_ranks(_world4, 4, timeout_s=300)
-    for key in ("tp", "sp"):
+    rows). Parity with and without SP; bytes include the replicated kv all-reduces. Also
+    tp2 x ZeRO-3 (dp_shard 2) + SP: parity, and a checkpoint that resumes under tp=1 and the same
+    layout."""
+    res = run_ranks(_world4, 4, str(tmp_path), timeout_s=300)
+    for key in ("tp", "sp", "zero3"):
         assert_parity([r[key] for r in res])
+    assert_bytes([r["zero3"] for r in res], axes=("tp",), n_tp=2, n_dp=2, sp=True)
+    for r in res:
+        assert r["ckpt_shapes"] == ((V, 32), (32, 32))
+        assert r["ckpt_loss"] < 1e-12
     assert_bytes([r["tp"] for r in res], n_tp=4)
     assert_bytes([r["sp"] for r in res], n_tp=4, sp=True)
     shapes = res[0]["tp"]["local_shapes"]
