@@ -385,10 +385,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 def _validate_zero(cfg: Config) -> None:
     """Rules for ZeRO / FSDP and mixed precision (see ``docs/sharded_data_parallel.md``)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    if p.zero_stage == 3:
-        _check(not m.tie_embeddings, "zero_stage 3 with model.tie_embeddings is not implemented "
-                                     "(a weight shared by two FSDP units)")
+    p, t = cfg.parallel, cfg.training
     if p.zero_stage > 0:  # tp / cp compose (tests/parallel/test_3d.py): TP shards are what ZeRO shards
         for axis in ("pp",):
             _check(getattr(p, axis) == 1, f"zero_stage ({p.zero_stage}) > 0 with parallel.{axis} "

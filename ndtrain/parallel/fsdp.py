@@ -47,21 +47,22 @@ from ndtrain.parallel.flat_shard import FlatShardLayout
 from ndtrain.parallel.sharded_state import ShardedDataParallelBase, ShardEntry
 
 
-def default_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """(name, modules in forward order) per unit: embedding, each block, head (norm + output).
+def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:
+    """``(name, segments)`` per unit; a segment is a list of modules run back to back in forward.
 
-    A model without ``layers`` is one unit.
+    Units: the embedding, each block, the head (final norm + output). With tied embeddings the
+    head is a second segment of the embedding's unit (the shared weight lives in one unit). A model
+    without ``layers`` is one unit.
     """
     if not hasattr(model, "layers"):
-        return [("model", [model])]
-    units = []
-    if getattr(model, "tok_embeddings", None) is not None:
-        units.append(("tok_embeddings", [model.tok_embeddings]))
-    for key, layer in model.layers.items():
-        units.append((f"layers.{key}", [layer]))
+        return [("model", [[model]])]
+    emb = getattr(model, "tok_embeddings", None)
     head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    if head:
-        units.append(("head", head))
+    tied = emb is not None and head and any(p is emb.weight for p in head[-1].parameters())
+    units = [("tok_embeddings", [[emb], head] if tied else [[emb]])] if emb is not None else []
+    units += [(f"layers.{key}", [[layer]]) for key, layer in model.layers.items()]
+    if head and not tied:
+        units.append(("head", [head]))
     return units
 
 
@@ -71,8 +72,8 @@ def _in_backward() -> bool:
 
 
 class _Unit:
-    def __init__(self, index: int, name: str, modules: list[nn.Module]):
-        self.index, self.name, self.modules = index, name, modules
+    def __init__(self, index: int, name: str, segments: list[list[nn.Module]]):
+        self.index, self.name, self.segments = index, name, segments
         self.full: list[nn.Parameter] = []  # unsharded compute-dtype params registered in modules
         self.entries: list[ShardEntry] = []
         self.layout: FlatShardLayout | None = None
@@ -91,12 +92,15 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
     Args:
         module: the model, full parameters in the master dtype, equal on all ranks.
         mesh: the ``Mesh``.
-        units: ``(name, modules)`` in forward order (default ``default_units``).
-        reshard_after_forward: free gathered parameters after each unit's forward.
-        keep_last_unit: keep the last unit gathered from its forward into its backward.
+        units: ``(name, segments)`` (default ``default_units``); segments run in the order their
+            first modules are registered in ``module`` (true for ndtrain's Transformer).
+        reshard_after_forward: free gathered parameters after each unit's forward (after its last
+            segment; a unit stays gathered between its segments).
+        keep_last_unit: keep the unit of the forward-last segment gathered into its backward.
         compute_dtype / reduce_dtype: all-gather + compute dtype, reduce-scatter dtype (None =
             master dtype).
-    Raises ValueError if a parameter belongs to no unit or to two (tied weights across units).
+    Raises ValueError if a parameter belongs to no unit or to two units (tied weights must share
+    a unit, as ``default_units`` arranges).
     """
 
     def __init__(self, module: nn.Module, mesh, units=None, reshard_after_forward: bool = True,
@@ -113,7 +117,15 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         mod_names = {id(m): n for n, m in module.named_modules()}
-        self.units = [_Unit(i, name, mods) for i, (name, mods) in enumerate(units or default_units(module))]
+        mod_pos = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
+        self.units = [_Unit(i, name, segs) for i, (name, segs) in enumerate(units or default_units(module))]
+        # forward order of segments, and the order units finish backward (latest first segment first)
+        self._segs = sorted(((mod_pos[id(seg[0])], u, si) for u in self.units for si, seg in enumerate(u.segments)),
+                            key=lambda x: x[0])
+        self._segs = [(u, si) for _, u, si in self._segs]
+        self._final_unit = self._segs[-1][0]
+        first = {u.index: min(k for k, (v, _) in enumerate(self._segs) if v is u) for u in self.units}
+        self._rs_order = sorted(self.units, key=lambda u: -first[u.index])
         owner_of, by_name = {}, {}
         for u in self.units:
             self._shard_unit(u, mod_names, owner_of, by_name)
@@ -121,22 +133,24 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         if missing:
             raise ValueError(f"parameters in no FSDP unit: {missing}")
         self.entries = [by_name[n] for n in order]
-        self._rs_next = 0  # index into reversed unit order of the next reduce-scatter
+        self._rs_next = 0  # index into self._rs_order of the next reduce-scatter
         self._inflight: list[_Unit] = []
         self._callback_queued = False
         self.mem = None  # optional StateMemory sampled inside hooks
         self._hooks = []
+        for k, (u, si) in enumerate(self._segs):
+            seg = u.segments[si]
+            self._hooks.append(seg[0].register_forward_pre_hook(functools.partial(self._pre_forward, k)))
+            self._hooks.append(seg[-1].register_forward_hook(functools.partial(self._post_forward, k)))
         for u in self.units:
-            self._hooks.append(u.modules[0].register_forward_pre_hook(functools.partial(self._pre_forward, u)))
-            self._hooks.append(u.modules[-1].register_forward_hook(functools.partial(self._post_forward, u)))
             for p in u.full:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u)))
         self._init_dtensor_mesh(mesh)
 
     @torch.no_grad()
     def _shard_unit(self, u: _Unit, mod_names, owner_of, by_name) -> None:
-        owned = []  # (fqn, owner module, attribute, param)
-        for m in u.modules:
+        owned, tied = [], []  # (fqn, owner module, attribute, param); tied: second owners
+        for m in (m for seg in u.segments for m in seg):
             prefix = mod_names[id(m)]
             for sub_name, sub in m.named_modules():
                 for attr, p in list(sub._parameters.items()):
@@ -144,9 +158,12 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
                         continue
                     fqn = ".".join(x for x in (prefix, sub_name, attr) if x)
                     if id(p) in owner_of:
-                        raise ValueError(f"{fqn} is shared with {owner_of[id(p)]} (tied weights "
-                                         "across FSDP units are not supported)")
-                    owner_of[id(p)] = fqn
+                        if owner_of[id(p)][1] is not u:
+                            raise ValueError(f"{fqn} is shared with {owner_of[id(p)][0]} in another FSDP "
+                                             "unit (tied weights must share a unit)")
+                        tied.append((fqn, sub, attr, p))
+                        continue
+                    owner_of[id(p)] = (fqn, u)
                     owned.append((fqn, sub, attr, p))
         n, rank = self.shard_group.size, self.shard_group.rank
         device = owned[0][3].device if owned else torch.device("cpu")
@@ -163,6 +180,10 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             sub._parameters[attr] = full
             u.full.append(full)
             e = ShardEntry(fqn, p.shape, u.layout, i, sp, shard_axes(p))
+            for fqn2, sub2, attr2, p2 in tied:
+                if p2 is p:  # the same unsharded Parameter in both places; the name is an alias
+                    sub2._parameters[attr2] = full
+                    e.aliases += (fqn2,)
             u.entries.append(e)
             by_name[fqn] = e
 
@@ -206,21 +227,24 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         u.state = "sharded"
 
     # --- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, u: _Unit, module, args) -> None:
+    def _pre_forward(self, k: int, module, args) -> None:
+        u = self._segs[k][0]
         self._gather(u)
-        if u.index + 1 < len(self.units) and not _in_backward():
-            self._start_gather(self.units[u.index + 1])
+        if k + 1 < len(self._segs) and not _in_backward() and self._segs[k + 1][0] is not u:
+            self._start_gather(self._segs[k + 1][0])  # forward prefetch
 
-    def _post_forward(self, u: _Unit, module, args, output):
+    def _post_forward(self, k: int, module, args, output):
         if _in_backward():  # activation-checkpoint recompute: keep u gathered for its backward
             return output
+        u, si = self._segs[k]
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(functools.partial(self._pre_backward, u))
-            keep = not self.reshard_after_forward or (self.keep_last_unit and u.index == len(self.units) - 1)
-            if not keep:
-                self._reshard(u)
-        else:
+        grad = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+        if grad:
+            out.register_hook(functools.partial(self._pre_backward, k))
+        if si < len(u.segments) - 1:
+            return output  # the unit runs again later in this forward (tied embeddings)
+        keep = grad and (not self.reshard_after_forward or (self.keep_last_unit and u is self._final_unit))
+        if not keep:
             self._reshard(u)
         return output
 
@@ -229,17 +253,18 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _pre_backward(self, u: _Unit, grad) -> None:
+    def _pre_backward(self, k: int, grad) -> None:
+        u = self._segs[k][0]
         self._queue_callback()
         self._gather(u)
-        if u.index > 0:
-            self._start_gather(self.units[u.index - 1])
+        if k > 0 and self._segs[k - 1][0] is not u:
+            self._start_gather(self._segs[k - 1][0])  # backward prefetch
 
     def _on_grad(self, u: _Unit, p) -> None:
         self._queue_callback()
         u.ready += 1
         self._sample()
-        order = self.units[::-1]
+        order = self._rs_order
         while self._rs_next < len(order) and order[self._rs_next].ready == len(order[self._rs_next].full):
             self._launch(order[self._rs_next])
             self._rs_next += 1
@@ -274,7 +299,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             u.acc.add_(out)
 
     def _end_of_backward(self) -> None:
-        order = self.units[::-1]
+        order = self._rs_order
         while self._rs_next < len(order):  # units some of whose parameters got no gradient
             self._launch(order[self._rs_next])
             self._rs_next += 1

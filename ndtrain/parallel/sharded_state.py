@@ -36,7 +36,8 @@ class ShardEntry:
 
     Attributes: ``fqn`` (model name), ``shape`` (global), ``layout`` / ``index`` (where it lives in
     its flat buffer), ``param`` (padded master shard (r, *rest), the optimizer's parameter),
-    ``axes`` (mesh axes the parameter was already split over before data parallel, e.g. ("tp",)).
+    ``axes`` (mesh axes the parameter was already split over before data parallel, e.g. ("tp",)),
+    ``aliases`` (further names of a tied parameter; the state dict lists it under every name).
     """
 
     fqn: str
@@ -45,6 +46,7 @@ class ShardEntry:
     index: int
     param: nn.Parameter
     axes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # other names of a tied parameter (e.g. output.weight)
 
     @property
     def valid_rows(self) -> int:
@@ -149,7 +151,11 @@ class ShardedDataParallelBase:
     # --- state dicts ------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
         """``{fqn: master weights}`` with global shapes; see the module docstring."""
-        return {e.fqn: self._present(e.valid(e.param.detach()), e.shape) for e in self.entries}
+        out = {}
+        for e in self.entries:
+            t = self._present(e.valid(e.param.detach()), e.shape)
+            out.update({name: t for name in (e.fqn,) + e.aliases})
+        return out
 
     @torch.no_grad()
     def load_model_state_dict(self, sd: dict) -> None:

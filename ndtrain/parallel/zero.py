@@ -112,6 +112,10 @@ class ZeroDataParallel(ShardedDataParallelBase):
                 if p.dtype != self.compute_dtype:
                     p.data = p.data.to(self.compute_dtype)
         self.entries = [by_name[name] for name, _ in named]
+        first = {id(p): name for name, p in named}
+        for name, p in module.named_parameters(remove_duplicate=False):  # tied weights' other names
+            if id(p) in first and first[id(p)] != name:
+                by_name[first[id(p)]].aliases += (name,)
         self._where = {id(p): (bi, pi) for bi, b in enumerate(self.buckets) for pi, p in enumerate(b.params)}
         self._next_launch = 0
         self._inflight: list[_Bucket] = []

@@ -26,9 +26,9 @@ from tests.dist_utils import run_ranks
 V, T, STEPS, MICRO = 61, 8, 10, 4
 
 
-def tiny_cfg(global_batch: int, micro: int, ac: str = "none", **parallel) -> Config:
+def tiny_cfg(global_batch: int, micro: int, ac: str = "none", tie: bool = False, **parallel) -> Config:
     return Config(model=ModelConfig(vocab_size=V, dim=30, n_layers=2, n_heads=3, n_kv_heads=1,
-                                    ffn_hidden=45, max_seq_len=64, rope_theta=10000.0),
+                                    ffn_hidden=45, max_seq_len=64, rope_theta=10000.0, tie_embeddings=tie),
                   training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=global_batch,
                                           micro_batch_size=micro, lr=1e-2, warmup_steps=2, grad_clip=0.05,
                                           activation_checkpoint=ac),
@@ -53,11 +53,16 @@ def _full(t):
 
 def _layouts_vs_single(rank: int, world: int, layouts: list[dict]) -> dict:
     g = MICRO * world
-    ref = Trainer(tiny_cfg(g, 0), ParallelDims().build_mesh(), torch.device("cpu"))
-    ref_out = [ref.step(*global_batch(s, g)) for s in range(STEPS)]
-    ref_params = {k: v.clone() for k, v in ref.model.state_dict().items()}
-    results = {}
+    refs, results = {}, {}
+    for tie in sorted({lay.get("tie", False) for lay in layouts}):
+        ref = Trainer(tiny_cfg(g, 0, tie=tie), ParallelDims().build_mesh(), torch.device("cpu"))
+        refs[tie] = ([ref.step(*global_batch(s, g)) for s in range(STEPS)],
+                     {k: v.clone() for k, v in ref.model.state_dict().items()})
+        head = ("tok_embeddings.", "norm.") if tie else ("norm.", "output.")
+        results[f"psi_pad_{tie}"] = {n: psi_pad(ref.model, n) for n in (2, 4)}
+        results[f"psi_pad_head_{tie}"] = {n: psi_pad(ref.model, n, head) for n in (2, 4)}
     for lay in layouts:
+        ref_out, ref_params = refs[lay.get("tie", False)]
         cfg = tiny_cfg(g, 1, **lay)
         dims = ParallelDims.from_config(cfg.parallel, world)
         mesh = dims.build_mesh()
@@ -80,9 +85,7 @@ def _layouts_vs_single(rank: int, world: int, layouts: list[dict]) -> dict:
             "n_shard": mesh.group("dp_shard_cp").size, "n_rep": mesh.group("dp_replicate").size,
             "n_dp": mesh.group("dp_cp").size,
         }
-    results["min_ref_norm"] = min(r["grad_norm"] for r in ref_out)
-    results["psi_pad"] = {n: psi_pad(ref.model, n) for n in (2, 4)}
-    results["psi_pad_head"] = {n: psi_pad(ref.model, n, ("norm.", "output.")) for n in (2, 4)}
+    results["min_ref_norm"] = min(r["grad_norm"] for r in refs[False][0])
     return results
 
 
@@ -115,7 +118,8 @@ def _check(res: dict, layouts: list[dict]) -> None:
         assert r["loss_err"] < 1e-6, (lay, r["loss_err"])
         assert r["norm_err"] < 1e-6, (lay, r["norm_err"])
         assert r["param_err"] < 1e-9, (lay, r["param_err"])
-        want = expected_traffic(lay, r, res["psi_pad"], res["psi_pad_head"])
+        tie = lay.get("tie", False)
+        want = expected_traffic(lay, r, res[f"psi_pad_{tie}"], res[f"psi_pad_head_{tie}"])
         for step_traffic in r["traffic"]:
             assert step_traffic == want, (lay, step_traffic, want)
 
@@ -124,7 +128,10 @@ LAYOUTS_2 = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
              {"zero_stage": 3, "keep_last_unit_gathered": False},
              {"zero_stage": 3, "reshard_after_forward": False},
              # recompute replays units that are already gathered for backward: no extra traffic
-             {"zero_stage": 3, "ac": "every:2"}, {"zero_stage": 2, "ac": "selective"}]
+             {"zero_stage": 3, "ac": "every:2"}, {"zero_stage": 2, "ac": "selective"},
+             # tied embeddings: ZeRO-3 puts the head into the embedding's unit as a second segment
+             {"zero_stage": 3, "tie": True}, {"zero_stage": 3, "tie": True, "keep_last_unit_gathered": False},
+             {"zero_stage": 2, "tie": True}]
 LAYOUTS_4 = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3, "keep_last_unit_gathered": False},
              {"zero_stage": 3, "dp_replicate": 2, "dp_shard": 2},
              {"zero_stage": 2, "dp_replicate": 2, "dp_shard": 2}]

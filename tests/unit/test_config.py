@@ -37,8 +37,6 @@ def test_cli_override_parsing():
     ({"parallel.dp_shard": "3"}, 4, r"\(3\) != world_size \(4\)"),
     ({"parallel.dp_replicate": "3"}, 4, r"world_size \(4\) is not divisible by pp\*dp_replicate\*cp\*tp \(3\)"),
     ({"training.dtype": "float8"}, 1, r"training.dtype \(float8\) must be one of"),
-    ({"parallel.zero_stage": "3", "model.tie_embeddings": "true"}, 1,
-     r"zero_stage 3 with model.tie_embeddings is not implemented"),
     ({"parallel.zero_stage": "4"}, 1, r"parallel.zero_stage \(4\) must be 0, 1, 2 or 3"),
     ({"data.seq_len": "4096"}, 1, r"seq_len \(4096\) exceeds model.max_seq_len"),
     ({"parallel.pp_schedule": "dualpipe"}, 1, r"pp_schedule \(dualpipe\) must be"),
