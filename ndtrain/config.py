@@ -386,10 +386,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 def _validate_zero(cfg: Config) -> None:
     """Rules for ZeRO / FSDP and mixed precision (see ``docs/sharded_data_parallel.md``)."""
     p, t = cfg.parallel, cfg.training
-    if p.zero_stage > 0:  # tp / cp compose (tests/parallel/test_3d.py): TP shards are what ZeRO shards
-        for axis in ("pp",):
-            _check(getattr(p, axis) == 1, f"zero_stage ({p.zero_stage}) > 0 with parallel.{axis} "
-                                          f"({getattr(p, axis)}) > 1 is not implemented yet")
+    # tp / cp compose (tests/parallel/test_3d.py): TP shards are what ZeRO shards; pp composes
+    # (tests/parallel/test_4d.py): each stage shards its own parameters over dp_shard x cp
     if t.dtype == "float16":
         _check(t.loss_scale_init > 0, f"training.loss_scale_init ({t.loss_scale_init}) must be > 0")
         _check(t.loss_scale_growth_interval >= 1,

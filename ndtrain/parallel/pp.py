@@ -223,35 +223,36 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     return mine if pp.rank in (0, p - 1) else None
 
 
-def tied_weight(model: nn.Module) -> nn.Parameter | None:
-    """This stage's copy of the tied embedding (embedding on the first stage, head on the last)."""
+def tied_name(model: nn.Module) -> str | None:
+    """Name of this stage's copy of the tied embedding: the embedding on the first stage, the head
+    on the last, None elsewhere (or untied)."""
     info = stage_info(model)
     if info is None or not info.tied:
         return None
-    if info.first:
-        return model.tok_embeddings.weight
-    if info.last:
-        return model.output.weight
-    return None
+    return "tok_embeddings.weight" if info.first else ("output.weight" if info.last else None)
 
 
-def sync_tied_grads(model: nn.Module, group: AxisGroup | None) -> None:
+def grad_holder(model: nn.Module, dp, name: str) -> nn.Parameter:
+    """The Parameter whose ``.grad`` the optimizer steps for model parameter ``name``: the model's
+    own under plain data parallel, its master shard under ZeRO / FSDP (``dp.entries``, dim-0
+    shards: the same rows of both tied copies sit on the same data-parallel rank)."""
+    for e in getattr(dp, "entries", None) or []:
+        if e.fqn == name or name in e.aliases:
+            return e.param
+    return model.get_parameter(name)
+
+
+def sync_tied_grads(model: nn.Module, dp, group: AxisGroup | None) -> None:
     """Sum the tied embedding's gradient over the first and last stage (after the data-parallel
-    reduction). Bytes: one all-reduce of V x C over 2 ranks, V C b per rank."""
-    w = tied_weight(model)
-    if group is None or w is None:
+    reduction, on whatever the optimizer steps). Bytes: V x C x b per rank (2-rank all-reduce),
+    divided by the data-parallel shard count under ZeRO / FSDP."""
+    name = tied_name(model)
+    if group is None or name is None:
         return
+    w = grad_holder(model, dp, name)
     if w.grad is None:
         w.grad = torch.zeros_like(w)
     comm.all_reduce(w.grad, group)
-
-
-def duplicate_tied_weight(model: nn.Module) -> nn.Parameter | None:
-    """The copy that must not be counted twice in the global grad norm: the last stage's head."""
-    info = stage_info(model)
-    if info is None or not info.tied or info.first or not info.last:
-        return None
-    return model.output.weight
 
 
 def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
@@ -260,7 +261,8 @@ def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
     norm (its gradient equals the first stage's embedding gradient after ``sync_tied_grads``) and
     scaled with the same coefficient as ``ndtrain.optim.clip_grad_norm`` applies. Returns the norm
     before clipping."""
-    dup = duplicate_tied_weight(model)
+    info = stage_info(model)
+    dup = grad_holder(model, dp, "output.weight") if (info and info.tied and info.last) else None
     held = None
     if dup is not None:
         held, dup.grad = dup.grad, None
@@ -294,7 +296,7 @@ class StagePipeline:
         """All microbatches forward and backward, DP-reduced and tied-summed gradients in ``.grad``.
         Returns the summed token loss of the local batch (float64, the same on every pp rank)."""
         loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True)
-        sync_tied_grads(self.model, self.tied_group)
+        sync_tied_grads(self.model, self.dp, self.tied_group)
         return loss_sum
 
     def clip_grad_norm(self, max_norm: float) -> float:
