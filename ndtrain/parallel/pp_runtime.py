@@ -23,8 +23,9 @@ Per step, on every pp rank:
 Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
 parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
 (so weight-gradient matmuls are skipped); ``W`` then backpropagates each recorded output's gradient
-into that module's own parameters (``autograd.backward(inputs=params)``), which are exactly the
-skipped terms. Needs modules that use their parameters only inside their own forward.
+into that module's own parameters, exactly the skipped terms (one ``autograd.grad`` per module, then
+one accumulation into ``.grad`` per W, so data-parallel hooks and ZeRO's end-of-backward flush fire
+once per W, not once per module). Needs modules that use their parameters only in their forward.
 
 Every action is timed (``time.time()``, comparable across local processes): ``last_events`` holds
 (kind, mb, chunk, start, end) and the time spent waiting for inputs; see ``ndtrain.parallel.pp_viz``.
@@ -310,13 +311,38 @@ class PipelineRuntime:
 
     def _weight_grad(self, a: Action) -> None:
         state = self._state.pop((a.mb, a.chunk))
+        params, grads = [], {}
         for (mod, y), g in state["wgrads"]:
             if g is None:
                 continue
-            params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
-            torch.autograd.backward([y], [g], inputs=params, retain_graph=True)
+            ps = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+            for q, gq in zip(ps, torch.autograd.grad([y], ps, [g], retain_graph=True, allow_unused=True)):
+                if gq is None:
+                    continue
+                if id(q) in grads:
+                    grads[id(q)] = grads[id(q)] + gq
+                else:
+                    params.append(q)
+                    grads[id(q)] = gq
+        if params:  # one backward per W: data-parallel hooks and end-of-backward flushes fire once
+            torch.autograd.backward([_AccumulateInto.apply([grads[id(q)] for q in params], *params)],
+                                    inputs=params)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class _AccumulateInto(torch.autograd.Function):
+    """fwd: a 0-d zero that depends on ``params`` (their data is not read; ZeRO-3 may have freed
+    it), bwd: the given gradients for ``params``, which autograd accumulates into ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.grads)

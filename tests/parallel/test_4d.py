@@ -39,7 +39,9 @@ def _layout(rank: int, world: int, layouts: list, save_to: str | None = None) ->
         for s in range(STEPS):
             x, y = global_batch(s)
             sl = slice(dp_rank * local, (dp_rank + 1) * local)
+            mesh.reset_stats()
             d = tr.step(x[sl], y[sl])
+            sent = mesh.reset_stats()
             errs.append(max(abs(d["loss"] - ref["loss"][s]) / ref["loss"][s],
                             abs(d["grad_norm"] - ref["gn"][s]) / ref["gn"][s]))
         diff = 0.0
@@ -51,7 +53,8 @@ def _layout(rank: int, world: int, layouts: list, save_to: str | None = None) ->
             diff = max((full[n] - ref["params"][n]).abs().max().item() for n in full)
         elif dims.tp == 1:
             diff = param_diff(tr.model, ref["params"])
-        out[f"{dims} {sched} zero{cfg.parallel.zero_stage}"] = {"err": max(errs), "param_diff": diff}
+        out[f"{dims} {sched} zero{cfg.parallel.zero_stage}"] = {"err": max(errs), "param_diff": diff,
+                                                               "bytes": sent}
         if save_to is not None and not out.get("reshard_names"):  # the first layout: save it,
             # load it into pp4 on the same ranks (names are the full model's, shapes global)
             ckpt.save_checkpoint(Path(save_to), STEPS, tr.tensor_state(), {"step": STEPS})
@@ -85,6 +88,7 @@ def test_pp2_with_dp_tp_cp_zero_on_4_ranks():
     layouts = [("1f1b", 2, 1, {}, True),
                ("gpipe", 2, 1, {"zero_stage": 1}, True),
                ("zero_bubble", 2, 1, {"zero_stage": 2}, True),
+               ("1f1b", 2, 1, {"zero_stage": 2}, True),
                ("interleaved", 3, 2, {"zero_stage": 3}, False),
                ("interleaved", 3, 2, {"tp": 2}, True),
                ("zero_bubble", 3, 1, {"cp": 2}, True)]
@@ -92,6 +96,10 @@ def test_pp2_with_dp_tp_cp_zero_on_4_ranks():
         res = run_ranks(_layout, 4, layouts, tmp, timeout_s=280)
     _check(res)
     assert sum(isinstance(e, dict) for e in res[0].values()) == len(layouts)
+    # ZB-H1's W passes accumulate a chunk's weight grads in one backward, so ZeRO-2 reduces each
+    # microbatch once, exactly as under 1F1B (not once per module)
+    zb, ofob = (res[0][f"pp2 x dp_shard2 (world 4) {s} zero2"]["bytes"] for s in ("zero_bubble", "1f1b"))
+    assert zb == ofob and zb["dp_shard_cp"] > 0
     for r in res:  # a pp2 x dp2 checkpoint loads into pp4: the reference's weights and moments
         assert r["reshard_param_diff"] < 1e-9 and r["reshard_moment_diff"] < 1e-12, r
     assert len({n for r in res for n in r["reshard_names"]}) == 8 * 9 + 3
