@@ -1,6 +1,6 @@
 """Per-rank memory of DDP / ZeRO-1 / ZeRO-2 / ZeRO-3 on a model whose training state dominates.
 
-    python bench/dp_memory.py [--nproc 4] [--steps 3] [--plot docs/dp_memory.png]
+    python bench/dp_memory.py [--nproc 4] [--steps 3] [--plot docs/dp_memory.png] [--replot]
 
 Each layout trains the same model (bf16 compute, fp32 masters and AdamW; dim 512, 4 blocks, vocab
 8192, T 64, one sequence per rank) in fresh gloo processes and reports, for rank 0:
@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.train import Trainer  # noqa: E402
+from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.train import Trainer
 
 
 def _cfg(stage: int, nproc: int) -> Config:
@@ -77,7 +77,13 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--plot", default="")
+    ap.add_argument("--replot", action="store_true", help="only redraw --plot from the saved JSON")
     args = ap.parse_args()
+    dest = ROOT / "bench" / "results" / "dp_memory.json"
+    if args.replot:
+        saved = json.loads(dest.read_text())
+        _plot(saved["rows"], saved["nproc"], Path(args.plot))
+        return
     import torch.multiprocessing as mp
 
     from ndtrain.launch import free_port
@@ -97,7 +103,6 @@ def main() -> None:
               f"(formula {r['formula_bytes_per_param']:5.2f}, {r['state_vs_ddp']:.2f}x DDP) | buffers "
               f"{r['buffers_bytes'] / 2**20:6.1f} MiB | activations {r['activations_peak_bytes'] / 2**20:6.1f} MiB "
               f"| max RSS {r['max_rss_bytes'] / 2**20:7.1f} MiB", flush=True)
-    dest = ROOT / "bench" / "results" / "dp_memory.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"nproc": args.nproc, "rows": rows, "torch": torch.__version__}, indent=1))
     print(f"wrote {dest}")

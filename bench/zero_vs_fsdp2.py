@@ -7,7 +7,7 @@ units (embedding, each block, norm + output), AdamW, LR schedule, clipping, micr
 (bf16 runs: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for FSDP2). Steps
 alternate A, B, A, B... so machine noise hits both; the median step time of each side and the
 ratio ndtrain / FSDP2 (target <= 1.1) are reported, with ndtrain's traffic per step and axis.
-Writes ``bench/results/zero_vs_fsdp2.json``.
+Writes ``bench/results/zero_vs_fsdp2_<dtype>.json``.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import load_config  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.model import build_model  # noqa: E402
-from ndtrain.optim import build_optimizer, build_scheduler  # noqa: E402
-from ndtrain.train import Trainer  # noqa: E402
+from ndtrain.config import load_config
+from ndtrain.mesh import ParallelDims
+from ndtrain.model import build_model
+from ndtrain.optim import build_optimizer, build_scheduler
+from ndtrain.train import Trainer
 
 
 def _batch(cfg, step: int):
@@ -108,6 +108,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         Path(out).write_text(json.dumps({
             "ndtrain_step_s": med["ndtrain"], "fsdp2_step_s": med["fsdp2"],
             "ratio": med["ndtrain"] / med["fsdp2"], "steps": args.steps, "world": world,
+            "dtype": cfg.training.dtype,
             "ndtrain_comm_bytes_per_step": traffic,
             "params": sum(p.numel() for p in tr.model.parameters())}))
     dist.destroy_process_group()
@@ -132,7 +133,7 @@ def main() -> None:
         res = json.loads(out.read_text())
     res.update(baseline="torch.distributed.fsdp.fully_shard (FSDP2), gloo", config=args.config,
                overrides=args.override, torch=torch.__version__)
-    dest = ROOT / "bench" / "results" / "zero_vs_fsdp2.json"
+    dest = ROOT / "bench" / "results" / f"zero_vs_fsdp2_{res['dtype']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

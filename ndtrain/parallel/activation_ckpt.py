@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 _REPLAYING: list[int] = []  # levels of the regions replaying their blocks (checkpoint recompute)

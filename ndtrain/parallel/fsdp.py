@@ -38,52 +38,17 @@ import contextlib
 import functools
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.mem_account import untracked
-from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
 from ndtrain.parallel import comm
-from ndtrain.parallel.flat_shard import FlatShardLayout
-from ndtrain.parallel.sharded_state import ShardedDataParallelBase, ShardEntry
-
-
-def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:
-    """``(name, segments)`` per unit; a segment is a list of modules run back to back in forward.
-
-    Units: the embedding, each block, the head (final norm + output). With tied embeddings the
-    head is a second segment of the embedding's unit (the shared weight lives in one unit). A model
-    without ``layers`` is one unit.
-    """
-    if not hasattr(model, "layers"):
-        return [("model", [[model]])]
-    emb = getattr(model, "tok_embeddings", None)
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    tied = emb is not None and head and any(p is emb.weight for p in head[-1].parameters())
-    units = [("tok_embeddings", [[emb], head] if tied else [[emb]])] if emb is not None else []
-    units += [(f"layers.{key}", [[layer]]) for key, layer in model.layers.items()]
-    if head and not tied:
-        units.append(("head", [head]))
-    return units
+from ndtrain.parallel.fsdp_units import Unit, default_units, shard_unit
+from ndtrain.parallel.sharded_state import ShardedDataParallelBase
 
 
 def _in_backward() -> bool:
     """True while autograd runs a node, i.e. a forward inside backward (checkpoint recompute)."""
     return torch._C._current_autograd_node() is not None
-
-
-class _Unit:
-    def __init__(self, index: int, name: str, segments: list[list[nn.Module]]):
-        self.index, self.name, self.segments = index, name, segments
-        self.full: list[nn.Parameter] = []  # unsharded compute-dtype params registered in modules
-        self.entries: list[ShardEntry] = []
-        self.layout: FlatShardLayout | None = None
-        self.shard: torch.Tensor | None = None  # (S,) master dtype
-        self.state = "sharded"  # sharded | gathering | gathered
-        self.gather = None  # (work, buf (N*S,), src (S,))
-        self.ready = 0
-        self.launched = False
-        self.acc: torch.Tensor | None = None  # (S,) accumulated gradient shard, master dtype
-        self.pending = None  # (work, out (S,), in (N*S,))
 
 
 class FullyShardedDataParallel(ShardedDataParallelBase):
@@ -118,7 +83,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self.reduce_dtype = reduce_dtype or self.master_dtype
         mod_names = {id(m): n for n, m in module.named_modules()}
         mod_pos = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
-        self.units = [_Unit(i, name, segs) for i, (name, segs) in enumerate(units or default_units(module))]
+        self.units = [Unit(i, name, segs) for i, (name, segs) in enumerate(units or default_units(module))]
         # forward order of segments, and the order units finish backward (latest first segment first)
         self._segs = sorted(((mod_pos[id(seg[0])], u, si) for u in self.units for si, seg in enumerate(u.segments)),
                             key=lambda x: x[0])
@@ -128,13 +93,14 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self._rs_order = sorted(self.units, key=lambda u: -first[u.index])
         owner_of, by_name = {}, {}
         for u in self.units:
-            self._shard_unit(u, mod_names, owner_of, by_name)
+            shard_unit(u, mod_names, owner_of, by_name, self.shard_group.size, self.shard_group.rank,
+                       self.master_dtype, self.compute_dtype)
         missing = [n for n in order if n not in by_name]
         if missing:
             raise ValueError(f"parameters in no FSDP unit: {missing}")
         self.entries = [by_name[n] for n in order]
         self._rs_next = 0  # index into self._rs_order of the next reduce-scatter
-        self._inflight: list[_Unit] = []
+        self._inflight: list[Unit] = []
         self._callback_queued = False
         self.mem = None  # optional StateMemory sampled inside hooks
         self._hooks = []
@@ -147,53 +113,13 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u)))
         self._init_dtensor_mesh(mesh)
 
-    @torch.no_grad()
-    def _shard_unit(self, u: _Unit, mod_names, owner_of, by_name) -> None:
-        owned, tied = [], []  # (fqn, owner module, attribute, param); tied: second owners
-        for m in (m for seg in u.segments for m in seg):
-            prefix = mod_names[id(m)]
-            for sub_name, sub in m.named_modules():
-                for attr, p in list(sub._parameters.items()):
-                    if p is None or not p.requires_grad:
-                        continue
-                    fqn = ".".join(x for x in (prefix, sub_name, attr) if x)
-                    if id(p) in owner_of:
-                        if owner_of[id(p)][1] is not u:
-                            raise ValueError(f"{fqn} is shared with {owner_of[id(p)][0]} in another FSDP "
-                                             "unit (tied weights must share a unit)")
-                        tied.append((fqn, sub, attr, p))
-                        continue
-                    owner_of[id(p)] = (fqn, u)
-                    owned.append((fqn, sub, attr, p))
-        n, rank = self.shard_group.size, self.shard_group.rank
-        device = owned[0][3].device if owned else torch.device("cpu")
-        u.layout = FlatShardLayout([p.shape for *_, p in owned], n, rank)
-        u.shard = u.layout.shard_from_full([p.detach() for *_, p in owned],
-                                           torch.empty(u.layout.shard_numel, dtype=self.master_dtype,
-                                                       device=device))
-        for i, (fqn, sub, attr, p) in enumerate(owned):
-            sp = nn.Parameter(u.layout.shard_view(u.shard, i))
-            full = nn.Parameter(torch.empty(p.shape, dtype=self.compute_dtype, device=device))
-            for t in (sp, full):
-                setattr(t, SHARD_AXES_ATTR, shard_axes(p))
-            full.untyped_storage().resize_(0)
-            sub._parameters[attr] = full
-            u.full.append(full)
-            e = ShardEntry(fqn, p.shape, u.layout, i, sp, shard_axes(p))
-            for fqn2, sub2, attr2, p2 in tied:
-                if p2 is p:  # the same unsharded Parameter in both places; the name is an alias
-                    sub2._parameters[attr2] = full
-                    e.aliases += (fqn2,)
-            u.entries.append(e)
-            by_name[fqn] = e
-
     @contextlib.contextmanager
     def no_sync(self):
         """No-op: ZeRO-3 reduce-scatters every microbatch so that no full gradient is kept."""
         yield
 
     # --- gather / free ----------------------------------------------------------------------
-    def _start_gather(self, u: _Unit) -> None:
+    def _start_gather(self, u: Unit) -> None:
         if u.state != "sharded":
             return
         with untracked():
@@ -203,7 +129,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         u.state = "gathering"
 
     @torch.no_grad()
-    def _gather(self, u: _Unit) -> None:
+    def _gather(self, u: Unit) -> None:
         if u.state == "gathered":
             return
         self._start_gather(u)
@@ -216,7 +142,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         u.gather, u.state = None, "gathered"
         self._sample()
 
-    def _reshard(self, u: _Unit) -> None:
+    def _reshard(self, u: Unit) -> None:
         if u.state == "gathering":
             work = u.gather[0]
             if work is not None:
@@ -260,7 +186,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         if k > 0 and self._segs[k - 1][0] is not u:
             self._start_gather(self._segs[k - 1][0])  # backward prefetch
 
-    def _on_grad(self, u: _Unit, p) -> None:
+    def _on_grad(self, u: Unit, p) -> None:
         self._queue_callback()
         u.ready += 1
         self._sample()
@@ -270,7 +196,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             self._rs_next += 1
 
     # --- gradient reduction -----------------------------------------------------------------
-    def _launch(self, u: _Unit) -> None:
+    def _launch(self, u: Unit) -> None:
         with untracked():
             grads = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=u.shard.device)
                      for p in u.full]
@@ -288,7 +214,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         while len(self._inflight) > 1:
             self._complete(self._inflight.pop(0))
 
-    def _complete(self, u: _Unit) -> None:
+    def _complete(self, u: Unit) -> None:
         work, out, _ = u.pending
         if work is not None:
             work.wait()

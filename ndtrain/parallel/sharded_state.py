@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.parallel.flat_shard import FlatShardLayout
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.mem_account import untracked
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes

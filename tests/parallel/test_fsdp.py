@@ -17,8 +17,6 @@ formulas.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -6,6 +6,10 @@ element of its (sharded or replicated) gradient. Expected on *both* ranks, for p
 step 4 is skipped (weights, Adam step counts and the LR schedule unchanged), the scale goes
 1024, 1024, 2048 (grown after 3 good steps), 1024 (halved at the overflow), 1024, 1024, 2048, and
 no other step is skipped. Exact comparisons: the flags and scales are the same floats everywhere.
+
+In the same processes, bf16 runs of ZeRO-2 / ZeRO-3 with ``parallel.grad_reduce_dtype`` float32 and
+bfloat16: the reduce-scatter bytes follow the reduce dtype (4 or 2 bytes) while the all-gathers
+move bf16 (2 bytes), exactly as the formulas of ``zero.py`` / ``fsdp.py`` say.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 from ndtrain.mesh import ParallelDims
 from ndtrain.train import Trainer
 from tests.dist_utils import run_ranks
-from tests.parallel.test_zero import global_batch, tiny_cfg
+from tests.parallel.test_zero import MICRO, global_batch, psi_pad, tiny_cfg
 
 INJECT = 3  # 0-based step whose gradients overflow on rank 1
 
@@ -54,6 +58,19 @@ def _overflow(rank: int, world: int) -> dict:
             rows.append((res["skipped"], res["loss_scale"], tr.scheduler.last_epoch,
                          tr.optimizer.state[first]["step"].item()))
         out[stage] = {"rows": rows, "unchanged": unchanged, "loss": res["loss"]}
+    out["traffic"] = {}
+    for stage in (2, 3):
+        for rd in ("float32", "bfloat16"):
+            cfg = tiny_cfg(8, 1, zero_stage=stage, grad_reduce_dtype=rd)
+            cfg.training.dtype = "bfloat16"
+            mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
+            tr = Trainer(cfg, mesh, torch.device("cpu"))
+            x, y = global_batch(0, 8)
+            mesh.reset_stats()
+            tr.step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+            out["traffic"][(stage, rd)] = mesh.reset_stats()["dp_shard_cp"]
+    out["psi"] = psi_pad(tr.model, world)
+    out["psi_head"] = psi_pad(tr.model, world, ("norm.", "output."))
     return out
 
 
@@ -66,3 +83,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere_and_halves_the_scal
             assert r[stage]["rows"] == want, (stage, r[stage]["rows"])
             assert r[stage]["unchanged"], stage
             assert 3.5 < r[stage]["loss"] < 4.5  # trained in fp16 without blowing up (ln 61 = 4.1)
+        ring, head, norm = 0.5 * r["psi"], 0.5 * r["psi_head"], 0.5 * 8 * 2  # N = 2; grad-norm scalar
+        for rd, b_r in (("float32", 4), ("bfloat16", 2)):
+            assert r["traffic"][(2, rd)] == ring * (MICRO * b_r + 2) + norm
+            assert r["traffic"][(3, rd)] == MICRO * (ring * 2 + (ring - head) * 2 + ring * b_r) + norm

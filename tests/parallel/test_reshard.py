@@ -75,3 +75,8 @@ def test_zero3_checkpoint_resumes_under_ddp_zero1_and_one_process(tmp_path):
     for step in range(5, 13):
         assert abs(single[step] - ref[step]) <= 1e-6 * ref[step], (step, single[step], ref[step])
     assert ref[12] < ref[1] - 0.05  # it trains: a resume that restarted from scratch would show
+    # metrics.jsonl carries the memory accounting and the per-axis traffic of the sharded run
+    rows = [r for r in read_metrics(tmp_path / "zero3") if "loss" in r]
+    assert all(r["mem_state_peak_bytes"] > 0 and r["mem_activations_peak_bytes"] > 0 for r in rows)
+    assert rows[0]["mem_params_bytes"] * 4 <= rows[0]["mem_state_peak_bytes"]  # ZeRO-3: 1/4 of 16/N
+    assert rows[-1]["comm_bytes"]["dp_shard_cp"] > 0

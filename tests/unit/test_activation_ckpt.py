@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ndtrain.config import Config, ModelConfig, TrainingConfig
 from ndtrain.mem_account import ActivationMeter, StateMemory, storage_bytes
