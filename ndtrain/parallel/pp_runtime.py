@@ -36,7 +36,7 @@ import contextlib
 import random
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from torch import nn
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
 from ndtrain.parallel.pp_schedules import Action, Schedule, build_schedule, forward_only
-from ndtrain.parallel.pp_schedules import Event
+from ndtrain.parallel.pp_simulate import Event
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _META_LEN = 8  # dtype code, ndim, up to 6 dims
@@ -81,7 +81,7 @@ class _Receiver:
                 with self.cond:
                     self.inbox[key] = buf
                     self.cond.notify_all()
-        except BaseException as e:  # surface in the main thread
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread by take()
             with self.cond:
                 self.error = e
                 self.cond.notify_all()

@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ndtrain.parallel import comm
-from ndtrain.parallel.pp_schedules import Event, Timeline, bubble_formula, build_schedule, simulate
+from ndtrain.parallel.pp_schedules import bubble_formula, build_schedule
+from ndtrain.parallel.pp_simulate import Event, Timeline, simulate
 
 _B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
@@ -72,7 +73,7 @@ def render_text(tl: Timeline, resolution: float | None = None, max_cells: int = 
     span = tl.end - tl.start
     shortest = min(e.end - e.start for evs in tl.events for e in evs)
     res = resolution or max(shortest, span / max_cells)
-    n = max(1, int(round(span / res)))
+    n = max(1, round(span / res))
     lines = [f"{tl.name} p={tl.p} m={tl.m}" + (f" v={tl.v}" if tl.v > 1 else "")
              + f" ({tl.meta.get('kind', 'timeline')}; one cell = {res:.3g}"
              + (" s)" if tl.meta.get("kind") == "measured" else " units)")]
