@@ -103,6 +103,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self._inflight: list[Unit] = []
         self._callback_queued = False
         self.mem = None  # optional StateMemory sampled inside hooks
+        self.gather_counts = {"prefetched": 0, "on_demand": 0}  # all-gathers waited on, by origin
         self._hooks = []
         for k, (u, si) in enumerate(self._segs):
             seg = u.segments[si]
@@ -132,6 +133,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
     def _gather(self, u: Unit) -> None:
         if u.state == "gathered":
             return
+        self.gather_counts["prefetched" if u.state == "gathering" else "on_demand"] += 1
         self._start_gather(u)
         work, buf, _ = u.gather
         if work is not None:
@@ -208,7 +210,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             p.grad = None
         self._reshard(u)
         u.pending = (comm.reduce_scatter_into(out, full, self.shard_group, async_op=True), out, full)
-        u.ready, u.launched = 0, True
+        u.ready = 0
         self._inflight.append(u)
         self._sample()
         while len(self._inflight) > 1:
@@ -232,7 +234,6 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         while self._inflight:
             self._complete(self._inflight.pop(0))
         for u in self.units:
-            u.launched = False
             if u.state != "sharded":
                 self._reshard(u)
         self._rs_next = 0

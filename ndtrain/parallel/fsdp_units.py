@@ -46,7 +46,6 @@ class Unit:
         self.state = "sharded"  # sharded | gathering | gathered
         self.gather = None  # (work, buf (N*S,), src (S,))
         self.ready = 0
-        self.launched = False
         self.acc: torch.Tensor | None = None  # (S,) accumulated gradient shard, master dtype
         self.pending = None  # (work, out (S,), in (N*S,))
 

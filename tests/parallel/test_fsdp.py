@@ -65,13 +65,18 @@ def _vs_fully_shard(rank: int, world: int) -> tuple[list[float], list[float]]:
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         theirs.append(total.item() / n_valid)
-    return ours, theirs
+    return ours, theirs, tr.dp.gather_counts
 
 
 def test_zero3_matches_torch_fully_shard():
-    for ours, theirs in run_ranks(_vs_fully_shard, 2):
+    """Also: per microbatch only the embedding's forward all-gather is waited on without a
+    prefetch; blocks and head (forward, 3) and blocks and embedding (backward, 3; the head stays
+    gathered) were prefetched: 6 of 7 gathers."""
+    for ours, theirs, counts in run_ranks(_vs_fully_shard, 2):
         for a, b in zip(ours, theirs):
             assert abs(a - b) <= 1e-9 * b, (ours, theirs)
+        micro = 6 * 4  # 6 steps x 4 microbatches
+        assert counts == {"on_demand": micro, "prefetched": 6 * micro}, counts
 
 
 def _mem_cfg(stage: int) -> Config:
