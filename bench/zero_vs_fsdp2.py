@@ -3,7 +3,9 @@
     python bench/zero_vs_fsdp2.py [--nproc 2] [--config default] [--override section.key=value ...]
 
 Both sides train ndtrain's Transformer from the same preset on the same batches, with the same
-units (embedding, each block, norm + output), AdamW, LR schedule, clipping, microbatches and dtype
+units (embedding, each block, norm + output; one group with the embedding when tied; the head's
+group kept gathered into backward as ``keep_last_unit_gathered``), AdamW, LR schedule, clipping,
+microbatches and dtype
 (bf16 runs: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for FSDP2). Steps
 alternate A, B, A, B... so machine noise hits both; the median step time of each side and the
 ratio ndtrain / FSDP2 (target <= 1.1) are reported, with ndtrain's traffic per step and axis.
@@ -47,11 +49,13 @@ def _fsdp2_model(cfg):
     if cfg.training.dtype == "bfloat16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kw["reshard_after_forward"] = cfg.parallel.reshard_after_forward
+    # the unit holding the head stays gathered into backward when ndtrain keeps its last unit
+    last = dict(kw, reshard_after_forward=kw["reshard_after_forward"] and not cfg.parallel.keep_last_unit_gathered)
     if cfg.model.tie_embeddings:  # the shared weight must live in one FSDP group (as in ndtrain)
-        fully_shard([model.tok_embeddings, model.norm, model.output], **kw)
+        fully_shard([model.tok_embeddings, model.norm, model.output], **last)
     else:
         fully_shard(model.tok_embeddings, **kw)
-        fully_shard([model.norm, model.output], **kw)
+        fully_shard([model.norm, model.output], **last)
     for block in model.layers.values():
         fully_shard(block, **kw)
     fully_shard(model, **kw)
