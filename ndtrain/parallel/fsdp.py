@@ -1,24 +1,28 @@
 """ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP"),
 and HSDP (FSDP inside ``dp_shard_cp``, gradients all-reduced over ``dp_replicate``).
 
-Parameters are grouped into units (default: the token embedding, each transformer block, and the
-head = final norm + output projection). Each unit's parameters are sharded along dim 0 with padding
+Parameters are grouped into units (``fsdp_units.default_units``: the token embedding, each
+transformer block, and the head = final norm + output projection; with tied embeddings the head is
+a second *segment* of the embedding's unit, which stays gathered between its segments). Each unit's
+parameters are sharded along dim 0 with padding
 (``flat_shard``) into one flat fp32 (master-dtype) shard per rank; the module keeps, under its own
 names, unsharded compute-dtype ``nn.Parameter`` s whose storage is allocated only while gathered
 (``untyped_storage().resize_``), so autograd's saved references see the re-gathered values.
 
-Per microbatch, for unit u (N = |dp_shard_cp|):
+Per microbatch, for unit u (N = |dp_shard_cp|; "next" / "previous" follow the forward order of
+segments):
 
 * forward pre-hook: all-gather u (or wait for its prefetch), then start the asynchronous
-  all-gather of unit u+1 (forward prefetch);
+  all-gather of the next unit (forward prefetch);
 * forward post-hook: register a pre-backward hook on u's output; free u's unsharded storage unless
   ``reshard_after_forward=False`` (parameters stay gathered until u's backward: the ZeRO-2-like
   mode Llama 3 used) or u is the last unit and ``keep_last_unit=True`` (its backward comes first);
-* pre-backward (gradient of u's output ready): all-gather u again if it was freed, and prefetch u-1;
+* pre-backward (gradient of u's output ready): all-gather u again if it was freed, and prefetch the
+  previous unit;
 * post-backward (every parameter of u accumulated its gradient): pack the gradients, free them and
   the unsharded storage, and reduce-scatter asynchronously in ``reduce_dtype``; shards accumulate
-  over microbatches in the master dtype. Units are reduced strictly in reverse unit order on every
-  rank; an autograd end-of-backward callback reduces units whose parameters got no gradient.
+  over microbatches in the master dtype. Units are reduced strictly in reverse order of their
+  first segment on every rank; an autograd end-of-backward callback reduces units whose parameters got no gradient.
   ZeRO-3 reduces every microbatch: ``no_sync`` is a no-op (no full gradient is kept).
 * activation-checkpoint recompute (a forward run inside backward) gathers without prefetching and
   never frees: the unit is freed after its gradients are reduced.
@@ -30,7 +34,7 @@ reduce bytes); units kept gathered skip the backward all-gather. HSDP adds, once
 fp32 gradient shard, two fp32 Adam moments) plus the gathered units.
 
 Unsharded parameters are placeholders outside a unit's forward / backward; read weights through
-``model_state_dict()``. Tied parameters shared by two units are rejected.
+``model_state_dict()``. A parameter shared by two different units is rejected.
 """
 from __future__ import annotations
 
