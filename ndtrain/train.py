@@ -25,6 +25,7 @@ from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import build_batch_plan, parallelize
+from ndtrain.parallel.pp import flatten_param_groups, unflatten_param_groups
 from ndtrain.parallel.tp_state import gather_tp_state, scatter_tp_state
 from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
@@ -197,10 +198,14 @@ class Trainer:
         return (tot[0] / tot[1].clamp(min=1)).item()
 
     def tensor_state(self) -> dict:
-        state = {"model": self.dp.model_state_dict(), "optim": self.dp.optim_state_dict(self.optimizer)}
+        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp)
+        optim = flatten_param_groups(self.dp.optim_state_dict(self.optimizer), self.model)
+        state = {"model": self.dp.model_state_dict(), "optim": optim}
         return gather_tp_state(state, self.model, self.mesh)  # TP-split tensors whole (global names)
 
     def load_tensor_state(self, state: dict) -> None:
+        template = self.dp.optim_state_dict(self.optimizer)
+        state = {**state, "optim": unflatten_param_groups(state["optim"], template, self.model)}
         state = scatter_tp_state(state, self.model, self.mesh)
         self.dp.load_model_state_dict(state["model"])
         self.dp.load_optim_state_dict(self.optimizer, state["optim"])

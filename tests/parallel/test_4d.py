@@ -71,6 +71,8 @@ def _layout(rank: int, world: int, layouts: list, save_to: str | None = None) ->
             out["reshard_moment_diff"] = max((tr4.optimizer.state[q]["exp_avg"] - ref["exp_avg"][alias[n]])
                                              .abs().max().item() for n, q in names.items())
             out["reshard_names"] = sorted(names)
+            out["reshard_groups"] = ([(g["lr"], g["weight_decay"]) for g in tr4.optimizer.param_groups]
+                                     == [(g["lr"], g["weight_decay"]) for g in tr.optimizer.param_groups])
     return out
 
 
@@ -102,6 +104,7 @@ def test_pp2_with_dp_tp_cp_zero_on_4_ranks():
     assert zb == ofob and zb["dp_shard_cp"] > 0
     for r in res:  # a pp2 x dp2 checkpoint loads into pp4: the reference's weights and moments
         assert r["reshard_param_diff"] < 1e-9 and r["reshard_moment_diff"] < 1e-12, r
+        assert r["reshard_groups"], "optimizer hyperparameters (lr, decay groups) must load"
     assert len({n for r in res for n in r["reshard_names"]}) == 8 * 9 + 3
 
 
