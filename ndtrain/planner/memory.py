@@ -65,10 +65,29 @@ def estimate_state_bytes_per_param(zero_stage: int = 0, n_shards: int = 1, preci
 
 def estimate_activation_bytes_per_layer(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool = False,
                                         moe: bool = False, flash: bool = True, act_bytes: int = 2,
-                                        policy: str = "none") -> dict:
+                                        policy: str = "none", implementation: str = "fused") -> dict:
     """Activation bytes one layer stores for one microbatch of ``tokens`` tokens on one rank
     (tokens = microbatch * seq_len / cp); ``seq_len`` is the full key length. Returns
-    {"attention", "mlp", "input", "total"}; ``policy`` "selective" drops the recomputed parts."""
+    {"attention", "mlp", "input", "total"}; ``policy`` "selective" drops the recomputed parts.
+
+    ``implementation``: "fused" (the table above: fused norm / SwiGLU / attention kernels, what
+    Megatron-style GPU training keeps) or "eager" (ndtrain's model in eager PyTorch, derived from
+    autograd's saved tensors in ``planner.eager``: act_bytes 4 = fp32, 8 = fp64, 2 = bf16 autocast
+    over fp32 weights; dense, tp = 1, policy none only). Raises ValueError otherwise.
+    """
+    if implementation == "eager":
+        if tp > 1 or moe or policy != "none" or act_bytes not in (2, 4, 8):
+            raise ValueError("the eager activation model covers dense layers, tp = 1, policy none, "
+                             "act_bytes 2 / 4 / 8")
+        from ndtrain.planner.eager import eager_layer_bytes
+
+        lay = eager_layer_bytes(spec, {2: "bfloat16", 4: "float32", 8: "float64"}[act_bytes])
+        total = lay["per_token"] * tokens + lay["per_microbatch"] + lay["per_seq_pos"] * seq_len
+        mlp = lay["mlp_per_token"] * tokens
+        res = 8 if act_bytes == 8 else 4
+        return {"attention": total - mlp, "mlp": mlp, "input": res * tokens * spec.dim, "total": total}
+    if implementation != "fused":
+        raise ValueError(f"implementation must be fused or eager, not {implementation!r}")
     h, a, g, D = spec.dim, spec.n_heads, spec.n_kv_heads, spec.head_dim
     e, t = act_bytes, tp
     r = 1.0 / t if sp else 1.0  # residual-stream tensors: sharded by SP, else replicated

@@ -1,0 +1,234 @@
+"""Measure what the CPU eager step-time and RSS models need (``planner/eager_time.py``,
+``planner/calibrate.py``): component times of the model's eager training step at the run's shapes,
+threads and concurrent ranks, and the framework baseline of a rank's resident memory.
+
+Both spawn fresh processes (``torch.multiprocessing``, spawn) so that the measurement sees what a
+rank of ``ndtrain train`` sees: its own thread count, the other ranks running at the same time,
+and an interpreter that imported only what a rank imports.
+"""
+from __future__ import annotations
+
+import queue as queue_mod
+import statistics
+import time
+
+from ndtrain.planner.measure import _free_port
+
+
+def _time_median(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _component_seconds(make, reps: int, pool_bytes: int):
+    """Median seconds of one forward + backward (and of the forward alone) of ``make(i)`` -> (fn,
+    inputs); inputs rotate over a pool larger than the last-level cache, as in a training step."""
+    import torch
+
+    first = make(0)
+    per = sum(t.numel() * t.element_size() for t in first[1])
+    sets = [first] + [make(i) for i in range(1, max(2, pool_bytes // max(per, 1)))]
+
+    def run(backward: bool):
+        keep = []
+        for fn, ins in sets:
+            out = fn(*ins)
+            if backward:
+                out.backward(torch.ones_like(out))
+            keep.append(out.detach())
+            if len(keep) > 4:
+                keep.pop(0)
+
+    run(True)
+    return _time_median(lambda: run(True), reps) / len(sets), _time_median(lambda: run(False), reps) / len(sets)
+
+
+def _eager_rates_worker(rank, shapes, dims, params, dtype, threads, reps, queue,
+                        pool_bytes=96 * 2**20):
+    import torch
+    import torch.nn.functional as F
+
+    from ndtrain.model.norm import RMSNorm
+    from ndtrain.model.rope import apply_rope
+
+    torch.set_num_threads(threads)
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(rank)
+    b, T, H, G, D, h, f, V = dims
+    tokens = b * T
+    out = {}
+    gemm_t, gemm_f = 0.0, 0.0
+    for k, n, count in shapes:  # forward x W^T, grad input g W, grad weight g^T x
+        x, w, gr = (torch.randn(a, c, generator=g, dtype=dt) for a, c in ((tokens, k), (n, k), (tokens, n)))
+        ops = (lambda x=x, w=w: x @ w.t(), lambda gr=gr, w=w: gr @ w, lambda gr=gr, x=x: gr.t() @ x)
+        for op in ops:
+            op()
+        gemm_t += count * sum(_time_median(op, reps) for op in ops)
+        gemm_f += count * 6.0 * tokens * k * n
+    out.update(gemm_flops_per_s=gemm_f / gemm_t, gemm_s=gemm_t)
+
+    def rnd(*shape, grad=True):
+        return torch.randn(*shape, generator=g, dtype=dt).requires_grad_(grad)
+
+    norm = RMSNorm(h).to(dt)
+    cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
+    labels = torch.randint(0, V, (tokens,), generator=g)
+    comps = {  # name: make(i) -> (fn, inputs); shapes as in ndtrain.model
+        "attn": lambda i: (lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != G),
+            (rnd(b, T, H, D), rnd(b, T, G, D), rnd(b, T, G, D))),
+        "norm": lambda i: (norm, (rnd(b, T, h),)),
+        "rope": lambda i: (lambda q, k: torch.cat([apply_rope(q, cos, sin).flatten(2), apply_rope(k, cos, sin).flatten(2)], -1),
+                           (rnd(b, T, H, D), rnd(b, T, G, D))),
+        "swiglu": lambda i: (lambda x, y: F.silu(x) * y, (rnd(b, T, f), rnd(b, T, f))),
+        "residual": lambda i: (lambda x, y: x + y, (rnd(b, T, h), rnd(b, T, h))),
+        "loss": lambda i: (lambda z: F.cross_entropy(z, labels, reduction="sum"), (rnd(tokens, V),)),
+    }
+    for name, make in comps.items():
+        out[f"{name}_s"], out[f"{name}_fwd_s"] = _component_seconds(make, reps, pool_bytes)
+    out.update(_param_pass_seconds(params, dt, reps))
+    queue.put(out)
+
+
+def _param_pass_seconds(shapes, dt, reps: int) -> dict:
+    """Seconds per parameter of the trainer's per-parameter passes over tensors of ``shapes``:
+    AdamW (foreach, as ``ndtrain.optim.build_optimizer``), the fp64 global-norm clip, gradient
+    accumulation (``add_``) and a flatten + copy back (data-parallel buckets / ZeRO packs)."""
+    import torch
+
+    from ndtrain.optim import clip_grad_norm
+
+    ps = [torch.nn.Parameter(torch.randn(s, dtype=dt)) for s in shapes]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    other = [torch.randn_like(p) for p in ps]
+    n = sum(p.numel() for p in ps)
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)
+    opt.step()
+
+    def flat():
+        buf = torch.cat([p.grad.reshape(-1) for p in ps])
+        off = 0
+        for p in ps:
+            p.grad.copy_(buf[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    runs = {"optim": opt.step, "clip": lambda: clip_grad_norm([(p.grad, ()) for p in ps], 1e-9),
+            "accum": lambda: torch._foreach_add_([p.grad for p in ps], other), "copy": flat}
+    return {f"{k}_s_per_param": _time_median(fn, reps) / n for k, fn in runs.items()}
+def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, world: int = 1,
+                        dtype: str = "float32", reps: int = 5, timeout_s: float = 300.0) -> dict:
+    """Kernel times of ``spec``'s eager training step on this machine, for the step-time model of
+    ``planner.eager_time``: ``world`` processes with ``threads`` threads each run at the same time
+    (as the ranks of the layout do) and each times, at the run's shapes (microbatch x seq_len
+    tokens): the model's matmuls (forward and both backward products; ``gemm_flops_per_s``), and
+    forward + backward (``<name>_s``) and forward alone (``<name>_fwd_s``) of the model's other
+    components: causal GQA attention core, RMSNorm, RoPE of q and k, SiLU(g) * u, a residual add,
+    the cross-entropy over V; inputs rotate over a pool larger than the last-level cache. Then the
+    per-parameter passes (``optim`` / ``clip`` / ``accum`` / ``copy_s_per_param``). Medians over
+    ``reps``; the result is the median over processes. Raises RuntimeError if a worker fails or
+    times out.
+    """
+    import torch.multiprocessing as mp
+
+    from ndtrain.planner.eager import param_shapes
+    from ndtrain.planner.eager_time import linear_shapes
+
+    dims = (microbatch, seq_len, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.dim, spec.ffn_hidden,
+            spec.vocab_size)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_eager_rates_worker,
+                         args=(r, linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype,
+                               threads, reps, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    outs, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(outs) < world:
+            try:
+                outs.append(queue.get(timeout=1.0))
+            except queue_mod.Empty:  # check for a dead worker or the deadline
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError("eager rate measurement: a worker failed or timed out") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return {k: statistics.median(o[k] for o in outs) for k in outs[0]} | {"threads": threads, "world": world}
+
+
+def _baseline_worker(rank, world, port, cfg_dict, threads, prepare, queue):
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from ndtrain.config import config_from_dict
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.train import Trainer
+
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = config_from_dict(cfg_dict)
+        if prepare:  # a one-process `ndtrain train` prepares (cached) data in the training process
+            from ndtrain.data import GlobalBatchSampler, TokenData, prepare_data
+
+            data = TokenData(prepare_data(cfg.data, cfg.model.vocab_size))
+            GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), cfg.training.global_batch_size, 0)
+        m = cfg.model  # the same trainer, layout and dtype around a negligible model
+        m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden = 16, 1, 2, 1, 32
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        tr = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
+        b, T = tr.local_batch, cfg.data.seq_len
+        x = torch.randint(0, m.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(rank))
+        for step in range(2):
+            tr.measure_memory = step == 0
+            tr.step(x[:, :-1], x[:, 1:])
+        queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_trainer_baseline_rss(cfg, world: int = 1, threads: int = 1, prepare_data: bool | None = None,
+                                 timeout_s: float = 300.0) -> float:
+    """The framework baseline of a CPU run's max RSS (bytes, max over ranks): ``world`` fresh
+    processes (gloo when world > 1) that do what a rank of ``ndtrain train`` does around the model
+    (import torch and ndtrain, open the cached data when one process trains, build the trainer for
+    ``cfg``'s layout and dtype, two steps with the memory meter on the first) but with a negligible
+    model (dim 16, 1 layer). What it does not contain is model state and activations, which the
+    planner predicts. Raises RuntimeError if a worker fails or times out.
+    """
+    import torch.multiprocessing as mp
+
+    prepare = world == 1 if prepare_data is None else prepare_data
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_baseline_worker, args=(r, world, port, cfg.to_dict(), threads, prepare, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    outs, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(outs) < world:
+            try:
+                outs.append(queue.get(timeout=1.0))
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError("baseline measurement: a worker failed or timed out") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return float(max(outs))

@@ -1,0 +1,183 @@
+"""The planner's eager memory model against the trainer's own meters, on deterministic tiny runs.
+
+Reference: ``ndtrain.mem_account`` (``StateMemory``: bytes of the distinct storages of params /
+grads / optimizer state at the trainer's sample points; ``ActivationMeter``: peak of live storages
+created by operators during one microbatch's forward + backward). Both are deterministic counts
+of tensor bytes, so:
+
+* model state (``estimate_trainer_state_bytes``) must match exactly, byte for byte, for DDP,
+  ZeRO-1/2/3 and HSDP, fp32 and bf16 (dim-0 padding, 4-byte AdamW step counters, ZeRO-2's bucket
+  of full gradients in the hooks included);
+* activations (``estimate_eager_activation_peak``) within 1%: the model leaves out the loss's
+  scalars (tens of bytes) and, under bf16 / fp64, a few hundred bytes of casts around RoPE; the
+  derivation is exact otherwise, so 1% (not the issue's 15%) would catch any missing tensor.
+
+The step-time model is checked for its arithmetic only (no timing assertions in tests).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.planner.calibrate import compare_with_runs, predict_memory
+from ndtrain.planner.eager import (
+    estimate_eager_activation_peak,
+    estimate_trainer_state_bytes,
+    padded_shard_numel,
+    param_shapes,
+)
+from ndtrain.planner.eager_time import eager_comm_seconds, eager_gemm_flops, estimate_eager_step_time
+from ndtrain.planner.model_spec import from_model_config
+from ndtrain.train import Trainer
+from tests.dist_utils import run_ranks
+
+
+def _cfg(dtype="float32", ac="none", tie=False, zero=0, mb=2, world=1, bucket=25 * 2**20, rep=1, **model):
+    m = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 80, "max_seq_len": 16,
+             "rope_theta": 1e4, "tie_embeddings": tie}
+    m.update(model)
+    cfg = Config(model=ModelConfig(**m),
+                 training=TrainingConfig(dtype=dtype, global_batch_size=2 * mb * world, micro_batch_size=mb,
+                                         lr=1e-3, activation_checkpoint=ac),
+                 parallel=ParallelConfig(zero_stage=zero, bucket_size_bytes=bucket, dp_replicate=rep,
+                                         dp_shard=world // rep))
+    cfg.data.seq_len = m["max_seq_len"]
+    return cfg
+
+
+def _metered(cfg, rank=0, world=1) -> dict:
+    """Two metered steps of this rank's share of a fixed batch; the second step's report."""
+    tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))
+    b, T = cfg.training.global_batch_size, cfg.data.seq_len
+    x = torch.randint(0, cfg.model.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(0))
+    loc = slice(rank * b // world, (rank + 1) * b // world)
+    for _ in range(2):
+        tr.measure_memory = True
+        out = tr.step(x[loc, :-1], x[loc, 1:])
+    return {k: v for k, v in out.items() if k.startswith("mem_")}
+
+
+def _check(cfg, meas, world=1):
+    spec, p, t = from_model_config(cfg.model), cfg.parallel, cfg.training
+    n_micro = t.global_batch_size // world // t.micro_batch_size
+    st = estimate_trainer_state_bytes(spec, p.zero_stage, world // p.dp_replicate, t.dtype,
+                                      p.bucket_size_bytes, True, n_micro)
+    for k in ("params", "grads", "optim"):
+        assert st[k] == meas[f"mem_{k}_bytes"], (k, st[k], meas)
+    assert st["total"] == meas["mem_state_peak_bytes"]
+    act = estimate_eager_activation_peak(spec, t.micro_batch_size, cfg.data.seq_len, t.dtype,
+                                         t.activation_checkpoint, p.zero_stage)
+    assert act["peak"] == pytest.approx(meas["mem_activations_peak_bytes"], rel=0.01), (act, meas)
+
+
+CASES = [  # which peak each exercises: head (log-softmax / output backward), top block, embedding
+    {},
+    {"ac": "full"},
+    {"ac": "full", "tie": True, "n_layers": 3, "ffn_hidden": 32, "vocab_size": 64},  # tied grad waits: block peak
+    {"tie": True, "vocab_size": 256, "n_layers": 1, "ffn_hidden": 32, "mb": 1},  # tied embedding backward
+    {"dtype": "float64", "ac": "full"},
+    {"dtype": "bfloat16"},
+    {"dtype": "bfloat16", "ac": "full", "ffn_hidden": 160, "vocab_size": 64, "max_seq_len": 32},
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "fp32")
+def test_single_process_state_exact_and_activations_within_1pct(case):
+    cfg = _cfg(**case)
+    _check(cfg, _metered(cfg))
+
+
+def _zero_ranks(rank, world, cases):
+    return [_metered(_cfg(**c, world=world), rank, world) for c in cases]
+
+
+ZERO_CASES = [{"zero": 0}, {"zero": 1}, {"zero": 2, "bucket": 4096}, {"zero": 2}, {"zero": 3},
+              {"zero": 3, "rep": 2}, {"zero": 1, "dtype": "bfloat16"}, {"zero": 2, "dtype": "bfloat16", "bucket": 4096},
+              {"zero": 3, "dtype": "bfloat16"}, {"zero": 0, "dtype": "bfloat16", "ac": "full"}]
+
+
+def test_two_ranks_ddp_zero_hsdp_state_exact_and_activations_within_1pct():
+    """One 2-rank gloo group runs every case; both ranks are checked (their shards hold different
+    valid rows but the same padded sizes)."""
+    results = run_ranks(_zero_ranks, 2, ZERO_CASES, timeout_s=240)
+    for rank_res in results:
+        for case, meas in zip(ZERO_CASES, rank_res):
+            _check(_cfg(**case, world=2), meas, world=2)
+
+
+def test_param_shapes_match_the_model_and_padding():
+    cfg = _cfg(tie=False, vocab_size=97, ffn_hidden=81)
+    from ndtrain.model import build_model
+
+    model = build_model(cfg.model, "cpu", torch.float32, 0)
+    spec = from_model_config(cfg.model)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_shapes(spec)
+    assert sum(math.prod(s) for _, s in param_shapes(spec)) == spec.params_total
+    # vocab 97 and ffn 81 rows do not divide by 2: one padding row each (97 -> 2 x 49, 81 -> 2 x 41)
+    shapes = [s for _, s in param_shapes(spec)]
+    assert padded_shard_numel(shapes, 2) * 2 - spec.params_total == (2 + 2 * 2) * 32
+
+
+def test_compare_with_runs_on_a_real_run(tmp_path):
+    """A 3-step ``run()`` on a byte-tokenized corpus: the metered sum is predicted within 1%, RSS
+    with the given baseline is reported, step time from given rates is the model's arithmetic."""
+    from ndtrain.data import prepare_data
+    from ndtrain.train import run
+
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    cfg = _cfg()
+    cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir = str(tmp_path / "corpus.txt"), "bytes", str(tmp_path)
+    cfg.model.vocab_size = 260
+    cfg.training.steps, cfg.training.eval_batches, cfg.training.sample_tokens = 3, 1, 0
+    cfg.logging.log_every, cfg.logging.plot, cfg.checkpoint.every = 1, False, 0
+    run(cfg, tmp_path / "run", prepare_data(cfg.data, cfg.model.vocab_size))
+    rates = {"gemm_flops_per_s": 1e10, "optim_s_per_param": 1e-9, "clip_s_per_param": 1e-9,
+             "accum_s_per_param": 1e-9, "copy_s_per_param": 1e-9, "loss_s": 1e-4}
+    rates |= {f"{k}{s}": 1e-4 for k in ("attn", "norm", "rope", "swiglu", "residual") for s in ("_s", "_fwd_s")}
+    rows = compare_with_runs([tmp_path / "run"], 1, 300 * 2**20, skip_first=1, rates=rates)
+    r = rows[0]
+    assert abs(r["metered_rel_err"]) < 0.01
+    pred = predict_memory(cfg, 1, 300 * 2**20)
+    assert r["predicted_mem_bytes"] == pred["rss"] == 300 * 2**20 + pred["live"]
+    spec = from_model_config(cfg.model)
+    want = 2 * (eager_gemm_flops(spec, 32) / 1e10 + 2 * (1e-4 * 7) + 2e-4) \
+        + 1e-9 * (3 * spec.params_total)  # 2 microbatches; optim + clip + 1 accumulation pass
+    assert r["predicted_step_s"] == pytest.approx(want, rel=1e-9)
+
+
+def test_step_time_model_arithmetic():
+    spec = from_model_config(_cfg().model)
+    h, f, V, L, q, k = 32, 80, 96, 2, 32, 16
+    n_mm = L * (h * q + 2 * h * k + q * h + 3 * h * f) + h * V
+    assert eager_gemm_flops(spec, 32) == 6 * 32 * n_mm
+    assert eager_gemm_flops(spec, 32, "full") == 6 * 32 * n_mm + 2 * 32 * (n_mm - h * V)
+    psi, e = spec.params_total, 4
+    # DDP over 2 ranks: one ring all-reduce of every fp32 gradient, one bucket
+    t = eager_comm_seconds(spec, 0, 2, 1, 2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+    assert t == pytest.approx(2 * 1 / 2 * e * psi / 1e9 + 2 * 1e-4)
+    # ZeRO-3 over 2 ranks, 2 microbatches: (gather, gather, reduce-scatter) per microbatch per unit
+    S = padded_shard_numel([s for _, s in param_shapes(spec)], 2)
+    t3 = eager_comm_seconds(spec, 3, 2, 1, 2, alpha_s=1e-4, beta_bytes_per_s=1e9)
+    assert t3 == pytest.approx(6 * S * e / 1e9 + 6 * (L + 2) * 1e-4)
+    with pytest.raises(ValueError):
+        estimate_eager_step_time(spec, 2, 16, 2, {}, policy="selective")
+
+
+def test_eager_knob_of_the_per_layer_model_is_one_measured_layer():
+    """``memory.estimate_activation_bytes_per_layer(implementation="eager")`` is what one more block
+    adds to the metered activation peak (fp32, the peak at the head in both runs); the fused
+    (Korthikanti, bf16) figure is far below, which is why the CPU calibration needs the eager one."""
+    from ndtrain.planner.memory import estimate_activation_bytes_per_layer
+
+    one, two = (_metered(_cfg(n_layers=n))["mem_activations_peak_bytes"] for n in (1, 2))
+    spec = from_model_config(_cfg().model)
+    eager = estimate_activation_bytes_per_layer(spec, 32, 16, act_bytes=4, implementation="eager")
+    assert eager["total"] == two - one
+    fused = estimate_activation_bytes_per_layer(spec, 32, 16, act_bytes=4)
+    assert fused["total"] < 0.8 * eager["total"]
+    with pytest.raises(ValueError):
+        estimate_activation_bytes_per_layer(spec, 32, 16, tp=2, implementation="eager")
