@@ -25,7 +25,7 @@ from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import build_batch_plan, parallelize
-from ndtrain.parallel.pp import flatten_param_groups, unflatten_param_groups
+from ndtrain.parallel.pp_train import flatten_param_groups, unflatten_param_groups
 from ndtrain.parallel.tp_state import gather_tp_state, scatter_tp_state
 from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
@@ -71,7 +71,7 @@ class Trainer:
         self.micro_batch = t.micro_batch_size or self.local_batch
         self.pipeline = None  # pp > 1: step() hands the microbatches to the pipeline schedule
         if dims.pp > 1:
-            from ndtrain.parallel.pp import StagePipeline
+            from ndtrain.parallel.pp_train import StagePipeline
 
             n_micro = cfg.parallel.pp_microbatches or self.local_batch // self.micro_batch
             self.pipeline = StagePipeline(
@@ -198,7 +198,7 @@ class Trainer:
         return (tot[0] / tot[1].clamp(min=1)).item()
 
     def tensor_state(self) -> dict:
-        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp)
+        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp_train)
         optim = flatten_param_groups(self.dp.optim_state_dict(self.optimizer), self.model)
         state = {"model": self.dp.model_state_dict(), "optim": optim}
         return gather_tp_state(state, self.model, self.mesh)  # TP-split tensors whole (global names)

@@ -7,18 +7,16 @@ Per step, on every pp rank:
    tokens, the last stage computes the loss ``sum CE / n_valid_global`` (n_valid over all
    microbatches and data-parallel ranks), so summed gradients are the single-process gradient.
 2. The rank's actions run in schedule order. ``F`` sends its output to the next virtual stage,
-   ``B`` its input gradient to the previous one. Every message is a fixed 8-int64 header (dtype,
-   ndim, shape) followed by the tensor, so receivers need no shape knowledge (microbatches of
-   different sizes, sequence / context-parallel shards all work).
+   ``B`` its input gradient to the previous one (``pp_p2p``: a dtype / shape header, then the
+   tensor, so receivers need no shape knowledge).
 3. Overlap: sends are ``isend`` and waited only two actions later (or at the end); receives are
    posted by one receiver thread per peer, in the order that peer sends (known from the schedule),
    so a message is received while this rank computes, and a rank blocks only when the input of
    its next action has not arrived. With that, any schedule order consistent with the dependency
-   graph runs without deadlock under any timing (``pp_schedules.simulate`` checks consistency).
+   graph runs without deadlock under any timing (``pp_simulate.simulate`` checks consistency).
 4. Data parallel: every backward that produces parameter gradients except the rank's last runs
-   under ``dp.no_sync()``; ``dp.finish_grad_sync()`` follows the last one. Then the tied embedding
-   gradient is summed between the first and last stage, and ``clip_grad_norm`` takes the global
-   norm over all stages (parameters carry the "pp" shard axis; the tied head is counted once).
+   under ``dp.no_sync()``; ``dp.finish_grad_sync()`` follows the last one (tied embeddings and
+   clipping over all stages: ``pp_train``).
 
 Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
 parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import threading
 import time
 from collections.abc import Callable
 
@@ -43,67 +40,9 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
+from ndtrain.parallel.pp_p2p import Receiver, send_tensor, tag
 from ndtrain.parallel.pp_schedules import Action, Schedule, build_schedule, forward_only
 from ndtrain.parallel.pp_simulate import Event
-
-_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
-_META_LEN = 8  # dtype code, ndim, up to 6 dims
-
-
-def _tag(kind: str, mb: int, stage: int, n_stages: int, data: bool) -> int:
-    return ((mb * n_stages + stage) * 2 + (kind == "B")) * 2 + int(data)
-
-
-class _Receiver:
-    """One thread per peer: receives that peer's messages (header, then tensor) in send order."""
-
-    def __init__(self, group: AxisGroup, device: torch.device, timeout_s: float):
-        self.group, self.device, self.timeout_s = group, device, timeout_s
-        self.inbox: dict[tuple, torch.Tensor] = {}
-        self.cond = threading.Condition()
-        self.error: BaseException | None = None
-        self.threads: list[threading.Thread] = []
-
-    def start(self, peer: int, keys: list[tuple[tuple, int]]) -> None:
-        th = threading.Thread(target=self._loop, args=(peer, keys), daemon=True)
-        th.start()
-        self.threads.append(th)
-
-    def _loop(self, peer: int, keys) -> None:
-        try:
-            for key, tag in keys:
-                meta = torch.empty(_META_LEN, dtype=torch.int64)
-                comm.recv_async(meta, self.group, peer, tag).wait()
-                ndim = int(meta[1])
-                shape = [int(d) for d in meta[2:2 + ndim]]
-                buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
-                comm.recv_async(buf, self.group, peer, tag + 1).wait()
-                with self.cond:
-                    self.inbox[key] = buf
-                    self.cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread by take()
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
-
-    def take(self, key: tuple) -> torch.Tensor:
-        deadline = time.monotonic() + self.timeout_s
-        with self.cond:
-            while key not in self.inbox:
-                if self.error is not None:
-                    raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"pipeline: message {key} did not arrive in {self.timeout_s:.0f} s")
-                self.cond.wait(timeout=min(left, 1.0))
-            return self.inbox.pop(key)
-
-    def join(self) -> None:
-        for th in self.threads:
-            th.join(timeout=self.timeout_s)
-        self.threads.clear()
-        if self.error is not None:
-            raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
 
 
 class PipelineRuntime:
@@ -172,19 +111,13 @@ class PipelineRuntime:
                     key = ("B", a.mb, st - 1)
                 else:
                     continue
-                out.setdefault(q, []).append((key, _tag(key[0], key[1], key[2], S, False)))
+                out.setdefault(q, []).append((key, tag(key[0], key[1], key[2], S)))
         return out
 
     def _send(self, t: torch.Tensor, kind: str, mb: int, to_stage: int, s: Schedule) -> None:
-        t = t.detach().contiguous()
-        meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
-        meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         dst = s.where(to_stage)[0]
-        tag = _tag(kind, mb, to_stage, s.n_stages, False)
-        w1 = comm.send_async(meta, self.group, dst, tag)
-        w2 = comm.send_async(t, self.group, dst, tag + 1)
-        self._sends.append((self._action_index, (w1, w2), (meta, t)))
+        works, bufs = send_tensor(t, self.group, dst, tag(kind, mb, to_stage, s.n_stages))
+        self._sends.append((self._action_index, works, bufs))
 
     def _reap_sends(self, final: bool = False) -> None:
         keep = []
@@ -216,7 +149,7 @@ class PipelineRuntime:
         self._sends, self._action_index = [], 0
         self._state: dict[tuple[int, int], dict] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        recv = _Receiver(self.group, self.device, self.timeout_s)
+        recv = Receiver(self.group, self.device, self.timeout_s)
         for peer, keys in self._incoming(s).items():
             recv.start(peer, keys)
         acts = s.actions[self.rank]

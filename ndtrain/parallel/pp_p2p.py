@@ -1,0 +1,90 @@
+"""Point-to-point messages between pipeline stages: a fixed header (dtype, shape), then the tensor.
+
+``send_tensor`` posts both sends asynchronously (``comm.send_async``, counted on the pp axis);
+``Receiver`` runs one thread per peer that posts that peer's receives in the order the peer sends
+them (known from the schedule), so messages land while the main thread computes; ``take(key)``
+blocks only until that message is there (or raises after ``timeout_s``, or re-raises a receive
+error). Receivers need no shape knowledge: microbatches of different sizes and sequence / context
+parallel shards all work.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel import comm
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_META_LEN = 8  # dtype code, ndim, up to 6 dims
+
+
+def tag(kind: str, mb: int, stage: int, n_stages: int) -> int:
+    """Tag of the header of message (kind "F" activation | "B" gradient, microbatch, receiving
+    virtual stage); the tensor itself goes with ``tag + 1``. Unique within a step."""
+    return ((mb * n_stages + stage) * 2 + (kind == "B")) * 2
+
+
+class Receiver:
+    """One thread per peer: receives that peer's messages (header, then tensor) in send order."""
+
+    def __init__(self, group: AxisGroup, device: torch.device, timeout_s: float):
+        self.group, self.device, self.timeout_s = group, device, timeout_s
+        self.inbox: dict[tuple, torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.threads: list[threading.Thread] = []
+
+    def start(self, peer: int, keys: list[tuple[tuple, int]]) -> None:
+        """Receive ``keys`` = [(message key, header tag), ...] from ``peer``, in that order."""
+        th = threading.Thread(target=self._loop, args=(peer, keys), daemon=True)
+        th.start()
+        self.threads.append(th)
+
+    def _loop(self, peer: int, keys) -> None:
+        try:
+            for key, msg_tag in keys:
+                meta = torch.empty(_META_LEN, dtype=torch.int64)
+                comm.recv_async(meta, self.group, peer, msg_tag).wait()
+                ndim = int(meta[1])
+                shape = [int(d) for d in meta[2:2 + ndim]]
+                buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
+                comm.recv_async(buf, self.group, peer, msg_tag + 1).wait()
+                with self.cond:
+                    self.inbox[key] = buf
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread by take()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def take(self, key: tuple) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            while key not in self.inbox:
+                if self.error is not None:
+                    raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"pipeline: message {key} did not arrive in {self.timeout_s:.0f} s")
+                self.cond.wait(timeout=min(left, 1.0))
+            return self.inbox.pop(key)
+
+    def join(self) -> None:
+        for th in self.threads:
+            th.join(timeout=self.timeout_s)
+        self.threads.clear()
+        if self.error is not None:
+            raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
+
+
+def send_tensor(t: torch.Tensor, group: AxisGroup, dst: int, msg_tag: int):
+    """Post header + tensor sends to ``dst``; returns (works, buffers to keep alive until done)."""
+    t = t.detach().contiguous()
+    meta = torch.zeros(_META_LEN, dtype=torch.int64)
+    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
+    meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    works = (comm.send_async(meta, group, dst, msg_tag), comm.send_async(t, group, dst, msg_tag + 1))
+    return works, (meta, t)
