@@ -85,6 +85,7 @@ def test_init_statistics():
     assert abs(blk.feed_forward.w2.weight.std().item() / scaled - 1) < 0.05
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_init_same_values_on_cpu_and_cuda():
     cfg = tiny()
