@@ -38,8 +38,7 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.optim import SHARD_AXES_ATTR
-from ndtrain.parallel.comm import (CopyToTP, GatherFromSequence, ReduceFromTP, ReduceScatterToSequence,
-                                   ScatterToSequence)
+from ndtrain.parallel.comm import CopyToTP, GatherFromSequence, ReduceFromTP, ReduceScatterToSequence
 
 TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size along dim before padding) on split params
 SEQ_DIM = 1  # activations are (B, T, C)
@@ -231,9 +230,9 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> N
     if model.tok_embeddings is not None:
         emb_weight = _shard(model.tok_embeddings.weight, 0, group, pad_to=vp)
         model.tok_embeddings = VocabParallelEmbedding(emb_weight, r * (vp // tp), group, sp)
-    elif sp:  # a stage fed hidden states: split them along the sequence on entry
-        model.register_forward_pre_hook(
-            lambda _m, args: (ScatterToSequence.apply(args[0], group, SEQ_DIM),) + tuple(args[1:]))
+    # A pipeline stage without the embedding / head takes / returns the residual stream as it is
+    # under SP, split along the sequence: stages exchange (B, T/tp, C) shards rank by rank (tp times
+    # less p2p traffic; a gather at the boundary would sum the replicated incoming gradient tp times).
     if model.output is not None:
         if tied:
             model.output.weight = emb_weight
@@ -243,8 +242,6 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> N
         model.output.register_forward_pre_hook(
             lambda _m, args: ((GatherFromSequence.apply(args[0], group, SEQ_DIM) if sp
                                else CopyToTP.apply(args[0], group)),))
-    elif sp:  # a stage returning hidden states returns them whole
-        model.register_forward_hook(lambda _m, _a, out: GatherFromSequence.apply(out, group, SEQ_DIM))
     if sp:
         if model.norm is not None:
             _sum_weight_grad_over(model.norm, group)

@@ -53,7 +53,8 @@ def _layout(rank: int, world: int, layouts: list, save_to: str | None = None) ->
             diff = max((full[n] - ref["params"][n]).abs().max().item() for n in full)
         elif dims.tp == 1:
             diff = param_diff(tr.model, ref["params"])
-        out[f"{dims} {sched} zero{cfg.parallel.zero_stage}"] = {"err": max(errs), "param_diff": diff,
+        sp = " sp" if cfg.parallel.sequence_parallel else ""
+        out[f"{dims} {sched} zero{cfg.parallel.zero_stage}{sp}"] = {"err": max(errs), "param_diff": diff,
                                                                "bytes": sent}
         if save_to is not None and not out.get("reshard_names"):  # the first layout: save it,
             # load it into pp4 on the same ranks (names are the full model's, shapes global)
@@ -85,14 +86,16 @@ def _check(res: list) -> None:
 
 def test_pp2_with_dp_tp_cp_zero_on_4_ranks():
     """pp2 x dp2 with DDP (tied embeddings; its checkpoint resharded to pp4), ZeRO-1, ZeRO-2 and
-    ZeRO-3 / FSDP; pp2 x tp2 (vocab-parallel head on the last stage); pp2 x cp2 (ring attention
-    inside each stage). Every schedule appears at least once."""
+    ZeRO-3 / FSDP; pp2 x tp2 (vocab-parallel head on the last stage), also with sequence parallel
+    (stages exchange sequence shards); pp2 x cp2 (ring attention inside each stage). Every schedule
+    appears at least once."""
     layouts = [("1f1b", 2, 1, {}, True),
                ("gpipe", 2, 1, {"zero_stage": 1}, True),
                ("zero_bubble", 2, 1, {"zero_stage": 2}, True),
                ("1f1b", 2, 1, {"zero_stage": 2}, True),
                ("interleaved", 3, 2, {"zero_stage": 3}, False),
                ("interleaved", 3, 2, {"tp": 2}, True),
+               ("zero_bubble", 3, 1, {"tp": 2, "sequence_parallel": True}, True),
                ("zero_bubble", 3, 1, {"cp": 2}, True)]
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_layout, 4, layouts, tmp, timeout_s=280)
