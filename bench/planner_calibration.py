@@ -1,0 +1,166 @@
+"""Planner vs real ``ndtrain train`` runs on this machine: per-rank memory and step time.
+
+    python bench/planner_calibration.py [--steps 12] [--layouts single,ddp2,zero1x2,zero3x2,ac_full]
+
+A small Llama (dim 384, 6 layers, 6 heads / 2 kv heads, SwiGLU 1024, vocab 512 untied, T = 256,
+9.8M parameters, fp32) on this interpreter's standard library (byte tokenizer), 8 sequences per
+step in microbatches of 2, one thread per rank (1 or 2 ranks on this 2-core machine). For each
+layout, in one command:
+
+1. ``measure_trainer_baseline_rss``: RSS of the same ranks around a negligible model;
+2. ``measure_eager_rates`` (the model's matmuls and components timed at the run's shapes with the
+   run's threads and concurrent ranks), right before and right after the run (the mean is used:
+   other jobs share the cores);
+3. ``ndtrain train`` for ``--steps`` steps (log every step; step 1 is metered), and a 3-step run of
+   the same layout with ``MALLOC_MMAP_THRESHOLD_`` fixed (glibc then returns freed blocks, so its
+   max RSS is the live peak plus the baseline: the CPU analogue of CUDA's allocated memory);
+4. the planner's predictions (``planner.calibrate.compare_with_runs``).
+
+Gloo's alpha / beta are measured once (``measure_collectives``). Prints the table and writes
+``bench/results/planner_calibration.json``. Measured step time = median of steps 3.. (step 1 runs
+the memory meters, step 2 warms up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ndtrain.config import load_config
+from ndtrain.planner.calibrate import compare_with_runs, format_comparison, load_run, predict_memory
+from ndtrain.planner.measure import measure_collectives, measure_matmul_flops
+from ndtrain.planner.measure_eager import measure_eager_rates, measure_trainer_baseline_rss
+from ndtrain.planner.model_spec import from_model_config
+
+MODEL = {"model.vocab_size": 512, "model.dim": 384, "model.n_layers": 6, "model.n_heads": 6,
+         "model.n_kv_heads": 2, "model.ffn_hidden": 1024, "model.max_seq_len": 256,
+         "model.tie_embeddings": False, "data.source": "stdlib", "data.tokenizer": "bytes",
+         "data.seq_len": 256, "data.max_corpus_bytes": 2_000_000, "training.dtype": "float32",
+         "training.global_batch_size": 8, "training.micro_batch_size": 2, "training.warmup_steps": 2,
+         "training.eval_every": 0, "training.eval_batches": 1, "training.sample_every": 0,
+         "training.sample_tokens": 0, "checkpoint.every": 0, "logging.log_every": 1,
+         "logging.plot": False}
+LAYOUTS = {  # name: (processes, overrides)
+    "single": (1, {}),
+    "ddp2": (2, {}),
+    "zero1x2": (2, {"parallel.zero_stage": 1}),
+    "zero3x2": (2, {"parallel.zero_stage": 3}),
+    "ac_full": (1, {"training.activation_checkpoint": "full"}),
+}
+
+
+def _overrides(extra: dict, steps: int) -> list[str]:
+    return [f"--{k}={v}" for k, v in {**MODEL, **extra, "training.steps": steps}.items()]
+
+
+def _train(run_dir: Path, nproc: int, extra: dict, steps: int, env: dict) -> float:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", str(nproc),
+           "--run-dir", str(run_dir)] + _overrides(extra, steps)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def _mean(a: dict, b: dict) -> dict:
+    return {k: (a[k] + b[k]) / 2 if isinstance(a[k], float) else a[k] for k in a}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2, help="runs per layout, layouts alternating")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner_calibration.json"))
+    ap.add_argument("--runs", default="/tmp/ndtrain_planner_calibration", help="run directories go here")
+    args = ap.parse_args(argv)
+    names = args.layouts.split(",")
+    root = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env_rss = dict(env, MALLOC_MMAP_THRESHOLD_="131072")
+    base_cfg = load_config("debug", {k: v for k, v in MODEL.items()}, world_size=1)
+    spec = from_model_config(base_cfg.model)
+    from ndtrain.data import prepare_data
+
+    prepare_data(base_cfg.data, base_cfg.model.vocab_size)  # cached before any timing
+    comm = measure_collectives(world=2, sizes=(2**16, 2**20, 2**22, 2**24), reps=5)
+    import torch
+
+    torch.set_num_threads(1)  # the ranks' threads
+    mm = measure_matmul_flops(sizes=(512, 1024), seconds=0.3)
+    print(f"gloo: alpha {comm['alpha_s'] * 1e6:.0f} us, beta {comm['beta_bytes_per_s'] / 1e9:.2f} GB/s; "
+          f"square matmul (1 thread) {mm['peak'] / 1e9:.0f} GFLOP/s", flush=True)
+    worlds, bases, rates, info = {}, {}, {}, {n: {"runs": [], "rates": []} for n in names}
+    for name in names:  # the baseline once per layout
+        nproc, extra = LAYOUTS[name]
+        info[name]["baseline_bytes"] = measure_trainer_baseline_rss(
+            load_config("debug", {**MODEL, **extra}, world_size=nproc), nproc, threads=1)
+    for rnd in range(args.rounds):  # layouts alternate, so slow phases of other jobs hit all of them
+        for name in names:
+            nproc, extra = LAYOUTS[name]
+            mb, T = MODEL["training.micro_batch_size"], MODEL["data.seq_len"]
+            run = root / f"{name}-r{rnd}"
+            before = measure_eager_rates(spec, mb, T, 1, nproc)
+            wall = _train(run, nproc, extra, args.steps, env)
+            after = measure_eager_rates(spec, mb, T, 1, nproc)
+            runs_here = [run]
+            if rnd == 0:  # RSS with glibc returning freed blocks (short run)
+                runs_here.append(root / f"{name}-rss")
+                _train(runs_here[-1], nproc, extra, 3, env_rss)
+            for r in runs_here:
+                worlds[str(r)], bases[str(r)] = nproc, info[name]["baseline_bytes"]
+            rates[str(run)] = _mean(before, after)
+            info[name]["runs"].append(str(run))
+            info[name]["rates"] += [before, after]
+            print(f"{name} (round {rnd}): {wall:.0f} s, matmul at the model's shapes "
+                  f"{before['gemm_flops_per_s'] / 1e9:.0f} -> {after['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s",
+                  flush=True)
+    rows = []
+    for name in names:  # memory from round 0; step time: mean prediction vs median of all timed steps
+        per_run = compare_with_runs(info[name]["runs"], worlds, bases, skip_first=2, rates=rates, comm=comm)
+        row = dict(per_run[0], run=name)
+        steps = [r["step_time_s"] for run in info[name]["runs"] for r in load_run(run)[1][2:]]
+        row["measured_step_s"] = statistics.median(steps)
+        row["predicted_step_s"] = statistics.fmean(r["predicted_step_s"] for r in per_run)
+        row["step_rel_err"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+        row["per_round"] = [{k: r[k] for k in ("predicted_step_s", "measured_step_s", "step_rel_err")}
+                            for r in per_run]
+        _, rr = load_run(root / f"{name}-rss")
+        rss = max(r["peak_mem_bytes"] for r in rr)
+        row.update(measured_rss_fixed_threshold_bytes=rss, rss_fixed_rel_err=row["predicted_mem_bytes"] / rss - 1)
+        g = statistics.fmean(x["gemm_flops_per_s"] for x in info[name]["rates"])
+        info[name]["gemm_efficiency_vs_square_1024"] = g / mm["per_size"][1024]
+        rows.append(row)
+    table = format_comparison(rows)
+    lines = [table, "", (f"{'layout':<10} {'RSS, fixed mmap threshold: pred':>32} {'meas':>7} {'err':>7}  "
+                         "activation peak at / live peak at / step error per round")]
+    for name, row in zip(names, rows):
+        lines.append(f"{name:<10} {row['predicted_mem_bytes'] / 2**20:31.0f}M "
+                     f"{row['measured_rss_fixed_threshold_bytes'] / 2**20:6.0f}M {row['rss_fixed_rel_err']:+7.1%}  "
+                     f"{row['activation_peak_at']} / {row['live_peak_at']} / "
+                     + ", ".join(f"{r['step_rel_err']:+.0%}" for r in row["per_round"]))
+    print("\n".join(lines))
+    out = {"model": MODEL, "steps": args.steps, "rounds": args.rounds, "threads_per_rank": 1, "comm": comm,
+           "matmul_peak_flops_per_s": mm["peak"], "layouts": names, "rows": rows, "details": info,
+           "predicted_memory": {n: {k: v for k, v in predict_memory(load_run(r)[0], worlds[str(r)],
+                                                                     bases[str(r)]).items()
+                                    if k in ("state", "metered", "live", "rss", "breakdown")}
+                                for n, r in ((n, info[n]["runs"][0]) for n in names)}}
+    out["predicted_memory"] = json.loads(json.dumps(out["predicted_memory"], default=str))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
