@@ -32,6 +32,7 @@ and dtype casts save nothing. Per token and layer (h width, q = a*D, k = g*D, f 
     bfloat16  residual fp32 2*4h; per norm fp32 y 4h + 4; bf16 casts of the 5 projection inputs
               5*2h; q, k, v, out 2 bytes, lse fp32; SwiGLU 4*2f -> 26h + 4q + 4k + 8f + 4a + 8, plus
               the bf16 weight casts of the layer (2 bytes/param, per microbatch) and cos / sin casts
+    bf16 + ZeRO-1/2/3 (the model's weights are bf16): as float64 with 2-byte tensors, no weight casts
 
 The measured quantity (``ActivationMeter``) is the peak of live activation storages during one
 microbatch's forward + backward, so transients count too. The peak is the largest of: end of
@@ -39,7 +40,7 @@ forward (logits + log-softmax output), the log-softmax backward (3 V-wide tensor
 projection's backward (its V x h weight gradient exists before AccumulateGrad takes it), and the
 top block's SwiGLU backward (with ``full`` checkpointing: after recomputing the top block; with tied
 embeddings the head's V x h weight gradient is still waiting for the embedding's, as autograd runs
-a leaf's AccumulateGrad once all its uses are differentiated).
+a leaf's AccumulateGrad once all its uses are differentiated), and the embedding's dense gradient.
 """
 from __future__ import annotations
 
