@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -68,13 +67,12 @@ def test_parallel_dims():
 
 
 def test_cli_rejects_bad_layout_before_starting_processes(tmp_path):
-    """The CLI exits 2 with the rule, quickly, without creating the run directory."""
+    """The CLI exits 2 with the rule, without creating the run directory (no process started)."""
     run_dir = tmp_path / "run"
-    t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug",
                            "--nproc", "4", f"--run-dir={run_dir}", "--training.global_batch_size=6"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "global_batch_size (6) is not divisible" in proc.stderr
     assert not run_dir.exists()
-    assert time.time() - t0 < 60
+    assert "Traceback" not in proc.stderr
