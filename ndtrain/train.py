@@ -27,8 +27,8 @@ from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import build_batch_plan, parallelize
 from ndtrain.parallel.pp_train import flatten_param_groups, unflatten_param_groups
 from ndtrain.parallel.tp_state import gather_tp_state, scatter_tp_state
-from ndtrain.train_extras import ExtraLosses
 from ndtrain.precision import build_loss_scaler, compute_dtype
+from ndtrain.train_extras import ExtraLosses
 
 IGNORE_INDEX = -100
 
@@ -272,11 +272,10 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         log.log({"step": 0, "val_loss": val_loss()})
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
     window_t, window_tokens = 0.0, 0
-    # rank 0 generates alone: not with ZeRO-3 parameters sharded over ranks (forward is collective)
-    can_sample = dims.tp == 1 and dims.cp == 1  # split heads / vocabulary: forward is collective
-    can_sample = can_sample and dims.pp == 1  # pp: rank 0 holds only the first stage
+    # rank 0 generates alone: not with split heads / vocab, nor with experts on other ranks (ep)
+    can_sample = dims.tp == 1 and dims.cp == 1 and dims.pp == 1 and dims.ep == 1
+    # ... nor with ZeRO-3 parameters sharded over ranks (a forward all-gathers them: collective)
     can_sample = can_sample and not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
-    can_sample = can_sample and dims.ep == 1  # ep: experts live on other ranks
     mesh.reset_stats()
     first_step = trainer.step_count + 1
     while trainer.step_count < stop:
@@ -302,8 +301,8 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
                    "tokens_per_s": tps, "step_time_s": window_t / (window_tokens / (t.global_batch_size * T)),
                    "mfu": fpt * tps / (peak * world) if peak else None, "peak_mem_bytes": int(mem),
                    "comm_bytes": comm_bytes}
-            row.update({k: v for k, v in out.items() if k.startswith(("moe_", "aux_", "mtp_"))})
-            row.update({k: v for k, v in out.items() if k.startswith(("mem_", "loss_scale", "skipped"))})
+            row.update({k: v for k, v in out.items()
+                        if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
             window_t, window_tokens = 0.0, 0
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             row = row or {"step": step, "loss": out["loss"]}

@@ -78,79 +78,6 @@ def all_reduce_scalar(value: float, group: AxisGroup, dtype=torch.float64,
     return t.item()
 
 
-# --- variable-size all-to-all for expert parallel (MoE token dispatch / combine) ---
-def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                 group: AxisGroup) -> None:
-    """``out`` <- rows from every rank: rank r sends ``inp`` rows ``in_splits`` (one count per
-    destination, in rank order) and receives ``out_splits[s]`` rows from rank s, stacked in rank order.
-
-    Counted as the bytes this rank actually sends to *other* ranks (its own chunk stays local),
-    which for an even split is the ring-cost ``(N-1)/N * S``. Size-1 group: ``out.copy_(inp)``.
-    """
-    if group.pg is None:
-        out.copy_(inp)
-        return
-    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
-    count(group, (sum(in_splits) - in_splits[group.rank]) * row)
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group.pg)
-
-
-class AllToAllV(torch.autograd.Function):
-    """Send variable numbers of rows to every rank of ``group`` (MoE dispatch and combine).
-
-    fwd: variable all-to-all with (out_splits, in_splits), bwd: the reverse all-to-all
-    (in_splits, out_splits) of the gradient. x (sum(in_splits), ...) -> (sum(out_splits), ...).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: AxisGroup):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        all_to_all_v(out, x, out_splits, in_splits, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        gx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        all_to_all_v(gx, g.contiguous(), in_splits, out_splits, ctx.group)
-        return gx, None, None, None
-
-
-# --- pipeline parallel: point-to-point between stages (counted as sends: S bytes on the sender) ---
-def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int = 0):
-    """Post an asynchronous send of ``t`` to the group's ``dst_local_rank``; returns the Work.
-
-    ``t`` must stay alive and unmodified until the Work completes. Counted: S bytes on the sender.
-    Raises RuntimeError on a size-1 group (a pipeline stage never sends to itself).
-    """
-    if group.pg is None:
-        raise RuntimeError(f"send on size-1 group {group.name!r}")
-    count(group, _nbytes(t))
-    return dist.isend(t.contiguous(), group=group.pg, group_dst=dst_local_rank, tag=tag)
-
-
-def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int = 0):
-    """Post an asynchronous receive into ``t`` (preallocated, exact size and dtype) from the group's
-    ``src_local_rank``; returns the Work. Not counted (the sender counts the bytes)."""
-    if group.pg is None:
-        raise RuntimeError(f"recv on size-1 group {group.name!r}")
-    return dist.irecv(t, group=group.pg, group_src=src_local_rank, tag=tag)
-
-
-def all_gather_object(obj, group: AxisGroup) -> list:
-    """Every rank's picklable ``obj``, in group-rank order (for timelines and diagnostics, not for
-    tensors on the training path). Counted as an all-gather of the pickled size times N."""
-    if group.pg is None:
-        return [obj]
-    import pickle
-
-    out = [None] * group.size
-    count(group, (group.size - 1) * len(pickle.dumps(obj)))
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
-
-
 # --- autograd-aware collectives for tensor / sequence / context parallel (Megatron f / g) ---
 def _gather_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     """Concatenate ``x`` over the group's ranks along ``dim`` (rank order); counted as all-gather."""
@@ -314,3 +241,76 @@ def ring_exchange(send: torch.Tensor, group: AxisGroup, tag: int = 0):
            dist.P2POp(dist.irecv, recv, group=group.pg, tag=tag, group_peer=prv)]
     count(group, _nbytes(send))
     return recv, dist.batch_isend_irecv(ops)
+
+
+# --- variable-size all-to-all for expert parallel (MoE token dispatch / combine) ---
+def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                 group: AxisGroup) -> None:
+    """``out`` <- rows from every rank: rank r sends ``inp`` rows ``in_splits`` (one count per
+    destination, in rank order) and receives ``out_splits[s]`` rows from rank s, stacked in rank order.
+
+    Counted as the bytes this rank actually sends to *other* ranks (its own chunk stays local),
+    which for an even split is the ring-cost ``(N-1)/N * S``. Size-1 group: ``out.copy_(inp)``.
+    """
+    if group.pg is None:
+        out.copy_(inp)
+        return
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
+    count(group, (sum(in_splits) - in_splits[group.rank]) * row)
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group.pg)
+
+
+class AllToAllV(torch.autograd.Function):
+    """Send variable numbers of rows to every rank of ``group`` (MoE dispatch and combine).
+
+    fwd: variable all-to-all with (out_splits, in_splits), bwd: the reverse all-to-all
+    (in_splits, out_splits) of the gradient. x (sum(in_splits), ...) -> (sum(out_splits), ...).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: AxisGroup):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        all_to_all_v(out, x, out_splits, in_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        gx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
+        all_to_all_v(gx, g.contiguous(), in_splits, out_splits, ctx.group)
+        return gx, None, None, None
+
+
+# --- pipeline parallel: point-to-point between stages (counted as sends: S bytes on the sender) ---
+def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int = 0):
+    """Post an asynchronous send of ``t`` to the group's ``dst_local_rank``; returns the Work.
+
+    ``t`` must stay alive and unmodified until the Work completes. Counted: S bytes on the sender.
+    Raises RuntimeError on a size-1 group (a pipeline stage never sends to itself).
+    """
+    if group.pg is None:
+        raise RuntimeError(f"send on size-1 group {group.name!r}")
+    count(group, _nbytes(t))
+    return dist.isend(t.contiguous(), group=group.pg, group_dst=dst_local_rank, tag=tag)
+
+
+def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int = 0):
+    """Post an asynchronous receive into ``t`` (preallocated, exact size and dtype) from the group's
+    ``src_local_rank``; returns the Work. Not counted (the sender counts the bytes)."""
+    if group.pg is None:
+        raise RuntimeError(f"recv on size-1 group {group.name!r}")
+    return dist.irecv(t, group=group.pg, group_src=src_local_rank, tag=tag)
+
+
+def all_gather_object(obj, group: AxisGroup) -> list:
+    """Every rank's picklable ``obj``, in group-rank order (for timelines and diagnostics, not for
+    tensors on the training path). Counted as an all-gather of the pickled size times N."""
+    if group.pg is None:
+        return [obj]
+    import pickle
+
+    out = [None] * group.size
+    count(group, (group.size - 1) * len(pickle.dumps(obj)))
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
