@@ -153,7 +153,13 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
 
         return load_hf_moe_checkpoint(folder, device, dtype)
     cfg = config_from_hf(hf)
-    sd = state_dict_from_hf(_read_safetensors(folder), cfg)
+    return cfg, model_from_state_dict(cfg, state_dict_from_hf(_read_safetensors(folder), cfg), device, dtype)
+
+
+def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], device="cpu",
+                          dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build ``Transformer(cfg)`` on meta, materialise it on ``device`` in ``dtype`` and load ``sd``
+    (strict: a missing or unexpected key raises RuntimeError); RoPE tables rebuilt in fp32."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=dtype)
@@ -161,7 +167,7 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
     model.tie_weights()
     model.load_state_dict(sd, strict=True)
     model.init_rope()
-    return cfg, model
+    return model
 
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path) -> None:

@@ -155,17 +155,10 @@ def load_hf_moe_checkpoint(folder: str | Path, device: torch.device | str = "cpu
                            dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
     """Read a Mixtral / DeepSeek-V3 checkpoint folder into a ``Transformer`` (``dtype`` parameters;
     router and expert biases follow ``dtype`` too). Raises FileNotFoundError, ValueError, KeyError."""
-    from ndtrain.hf import _read_safetensors
+    from ndtrain.hf import _read_safetensors, model_from_state_dict
 
     folder = Path(folder)
     hf = json.loads((folder / "config.json").read_text())
     cfg = config_from_hf_moe(hf)
     sd = state_dict_from_hf_moe(_read_safetensors(folder), cfg, bool(hf.get("rope_interleave", True)))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(sd, strict=True)
-    model.init_rope()
-    return cfg, model
+    return cfg, model_from_state_dict(cfg, sd, device, dtype)
