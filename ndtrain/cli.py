@@ -16,7 +16,9 @@ from ndtrain.config import ConfigError, load_config, parse_cli_overrides
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from ndtrain.launch import launch
 
-    world = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", 1))
+    world = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise ConfigError(f"--nproc ({world}) must be >= 1")
     cfg = load_config(args.config, parse_cli_overrides(extra), world_size=world)
     run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if os.environ.get("RANK", "0") == "0":
@@ -28,7 +30,14 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ndtrain", description="N-D parallel transformer training")
     sub = parser.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train a model (extra --section.key=value args override the config)")
+    from ndtrain.config import CONFIG_DIR
+
+    presets = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    tr = sub.add_parser(
+        "train", help="train a model (extra --section.key=value args override the config)",
+        description="Train a model. Any config key can be overridden as --section.key=value, e.g. "
+                    "--training.steps=50 --parallel.tp=2 (sections: model, data, training, parallel, "
+                    f"checkpoint, logging; see ndtrain/config.py). Presets: {presets}.")
     tr.add_argument("--config", default="default", help="preset name in configs/ or a YAML path")
     tr.add_argument("--nproc", type=int, default=None,
                     help="local processes to start (default: torchrun's WORLD_SIZE, else 1)")

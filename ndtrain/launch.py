@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ndtrain.config import Config, validate
+from ndtrain.config import Config, ConfigError, validate
 from ndtrain.mesh import device_for_rank
 
 
@@ -63,13 +63,29 @@ def _init_and_run(cfg: Config, run_dir: Path, data_path: Path, rank: int, local_
             dist.destroy_process_group()
 
 
+def prepare_checked(cfg: Config) -> Path:
+    """``prepare_data`` with its errors turned into ConfigError, and the splits checked to hold at
+    least one sequence of ``data.seq_len`` (+1) tokens, so a bad data setup fails before training."""
+    from ndtrain.data import TokenData, prepare_data
+
+    try:
+        path = prepare_data(cfg.data, cfg.model.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"data: {e}") from None
+    data, T = TokenData(path), cfg.data.seq_len
+    for split in ("train", "val"):
+        if data.num_sequences(split, T) < 1:
+            raise ConfigError(f"data: the {split} split has {data.num_tokens(split)} tokens, fewer than "
+                              f"one sequence of data.seq_len + 1 ({T + 1}); use a larger corpus, a "
+                              f"shorter seq_len or a larger data.val_fraction")
+    return path
+
+
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
     """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None)."""
-    from ndtrain.data import prepare_data
-
     under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         validate(cfg, world)
         device = device_for_rank(local_rank, cfg.training.device)
@@ -77,11 +93,11 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
             dist.init_process_group(backend_for(cfg), device_id=device if device.type == "cuda" else None)
         # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
         if local_rank == 0:
-            data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+            data_path = prepare_checked(cfg)
         if world > 1:
             dist.barrier()
         if local_rank != 0:
-            data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+            data_path = prepare_checked(cfg)
         from ndtrain.train import run
 
         try:
@@ -90,9 +106,11 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return
-    nproc = nproc or 1
+    nproc = 1 if nproc is None else nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc ({nproc}) must be >= 1")
     validate(cfg, nproc)
-    data_path = prepare_data(cfg.data, cfg.model.vocab_size)
+    data_path = prepare_checked(cfg)
     if nproc == 1:
         from ndtrain.train import run
 

@@ -68,6 +68,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        if world_size < 1:
+            raise ConfigError(f"world_size ({world_size}) must be >= 1")
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name} ({getattr(p, name)}) must be >= 1")

@@ -134,6 +134,11 @@ def peak_flops(device: torch.device, dtype: str, override: float = 0.0) -> float
             return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
         except UnknownPeak:
             return None
+    if dtype == "float16":
+        # CPUs without native fp16 matmul run a plain fp16 matmul on a slow path (about 1 GFLOP/s
+        # here), while fp16 autocast kernels do far better; the honest ceiling is the best of the
+        # native paths, so MFU can never read above 100%.
+        return max(cpu_peak_flops("bfloat16"), cpu_peak_flops("float32"))
     return cpu_peak_flops(dtype)
 
 
@@ -147,10 +152,20 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and prints a line."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, keep_through_step: int = 0):
+        """Rows of an earlier job in the same run directory with ``step > keep_through_step`` are
+        dropped (they are being redone: after a resume from that step, or a fresh start at 0), so the
+        file always holds one row per logged step. The dropped rows go to ``metrics.prev.jsonl``."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.rows: list[dict] = []
+        if enabled and self.path.exists():
+            old = read_metrics(run_dir)
+            keep = [r for r in old if r["step"] <= keep_through_step and keep_through_step > 0]
+            if len(keep) < len(old):
+                with open(self.path.with_name("metrics.prev.jsonl"), "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in old if r not in keep)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, row: dict) -> None:
         if not self.enabled:

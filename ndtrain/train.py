@@ -251,12 +251,13 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         if rank == 0:
             print(f"resumed from {start} at step {trainer.step_count}", flush=True)
 
-    log = metrics.MetricsLog(run_dir, enabled=rank == 0)
+    log = metrics.MetricsLog(run_dir, enabled=rank == 0, keep_through_step=trainer.step_count)
     peak = metrics.peak_flops(device, t.dtype, cfg.logging.peak_flops_per_s)
     fpt = metrics.flops_per_token(cfg.model, T)
     if rank == 0:
         n_params = sum(p.numel() for p in trainer.model.parameters())
-        print(f"ndtrain: {n_params / 1e6:.2f}M params | layout {dims} | {t.dtype} on {device.type} | "
+        where = "params" if world == 1 else "params on rank 0"
+        print(f"ndtrain: {n_params / 1e6:.2f}M {where} | layout {dims} | {t.dtype} on {device.type} | "
               f"{fpt / 1e6:.1f} MFLOP/token | peak {peak / 1e9 if peak else float('nan'):.1f} "
               f"GFLOP/s per rank", flush=True)
 
@@ -320,8 +321,13 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     if rank == 0 and trainer.step_count == t.steps:
         if can_sample:
             print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
+        else:
+            print("sample: skipped (this layout splits the forward over ranks: tp / cp / pp / ep / "
+                  "sharded ZeRO-3; generate from a checkpoint in one process)", flush=True)
         if cfg.logging.plot and log.rows:
             print(f"plot: {metrics.plot_run(run_dir)}", flush=True)
+    if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
+        dist.barrier()
     return log.rows
 
 

@@ -27,6 +27,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=__import__("datetime").timedelta(seconds=120))
         result = fn(rank, world, *args)
+        dist.barrier()  # no rank tears the group down while another still communicates
         out.write_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # report the rank's traceback to the test process
         out.write_bytes(pickle.dumps(("error", traceback.format_exc())))

@@ -23,6 +23,11 @@ import torch.distributed as dist
 from ndtrain.mesh import AxisGroup
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases lack the new ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -47,7 +52,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: AxisGroup, as
         return None
     n = group.size
     count(group, (n - 1) / n * _nbytes(out))
-    return dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=async_op)
+    return _ALL_GATHER(out, shard, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
@@ -58,7 +63,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
         return None
     n = group.size
     count(group, (n - 1) / n * _nbytes(full))
-    return dist.reduce_scatter_tensor(out, full, op=op, group=group.pg, async_op=async_op)
+    return _REDUCE_SCATTER(out, full, op=op, group=group.pg, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, group: AxisGroup, src_local_rank: int = 0) -> None:

@@ -81,7 +81,8 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ckpt.latest_checkpoint(root).name == "step_00000010"
     assert not (root / "step_00000010.tmp").exists()
     steps = [r["step"] for r in read_metrics(tmp_path / "r") if "loss" in r]
-    assert steps.count(6) == 2 and steps[-1] == 10  # steps 6-9 were redone after the crash
+    assert steps == list(range(1, 11))  # steps 6-10 redone after the crash, logged once
+    assert (tmp_path / "r" / "metrics.prev.jsonl").exists()  # the crashed job's rows are kept aside
 
 
 def test_cli_two_processes(tmp_path):

@@ -23,6 +23,8 @@ def test_fit_alpha_beta_recovers_the_ring_model():
     assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
     with pytest.raises(ValueError):
         fit_alpha_beta([(1024, 1e-3), (1024, 2e-3)], 2)
+    with pytest.raises(ValueError, match="do not grow"):  # noise: never an infinite bandwidth
+        fit_alpha_beta([(1024, 2e-3), (2**20, 1e-3)], 2)
 
 
 def test_matmul_measurement_and_measured_accelerator():
