@@ -323,7 +323,7 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
             print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
         else:
             print("sample: skipped (this layout splits the forward over ranks: tp / cp / pp / ep / "
-                  "sharded ZeRO-3; generate from a checkpoint in one process)", flush=True)
+                  "sharded ZeRO-3)", flush=True)
         if cfg.logging.plot and log.rows:
             print(f"plot: {metrics.plot_run(run_dir)}", flush=True)
     if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
