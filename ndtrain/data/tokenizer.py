@@ -44,10 +44,10 @@ class Tokenizer:
     eos_id: int  # appended after every document
 
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement encode (abstract interface)")
 
     def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement decode (abstract interface)")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
