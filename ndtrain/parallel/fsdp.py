@@ -248,21 +248,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         sharded parameters' ``.grad`` (zeros if no backward ran)."""
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        works = []
-        for u in self.units:
-            if u.acc is None:
-                u.acc = torch.zeros(u.layout.shard_numel, dtype=self.master_dtype, device=u.shard.device)
-            if self.replicate_group.size > 1:
-                t = u.acc if self.reduce_dtype == self.master_dtype else u.acc.to(self.reduce_dtype)
-                works.append((u, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
-        for u, t, w in works:
-            w.wait()
-            if t is not u.acc:
-                u.acc.copy_(t)
-        for u in self.units:
-            for e in u.entries:
-                e.param.grad = u.layout.shard_view(u.acc, e.index)
-            u.acc = None
+        self._publish_grad_shards(self.units, self.units[0].shard.device)
 
     def _after_load(self) -> None:
         for u in self.units:

@@ -99,6 +99,29 @@ class ShardedDataParallelBase:
             self._dmesh = mesh.device_mesh[shard_dim]
             self._placements = (Shard(0),)
 
+    def _publish_grad_shards(self, groups, device: torch.device) -> None:
+        """End of backward for sharded layouts (ZeRO-1/2 buckets, ZeRO-3 units): all-reduce each
+        group's accumulated gradient shard ``acc`` over ``dp_replicate`` (HSDP), in
+        ``reduce_dtype``, then hand it to the master parameters as ``.grad`` views. A group that saw
+        no backward gets zeros, so every rank steps the same optimizer state."""
+        from ndtrain.parallel import comm
+
+        works = []
+        for g in groups:
+            if g.acc is None:
+                g.acc = torch.zeros(g.layout.shard_numel, dtype=self.master_dtype, device=device)
+            if self.replicate_group.size > 1:
+                t = g.acc if self.reduce_dtype == self.master_dtype else g.acc.to(self.reduce_dtype)
+                works.append((g, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
+        for g, t, w in works:
+            w.wait()
+            if t is not g.acc:
+                g.acc.copy_(t)
+        for g in groups:
+            for e in g.entries:
+                e.param.grad = g.layout.shard_view(g.acc, e.index)
+            g.acc = None  # owned by the optimizer's .grad now; freed by zero_grad(set_to_none=True)
+
     def _present(self, local: torch.Tensor, shape: torch.Size):
         if self._dmesh is None:
             return local

@@ -195,21 +195,7 @@ class ZeroDataParallel(ShardedDataParallelBase):
                 self._launch(b)
         self._drain()
         self._next_launch = 0
-        works = []
-        for b in self.buckets:
-            if b.acc is None:  # no backward ran: zero gradients keep every rank's step identical
-                b.acc = torch.zeros(b.layout.shard_numel, dtype=self.master_dtype, device=b.master.device)
-            if self.replicate_group.size > 1:
-                t = b.acc if self.reduce_dtype == self.master_dtype else b.acc.to(self.reduce_dtype)
-                works.append((b, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
-        for b, t, w in works:
-            w.wait()
-            if t is not b.acc:
-                b.acc.copy_(t)
-        for b in self.buckets:
-            for e in b.entries:
-                e.param.grad = b.layout.shard_view(b.acc, e.index)
-            b.acc = None  # owned by the optimizer's .grad now; freed by zero_grad(set_to_none=True)
+        self._publish_grad_shards(self.buckets, self.buckets[0].master.device)
 
     # --- parameters --------------------------------------------------------------------------
     @torch.no_grad()
