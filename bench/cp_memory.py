@@ -2,7 +2,7 @@
 
     python bench/cp_memory.py            # cp = 1, 2, 4 (gloo processes), T = 512 .. 4096
 
-For each cp degree and sequence length T, every rank runs ring attention (``ndtrain.parallel.cp_ring``,
+For each cp degree and sequence length T, every rank runs ring attention (``ndtrain.parallel.cp.ring``,
 load-balanced causal layout) forward + backward on its T / cp tokens (B=1, H=8 query heads, G=2 kv
 heads, D=64, float32) and reports:
 
@@ -32,10 +32,10 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.model.attention import causal_attention  # noqa: E402
-from ndtrain.parallel.cp import local_positions, shard_sequence  # noqa: E402
-from ndtrain.parallel.cp_ring import ring_attention  # noqa: E402
+from ndtrain.mesh import ParallelDims
+from ndtrain.model.attention import causal_attention
+from ndtrain.parallel.cp.context_parallel import local_positions, shard_sequence
+from ndtrain.parallel.cp.ring import ring_attention
 
 B, H, G, D = 1, 8, 2, 64
 SEQ = (512, 1024, 2048, 4096)

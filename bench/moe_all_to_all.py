@@ -33,7 +33,7 @@ from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.model.moe import moe_layers
-from ndtrain.parallel import ep as ep_mod
+from ndtrain.parallel.ep import expert_parallel as ep_mod
 from ndtrain.parallel.parallelize import parallelize
 
 E, K, C, B, T = 8, 2, 256, 8, 128
@@ -51,13 +51,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     model = build_model(cfg.model, seed=0)
     parallelize(model, mesh, cfg)
     sent = []  # rows this rank sent to other ranks per dispatch
-    orig = ep_mod.comm.AllToAllV.apply
+    orig = ep_mod.AllToAllV.apply
 
     def spy(x, out_splits, in_splits, group):
         sent.append(sum(in_splits) - in_splits[group.rank])
         return orig(x, out_splits, in_splits, group)
 
-    ep_mod.comm.AllToAllV.apply = spy
+    ep_mod.AllToAllV.apply = spy
     x = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(rank))
     mesh.reset_stats()
     logits = model(x)

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.parallel.pp_schedules import bubble_formula
+from ndtrain.parallel.pp.schedules import bubble_formula
 from tests.dist_utils import run_ranks
 from tests.parallel.test_pp import SleepStage
 
@@ -41,8 +41,8 @@ SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 
 def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool) -> dict:
     from ndtrain.mesh import ParallelDims
-    from ndtrain.parallel.pp_runtime import PipelineRuntime
-    from ndtrain.parallel.pp_viz import gather_measured_timeline, render_png, render_text
+    from ndtrain.parallel.pp.runtime import PipelineRuntime
+    from ndtrain.parallel.pp.viz import gather_measured_timeline, render_png, render_text
 
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()
     out = {}
@@ -142,7 +142,7 @@ def main() -> None:
         print(f"{s:>12}: " + "  ".join(f"rank {r}: {row[r] / 2**20:6.2f} MiB ({ratio[r]:.1f}x)" for r in range(P)))
 
     if args.docs:
-        from ndtrain.parallel.pp_viz import planned_timeline, render_png
+        from ndtrain.parallel.pp.viz import planned_timeline, render_png
 
         for s, v in SCHEDS:
             render_png(planned_timeline(s, P, 8, v), ROOT / "docs" / f"pp_planned_{s}.png")

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import load_config  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.model import build_model  # noqa: E402
-from ndtrain.train import Trainer  # noqa: E402
+from ndtrain.config import load_config
+from ndtrain.mesh import ParallelDims
+from ndtrain.model import build_model
+from ndtrain.train import Trainer
 
 
 def _batch(cfg, step: int, n: int):

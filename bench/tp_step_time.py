@@ -35,9 +35,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.train import Trainer  # noqa: E402
+from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.mesh import ParallelDims
+from ndtrain.train import Trainer
 
 
 def make_cfg(args, world: int, **par) -> Config:

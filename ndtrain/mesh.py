@@ -67,7 +67,7 @@ class ParallelDims:
     world_size: int = 1
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
         if world_size < 1:
             raise ConfigError(f"world_size ({world_size}) must be >= 1")
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
@@ -109,7 +109,7 @@ class ParallelDims:
         parts += [f"ep{self.ep}"] if self.ep > 1 else []  # borrowed from dp_shard x cp
         return " x ".join(parts or ["single"]) + f" (world {self.world_size})"
 
-    def build_mesh(self, device_type: str = "cpu") -> "Mesh":
+    def build_mesh(self, device_type: str = "cpu") -> Mesh:
         """Build the DeviceMesh (needs an initialised process group when world_size > 1)."""
         return Mesh(self, device_type)
 

@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.config import TrainingConfig
 from ndtrain.parallel import comm

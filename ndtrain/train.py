@@ -19,14 +19,14 @@ import torch.distributed as dist
 from ndtrain import checkpoint as ckpt
 from ndtrain import metrics
 from ndtrain.config import Config, save_config
+from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.model import build_model
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
-from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
 from ndtrain.parallel.parallelize import build_batch_plan, parallelize
-from ndtrain.parallel.pp_train import flatten_param_groups, unflatten_param_groups
-from ndtrain.parallel.tp_state import gather_tp_state, scatter_tp_state
+from ndtrain.parallel.pp.pipeline import flatten_param_groups, unflatten_param_groups
+from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
 from ndtrain.precision import build_loss_scaler, compute_dtype
 from ndtrain.train_extras import ExtraLosses
 
@@ -52,8 +52,8 @@ class Trainer:
         self.mem = StateMemory()  # per-rank bytes held (ndtrain.mem_account)
         self.measure_memory = False  # also meter activations / in-hook peaks on the next step
         self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
-        if mesh.dims.pp > 1:  # only this rank's pipeline stage, built on meta (ndtrain.parallel.pp)
-            from ndtrain.parallel.pp import build_pipeline_stage
+        if mesh.dims.pp > 1:  # only this rank's pipeline stage, built on meta (ndtrain.parallel.pp.stage)
+            from ndtrain.parallel.pp.stage import build_pipeline_stage
 
             self.model = build_pipeline_stage(cfg, mesh, device, self.param_dtype, t.seed)
         else:
@@ -71,7 +71,7 @@ class Trainer:
         self.micro_batch = t.micro_batch_size or self.local_batch
         self.pipeline = None  # pp > 1: step() hands the microbatches to the pipeline schedule
         if dims.pp > 1:
-            from ndtrain.parallel.pp_train import StagePipeline
+            from ndtrain.parallel.pp.pipeline import StagePipeline
 
             n_micro = cfg.parallel.pp_microbatches or self.local_batch // self.micro_batch
             self.pipeline = StagePipeline(
@@ -198,7 +198,7 @@ class Trainer:
         return (tot[0] / tot[1].clamp(min=1)).item()
 
     def tensor_state(self) -> dict:
-        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp_train)
+        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp.pipeline)
         optim = flatten_param_groups(self.dp.optim_state_dict(self.optimizer), self.model)
         state = {"model": self.dp.model_state_dict(), "optim": optim}
         return gather_tp_state(state, self.model, self.mesh)  # TP-split tensors whole (global names)

@@ -12,6 +12,14 @@ from ndtrain.data.shards import TokenData, prepare_data
 from ndtrain.data.tokenizer import Tokenizer, load_tokenizer, open_tokenizer
 
 __all__ = [
-    "prepare_data", "TokenData", "GlobalBatchSampler", "load_tokenizer", "iter_documents",
-    "local_slice", "val_batches", "open_tokenizer", "source_fingerprint", "Tokenizer",
+    "GlobalBatchSampler",
+    "TokenData",
+    "Tokenizer",
+    "iter_documents",
+    "load_tokenizer",
+    "local_slice",
+    "open_tokenizer",
+    "prepare_data",
+    "source_fingerprint",
+    "val_batches",
 ]

@@ -24,8 +24,8 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from ndtrain.config import DataConfig
 

@@ -10,7 +10,7 @@ or even a different global batch size - and continue the very same stream.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -168,7 +168,8 @@ def open_tokenizer(spec: str, vocab_size: int | None = None, eos_id: int = -1) -
 def train_bpe(cfg: DataConfig, vocab_size: int, out_path: Path) -> None:
     """Train a byte-level BPE with ``vocab_size`` ids on ``iter_documents(cfg)``; save atomically
     to ``out_path`` (written to a temp file in the same folder, then ``os.replace``)."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -6,5 +6,17 @@ from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import apply_rope, rope_inv_freq, rope_tables
 from ndtrain.model.transformer import Transformer, TransformerBlock
 
-__all__ = ["Transformer", "TransformerBlock", "Attention", "FeedForward", "RMSNorm", "build_model",
-           "init_weights", "count_params", "causal_attention", "apply_rope", "rope_inv_freq", "rope_tables"]
+__all__ = [
+           "Attention",
+           "FeedForward",
+           "RMSNorm",
+           "Transformer",
+           "TransformerBlock",
+           "apply_rope",
+           "build_model",
+           "causal_attention",
+           "count_params",
+           "init_weights",
+           "rope_inv_freq",
+           "rope_tables",
+]

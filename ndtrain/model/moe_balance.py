@@ -21,7 +21,7 @@ then independent of how microbatches are spread over ranks whenever the statisti
   microbatch; the step's value is the token-weighted mean of the microbatch losses. It depends on
   the microbatch partition of the global batch (dp degree x micro_batch_size), not on ep;
 * Switch loss, ``moe_aux_scope = "global"``: ``f`` counted over the same microbatch index on all
-  ``dp_cp`` ranks (an all-reduce of the (E,) counts, installed by ``ndtrain.parallel.ep``;
+  ``dp_cp`` ranks (an all-reduce of the (E,) counts, installed by ``ndtrain.parallel.ep.expert_parallel``;
   Megatron's "global" load balancing). With one microbatch per rank this is the global batch.
 
 The gradient of the Switch loss only flows through ``P`` (``f`` is a count), so the token-sum form

@@ -1,7 +1,7 @@
 """The one place that applies parallelism to a single-device model, in a fixed order.
 
 Order (each step sees the result of the previous ones):
-  1. pipeline split                       (parallel.pp; ndtrain.parallel.pp: layers per stage,
+  1. pipeline split                       (parallel.pp; ndtrain.parallel.pp.stage: layers per stage,
                                            parameters tagged "pp" after TP / EP re-create them)
   2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel)
   3. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
@@ -17,17 +17,17 @@ batch (context parallel: tokens, labels and RoPE positions by the cp layout) and
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ndtrain.config import Config
 from ndtrain.mesh import Mesh
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.dp.ddp import DataParallel
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     """Wrap ``model``'s gradient synchronisation: plain DDP over ``dp`` (zero_stage 0), ZeRO-1/2
-    (``ndtrain.parallel.zero``) or ZeRO-3 / HSDP (``ndtrain.parallel.fsdp``) over ``dp_shard_cp``
+    (``ndtrain.parallel.zero.zero12``) or ZeRO-3 / HSDP (``ndtrain.parallel.zero.fsdp``) over ``dp_shard_cp``
     (x ``dp_replicate``). All return an object with the ``DataParallel`` interface."""
     p = cfg.parallel
     if p.zero_stage != 0:
@@ -36,10 +36,10 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
         cd = compute_dtype(cfg.training.dtype)
         rd = grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype)
         if p.zero_stage in (1, 2):
-            from ndtrain.parallel.zero import ZeroDataParallel
+            from ndtrain.parallel.zero.zero12 import ZeroDataParallel
 
             return ZeroDataParallel(model, mesh, p.zero_stage, p.bucket_size_bytes, cd, rd)
-        from ndtrain.parallel.fsdp import FullyShardedDataParallel
+        from ndtrain.parallel.zero.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, mesh, reshard_after_forward=p.reshard_after_forward,
                                         keep_last_unit=p.keep_last_unit_gathered,
@@ -56,20 +56,20 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     """Apply every configured axis to ``model`` (in place) and return its gradient synchroniser."""
     p = cfg.parallel
     if mesh.dims.pp > 1:  # no-op for a stage built by pp.build_pipeline_stage
-        from ndtrain.parallel.pp import apply_pipeline
+        from ndtrain.parallel.pp.stage import apply_pipeline
 
         apply_pipeline(model, mesh, cfg)
     if mesh.dims.tp > 1:
-        from ndtrain.parallel.tp import apply_tp
+        from ndtrain.parallel.tp.tensor_parallel import apply_tp
 
         apply_tp(model, mesh, p.sequence_parallel)
     expert_names: list[str] = []
     if cfg.model.is_moe:
-        from ndtrain.parallel.ep import apply_ep
+        from ndtrain.parallel.ep.expert_parallel import apply_ep
 
         expert_names = apply_ep(model, mesh, cfg)
     if mesh.dims.cp > 1:
-        from ndtrain.parallel.cp import apply_cp
+        from ndtrain.parallel.cp.context_parallel import apply_cp
 
         apply_cp(model, mesh, p.cp_impl, p.cp_layout)
     if cfg.training.activation_checkpoint != "none":
@@ -77,11 +77,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
 
         apply_activation_checkpoint(model, cfg.training.activation_checkpoint)
     if mesh.dims.pp > 1:  # stages hold disjoint parameters: grad-norm squares sum over pp
-        from ndtrain.parallel.pp import tag_pipeline_params
+        from ndtrain.parallel.pp.stage import tag_pipeline_params
 
         tag_pipeline_params(model)
-    if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep)
-        from ndtrain.parallel.ep import ExpertDataParallel
+    if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep.expert_parallel)
+        from ndtrain.parallel.ep.expert_parallel import ExpertDataParallel
 
         reduce_dtype = getattr(torch, p.grad_reduce_dtype) if cfg.training.dtype == "bfloat16" else None
         return ExpertDataParallel(model, mesh, cfg, expert_names, reduce_dtype)
@@ -99,7 +99,7 @@ class BatchPlan:
     """
 
     def __init__(self, mesh: Mesh, cfg: Config, ignore_index: int = -100):
-        from ndtrain.parallel.cp import resolve_layout
+        from ndtrain.parallel.cp.context_parallel import resolve_layout
 
         p = cfg.parallel
         self.cp, self.tp = mesh.group("cp"), mesh.group("tp")
@@ -109,7 +109,7 @@ class BatchPlan:
 
     def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
         if self.cp.size > 1:
-            from ndtrain.parallel.cp import shard_batch
+            from ndtrain.parallel.cp.context_parallel import shard_batch
 
             return shard_batch(inputs, labels, self.cp, self.layout)
         positions = torch.arange(inputs.shape[1], device=inputs.device) if self.full_positions else None
@@ -117,7 +117,7 @@ class BatchPlan:
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:
-            from ndtrain.parallel.tp_loss import vocab_parallel_cross_entropy
+            from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp,
                                                 self.vocab_size, self.ignore_index).sum()

@@ -6,7 +6,7 @@ Model state (``estimate_trainer_state_bytes``): the peak of params + grads + opt
 gradient sync, after the optimizer step, and inside the data-parallel hooks on metered steps).
 Master dtype m (fp32, fp64 for float64 runs), compute dtype c (bf16 under autocast, else m); Psi
 parameters in ``n_t`` tensors, S = sum_i ceil(d0_i / N) * prod(rest_i) the dim-0 padded shard
-(``ndtrain.parallel.flat_shard``); every AdamW ``step`` counter is a 4-byte tensor:
+(``ndtrain.parallel.zero.flat_shard``); every AdamW ``step`` counter is a 4-byte tensor:
 
     DDP     params m*Psi   grads m*Psi                     optim 2m*Psi + 4 n_t (moments)
     ZeRO-1  params c*Psi   grads c*Psi (full, until sync)  optim 3m*S + 4 n_t (master, moments)

@@ -68,7 +68,7 @@ def eager_comm_seconds(spec, zero_stage: int, dp_shard: int, dp_replicate: int, 
                        bucket_size_bytes: int = 25 * 2**20) -> float:
     """Gloo seconds of one step's data-parallel collectives per rank (ring alpha-beta: all-reduce
     2(n-1)/n V / beta + 2(n-1) alpha, all-gather / reduce-scatter (n-1)/n V / beta + (n-1) alpha;
-    Thakur et al. 2005), padded as ``ndtrain.parallel.flat_shard`` pads, not overlapped."""
+    Thakur et al. 2005), padded as ``ndtrain.parallel.zero.flat_shard`` pads, not overlapped."""
     e = 8 if dtype == "float64" else 4
     shapes = [sh for _, sh in param_shapes(spec)]
     psi = sum(math.prod(sh) for sh in shapes)

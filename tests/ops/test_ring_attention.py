@@ -1,4 +1,4 @@
-"""Ring attention (``ndtrain.parallel.cp_ring``) against full attention.
+"""Ring attention (``ndtrain.parallel.cp.ring``) against full attention.
 
 Reference: ``F.scaled_dot_product_attention`` over the whole sequence with an explicit boolean mask
 (causal and/or same-document), differentiated by autograd. The ring is run (a) as a single-process
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.mesh import ParallelDims
-from ndtrain.parallel.cp import local_positions, shard_sequence, unshard_sequence
-from ndtrain.parallel.cp_ring import ring_attention, simulate_ring_attention
+from ndtrain.parallel.cp.context_parallel import local_positions, shard_sequence, unshard_sequence
+from ndtrain.parallel.cp.ring import ring_attention, simulate_ring_attention
 from tests.dist_utils import run_ranks
 
 B, H, G, T, D = 2, 4, 2, 16, 8

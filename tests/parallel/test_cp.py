@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from ndtrain.config import ConfigError, apply_overrides, validate
-from ndtrain.parallel.cp import chunk_ids, local_positions, resolve_layout, shard_sequence, unshard_sequence
-from ndtrain.parallel.cp_ulysses import check_ulysses_heads
+from ndtrain.parallel.cp.context_parallel import (
+    chunk_ids,
+    local_positions,
+    resolve_layout,
+    shard_sequence,
+    unshard_sequence,
+)
+from ndtrain.parallel.cp.ulysses import check_ulysses_heads
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import assert_bytes, assert_parity, run_layout, tiny_cfg
 

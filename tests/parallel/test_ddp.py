@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.train import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 

@@ -205,8 +205,8 @@ class SleepStage(nn.Module):
 
 def _measured_bubble(rank: int, world: int, m: int, t: float, steps: int) -> dict:
     from ndtrain.mesh import ParallelDims
-    from ndtrain.parallel.pp_runtime import PipelineRuntime
-    from ndtrain.parallel.pp_viz import gather_measured_timeline
+    from ndtrain.parallel.pp.runtime import PipelineRuntime
+    from ndtrain.parallel.pp.viz import gather_measured_timeline
 
     torch.set_num_threads(1)
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()
@@ -233,7 +233,7 @@ def test_measured_bubble_matches_formula():
     used: a shared 2-core machine can stretch one rank's 20 ms sleep by tens of ms, which idles the
     others for reasons unrelated to the schedule (observed: one rank at the formula, three 6 points
     above it, in a step whose span the stall had lengthened)."""
-    from ndtrain.parallel.pp_schedules import bubble_formula
+    from ndtrain.parallel.pp.schedules import bubble_formula
 
     res = run_ranks(_measured_bubble, 4, 8, 0.02, 6, timeout_s=150)
     for sched, v in SCHEDS:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from ndtrain import checkpoint as ckpt
 from ndtrain.config import ConfigError, ParallelConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
-from ndtrain.parallel.tp import check_tp_heads, padded_vocab
-from ndtrain.parallel.tp_loss import vocab_parallel_cross_entropy
+from ndtrain.parallel.tp.tensor_parallel import check_tp_heads, padded_vocab
+from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 from ndtrain.train import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import V, assert_bytes, assert_parity, global_batch, run_layout, tiny_cfg

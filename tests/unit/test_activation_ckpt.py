@@ -16,7 +16,7 @@ from ndtrain.mem_account import ActivationMeter, StateMemory, storage_bytes
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint, parse_policy
-from ndtrain.parallel.flat_shard import FlatShardLayout
+from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 from ndtrain.train import Trainer
 
 

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from ndtrain.config import DataConfig
-from ndtrain.data import (GlobalBatchSampler, TokenData, iter_documents, load_tokenizer, local_slice,
-                          prepare_data, val_batches)
+from ndtrain.data import (
+    GlobalBatchSampler,
+    TokenData,
+    iter_documents,
+    load_tokenizer,
+    local_slice,
+    prepare_data,
+    val_batches,
+)
 from ndtrain.data import shards as shards_mod
 from ndtrain.data import tokenizer as tok_mod
 from ndtrain.data.corpus import source_fingerprint

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ndtrain.config import ConfigError, load_config
-from ndtrain.parallel.pp import layer_costs, split_layers
-from ndtrain.parallel.pp_schedules import SCHEDULES, Action, bubble_formula, build_schedule
-from ndtrain.parallel.pp_simulate import DeadlockError, dependencies, peak_in_flight, simulate
+from ndtrain.parallel.pp.schedules import SCHEDULES, Action, bubble_formula, build_schedule
+from ndtrain.parallel.pp.simulate import DeadlockError, dependencies, peak_in_flight, simulate
+from ndtrain.parallel.pp.stage import layer_costs, split_layers
 
 PS = (1, 2, 3, 4, 8)
 MS = tuple(range(1, 17))
@@ -166,7 +166,7 @@ def test_pp_config_accepts_layouts():
 
 
 def test_visualizer_text_and_png(tmp_path):
-    from ndtrain.parallel.pp_viz import planned_timeline, render_png, render_text
+    from ndtrain.parallel.pp.viz import planned_timeline, render_png, render_text
 
     tl = planned_timeline("1f1b", 4, 8)
     text = render_text(tl)
@@ -195,7 +195,7 @@ def test_zero_bubble_split_backward_matches_full_backward():
     """B computes only input-side gradients (no parameter grads, fewer matmuls); W adds exactly the
     weight gradients: B + W = one full backward, in grads (1e-12, float64) and in matmul count."""
     from ndtrain.mesh import AxisGroup
-    from ndtrain.parallel.pp_runtime import PipelineRuntime
+    from ndtrain.parallel.pp.runtime import PipelineRuntime
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 16), nn.Tanh(), nn.LayerNorm(16),

@@ -1,6 +1,6 @@
 """Point-to-point messages between pipeline stages: a fixed header (dtype, shape), then the tensor.
 
-``send_tensor`` posts both sends asynchronously (``comm.send_async``, counted on the pp axis);
+``send_tensor`` posts both sends asynchronously (``send_async``, counted on the pp axis);
 ``Receiver`` runs one thread per peer that posts that peer's receives in the order the peer sends
 them (known from the schedule), so messages land while the main thread computes; ``take(key)``
 blocks only until that message is there (or raises after ``timeout_s``, or re-raises a receive
@@ -13,12 +13,33 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
-from ndtrain.parallel import comm
+from ndtrain.parallel.comm import count, nbytes
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _META_LEN = 8  # dtype code, ndim, up to 6 dims
+
+
+def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int = 0):
+    """Post an asynchronous send of ``t`` to the group's ``dst_local_rank``; returns the Work.
+
+    ``t`` must stay alive and unmodified until the Work completes. Counted: S bytes on the sender.
+    Raises RuntimeError on a size-1 group (a pipeline stage never sends to itself).
+    """
+    if group.pg is None:
+        raise RuntimeError(f"send on size-1 group {group.name!r}")
+    count(group, nbytes(t))
+    return dist.isend(t.contiguous(), group=group.pg, group_dst=dst_local_rank, tag=tag)
+
+
+def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int = 0):
+    """Post an asynchronous receive into ``t`` (preallocated, exact size and dtype) from the group's
+    ``src_local_rank``; returns the Work. Not counted (the sender counts the bytes)."""
+    if group.pg is None:
+        raise RuntimeError(f"recv on size-1 group {group.name!r}")
+    return dist.irecv(t, group=group.pg, group_src=src_local_rank, tag=tag)
 
 
 def tag(kind: str, mb: int, stage: int, n_stages: int) -> int:
@@ -47,11 +68,11 @@ class Receiver:
         try:
             for key, msg_tag in keys:
                 meta = torch.empty(_META_LEN, dtype=torch.int64)
-                comm.recv_async(meta, self.group, peer, msg_tag).wait()
+                recv_async(meta, self.group, peer, msg_tag).wait()
                 ndim = int(meta[1])
                 shape = [int(d) for d in meta[2:2 + ndim]]
                 buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
-                comm.recv_async(buf, self.group, peer, msg_tag + 1).wait()
+                recv_async(buf, self.group, peer, msg_tag + 1).wait()
                 with self.cond:
                     self.inbox[key] = buf
                     self.cond.notify_all()
@@ -86,5 +107,5 @@ def send_tensor(t: torch.Tensor, group: AxisGroup, dst: int, msg_tag: int):
     meta = torch.zeros(_META_LEN, dtype=torch.int64)
     meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
     meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    works = (comm.send_async(meta, group, dst, msg_tag), comm.send_async(t, group, dst, msg_tag + 1))
+    works = (send_async(meta, group, dst, msg_tag), send_async(t, group, dst, msg_tag + 1))
     return works, (meta, t)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ndtrain.parallel import comm
-from ndtrain.parallel.pp_schedules import bubble_formula, build_schedule
-from ndtrain.parallel.pp_simulate import Event, Timeline, simulate
+from ndtrain.parallel.pp.schedules import bubble_formula, build_schedule
+from ndtrain.parallel.pp.simulate import Event, Timeline, simulate
 
 _B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ndtrain.mesh import Mesh
-from ndtrain.parallel.tp import tp_full_tensor, tp_local_slice, tp_specs
+from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

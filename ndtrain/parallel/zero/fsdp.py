@@ -46,8 +46,8 @@ from torch import nn
 
 from ndtrain.mem_account import untracked
 from ndtrain.parallel import comm
-from ndtrain.parallel.fsdp_units import Unit, default_units, shard_unit
-from ndtrain.parallel.sharded_state import ShardedDataParallelBase
+from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase
+from ndtrain.parallel.zero.units import Unit, default_units, shard_unit
 
 
 def _in_backward() -> bool:

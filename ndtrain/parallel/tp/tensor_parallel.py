@@ -18,7 +18,7 @@ over ``tp`` (``CopyToTP`` on the weight).
 
 Vocabulary: the embedding and output head are split by vocabulary rows; V is padded to
 ``Vp = tp * ceil(V / tp)`` with zero rows. The padded logits are masked to -inf inside
-``vocab_parallel_cross_entropy`` (``ndtrain.parallel.tp_loss``), so they never get probability,
+``vocab_parallel_cross_entropy`` (``ndtrain.parallel.tp.vocab_loss``), so they never get probability,
 gradient or weight updates, and state dicts (``tp_full_tensor``) drop them.
 
 Grouped-query attention: with ``G % tp == 0`` kv heads are split like q heads. With ``G < tp``
@@ -38,7 +38,12 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.optim import SHARD_AXES_ATTR
-from ndtrain.parallel.comm import CopyToTP, GatherFromSequence, ReduceFromTP, ReduceScatterToSequence
+from ndtrain.parallel.tp.collectives import (
+    CopyToTP,
+    GatherFromSequence,
+    ReduceFromTP,
+    ReduceScatterToSequence,
+)
 
 TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size along dim before padding) on split params
 SEQ_DIM = 1  # activations are (B, T, C)

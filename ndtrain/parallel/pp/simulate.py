@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ndtrain.parallel.pp_schedules import Action, Schedule
+from ndtrain.parallel.pp.schedules import Action, Schedule
 
 
 class DeadlockError(RuntimeError):

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
-from ndtrain.parallel.cp_ring import ring_attention
-from ndtrain.parallel.cp_ulysses import ulysses_attention
+from ndtrain.parallel.cp.ring import ring_attention
+from ndtrain.parallel.cp.ulysses import ulysses_attention
 
 LAYOUTS = ("load_balanced", "contiguous")
 

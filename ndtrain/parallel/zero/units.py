@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
-from ndtrain.parallel.flat_shard import FlatShardLayout
-from ndtrain.parallel.sharded_state import ShardEntry
+from ndtrain.parallel.zero.flat_shard import FlatShardLayout
+from ndtrain.parallel.zero.sharded_state import ShardEntry
 
 
 def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:

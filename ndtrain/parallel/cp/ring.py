@@ -2,7 +2,7 @@
 attention over a sequence split across the ``cp`` ranks, with K/V blocks passed around the ring.
 
 Each rank holds queries, keys and values of its own tokens (any layout: the caller passes every
-rank's token positions, e.g. the load-balanced causal layout of ``ndtrain.parallel.cp``). Forward,
+rank's token positions, e.g. the load-balanced causal layout of ``ndtrain.parallel.cp.context_parallel``). Forward,
 for s = 0 .. cp-1 the rank holds the K/V block of rank ``(r - s) mod cp``; it starts the
 asynchronous send of that block to rank r+1 and receive from rank r-1 (``batch_isend_irecv``),
 computes the block's attention while the transfer runs, and merges the partial result into its
@@ -30,7 +30,7 @@ import math
 import torch
 
 from ndtrain.mesh import AxisGroup
-from ndtrain.parallel import comm
+from ndtrain.parallel.cp.collectives import ring_exchange
 
 NEG_INF = float("-inf")
 
@@ -136,7 +136,7 @@ class RingAttentionFunction(torch.autograd.Function):
             src = (r - s) % n
             works = None
             if s < n - 1:
-                nxt, works = comm.ring_exchange(kv, group, tag=0)  # overlaps the block below
+                nxt, works = ring_exchange(kv, group, tag=0)  # overlaps the block below
             mask = _mask_for(meta, src)
             if _visible(mask):
                 blk_out, blk_lse = block_forward(qc, kv[0].to(cdt), kv[1].to(cdt), mask, scale)
@@ -165,7 +165,7 @@ class RingAttentionFunction(torch.autograd.Function):
             src = (r - s) % n
             kv_works = None
             if s < n - 1:
-                kv_next, kv_works = comm.ring_exchange(kv, group, tag=1)
+                kv_next, kv_works = ring_exchange(kv, group, tag=1)
             contrib = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # (2, B, G, Tk, D)
             mask = _mask_for(meta, src)
             if _visible(mask):
@@ -178,7 +178,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 contrib += acc_recv
             acc = contrib
             if n > 1:  # pass the accumulator on; after the last step it reaches the block's owner
-                acc_recv, acc_works = comm.ring_exchange(acc, group, tag=2)
+                acc_recv, acc_works = ring_exchange(acc, group, tag=2)
             if kv_works:
                 for w in kv_works:
                     w.wait()

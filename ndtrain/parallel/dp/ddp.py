@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm

@@ -3,7 +3,7 @@ clipping over all stages, checkpoint-ready optimizer state, and ``StagePipeline`
 ``ndtrain.train.Trainer`` calls when pp > 1).
 
 Tied embeddings: the first stage's embedding and the last stage's head are separate copies with the
-same initial value (``ndtrain.parallel.pp``); their gradients are summed over the 2-rank group
+same initial value (``ndtrain.parallel.pp.stage``); their gradients are summed over the 2-rank group
 {pp 0, pp p-1} after the data-parallel reduction, on whatever the optimizer steps (the model's
 Parameter under DDP, its master shard under ZeRO / FSDP), so both copies take identical steps. The
 global gradient norm counts the tied weight once.
@@ -17,7 +17,7 @@ from torch import nn
 from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.parallel import comm
-from ndtrain.parallel.pp import stage_chunks, stage_info
+from ndtrain.parallel.pp.stage import stage_chunks, stage_info
 
 
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
@@ -143,7 +143,7 @@ class StagePipeline:
 
     def __init__(self, model: nn.Module, dp, mesh: Mesh, cfg: Config, loss_fn, forward_ctx,
                  device: torch.device, m: int):
-        from ndtrain.parallel.pp_runtime import PipelineRuntime
+        from ndtrain.parallel.pp.runtime import PipelineRuntime
 
         self.model, self.dp, self.mesh, self.m = model, dp, mesh, m
         self.tied_group = build_tied_group(mesh, cfg)

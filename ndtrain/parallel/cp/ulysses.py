@@ -12,12 +12,12 @@ forward (cp-1)/cp * (S_q + S_k + S_v + S_out); backward the same (the inverse al
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ndtrain.mesh import AxisGroup
-from ndtrain.parallel.comm import AllToAll
+from ndtrain.parallel.cp.collectives import AllToAll
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q / k / v are (B, H, T, D)
 

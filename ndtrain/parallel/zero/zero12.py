@@ -30,8 +30,8 @@ from torch import nn
 from ndtrain.mem_account import untracked
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
 from ndtrain.parallel import comm
-from ndtrain.parallel.flat_shard import FlatShardLayout
-from ndtrain.parallel.sharded_state import ShardedDataParallelBase, ShardEntry
+from ndtrain.parallel.zero.flat_shard import FlatShardLayout
+from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase, ShardEntry
 
 
 class _Bucket:

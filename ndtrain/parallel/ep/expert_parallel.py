@@ -8,7 +8,7 @@ Forward of one MoE layer on one rank (``ep_run_experts`` replaces ``MoE.run_expe
 
 1. the (E,) per-expert counts of the tokens this rank sorted by expert are exchanged with an
    all-to-all (ep x E/ep int64), so every rank knows how many rows it will receive;
-2. **dispatch**: a variable-size all-to-all (``comm.AllToAllV``) sends each destination the rows
+2. **dispatch**: a variable-size all-to-all (``AllToAllV``) sends each destination the rows
    for its experts; received rows arrive grouped (source rank, local expert) and are permuted to
    (local expert, source rank) so each local expert's rows are contiguous;
 3. the local experts run as one grouped matmul (``ndtrain.model.moe.grouped_mm``);
@@ -44,7 +44,8 @@ from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import MoE, moe_layers
 from ndtrain.optim import SHARD_AXES_ATTR
 from ndtrain.parallel import comm
-from ndtrain.parallel.ddp import DataParallel
+from ndtrain.parallel.dp.ddp import DataParallel
+from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -56,14 +57,14 @@ def ep_run_experts(moe: MoE, group: AxisGroup, xs: torch.Tensor, counts: torch.T
     el = counts.numel() // ep
     send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
     recv = torch.empty_like(send)  # (ep, E/ep): row s = rows source s sends to my experts
-    comm.all_to_all_v(recv, send, [1] * ep, [1] * ep, group)
+    all_to_all_v(recv, send, [1] * ep, [1] * ep, group)
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    xr = comm.AllToAllV.apply(xs, out_splits, in_splits, group)  # (R, C), (source, expert) order
+    xr = AllToAllV.apply(xs, out_splits, in_splits, group)  # (R, C), (source, expert) order
     seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
     perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
     y = moe.experts(xr[perm], recv.sum(0))  # (R, C)
     y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
-    return comm.AllToAllV.apply(y, in_splits, out_splits, group)  # (M, C)
+    return AllToAllV.apply(y, in_splits, out_splits, group)  # (M, C)
 
 
 def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
     """
     if v < 2:
         raise ValueError(f"interleaved schedule needs pp_virtual_stages >= 2 (got {v})")
-    from ndtrain.parallel.pp_simulate import DeadlockError, simulate
+    from ndtrain.parallel.pp.simulate import DeadlockError, simulate
 
     fwd, bwd = _interleaved_orders(p, m, v)
     pos = {(a.mb, a.chunk): i for i, a in enumerate(fwd)}

@@ -26,7 +26,7 @@ one accumulation into ``.grad`` per W, so data-parallel hooks and ZeRO's end-of-
 once per W, not once per module). Needs modules that use their parameters only in their forward.
 
 Every action is timed (``time.time()``, comparable across local processes): ``last_events`` holds
-(kind, mb, chunk, start, end) and the time spent waiting for inputs; see ``ndtrain.parallel.pp_viz``.
+(kind, mb, chunk, start, end) and the time spent waiting for inputs; see ``ndtrain.parallel.pp.viz``.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
-from ndtrain.parallel.pp_p2p import Receiver, send_tensor, tag
-from ndtrain.parallel.pp_schedules import Action, Schedule, build_schedule, forward_only
-from ndtrain.parallel.pp_simulate import Event
+from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
+from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
+from ndtrain.parallel.pp.simulate import Event
 
 
 class PipelineRuntime:

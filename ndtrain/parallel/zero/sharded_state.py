@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ndtrain.parallel.flat_shard import FlatShardLayout
+from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 
 
 @dataclass

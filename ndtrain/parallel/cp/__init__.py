@@ -1,0 +1,1 @@
+"""Context parallel: ring attention (online softmax) and Ulysses all-to-all."""

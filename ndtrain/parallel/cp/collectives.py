@@ -1,0 +1,64 @@
+"""Context parallel collectives: the Ulysses all-to-all (Jacobs et al. 2023) and the ring exchange
+of ring attention (Liu et al. 2023), each counting its bytes on the cp axis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel.comm import count, nbytes
+
+
+def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    n = group.size
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} is not "
+                         f"divisible by {group.name} ({n})")
+    send = torch.stack(x.chunk(n, scatter_dim)).contiguous()  # (N, ...) chunk i goes to rank i
+    recv = torch.empty_like(send)
+    count(group, (n - 1) / n * nbytes(send))
+    dist.all_to_all_single(recv, send, group=group.pg)
+    return torch.cat(recv.unbind(0), dim=gather_dim)  # chunks from ranks 0..N-1 in order
+
+
+class AllToAll(torch.autograd.Function):
+    """Re-shard a tensor from ``gather_dim`` to ``scatter_dim`` (DeepSpeed-Ulysses, Jacobs 2023).
+
+    Each rank splits ``x`` into N chunks along ``scatter_dim``, sends chunk i to rank i, and
+    concatenates what it receives along ``gather_dim`` in rank order.
+    fwd: all-to-all (scatter ``scatter_dim``, gather ``gather_dim``), bwd: the inverse all-to-all.
+    Bytes: (N-1)/N * S per rank each way.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        if group.pg is None:
+            return x.view_as(x)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if ctx.group.pg is None:
+            return g, None, None, None
+        s, gd = ctx.dims
+        return _all_to_all(g.contiguous(), ctx.group, gd, s), None, None, None
+
+
+def ring_exchange(send: torch.Tensor, group: AxisGroup, tag: int = 0):
+    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's.
+
+    Returns ``(recv, works)``: ``recv`` is valid after every handle in ``works`` has been waited
+    on, so the caller can compute while the transfer runs (ring attention, Liu et al. 2023).
+    Counted as ``send``'s bytes on ``group``. Raises ValueError on a size-1 group.
+    """
+    if group.pg is None:
+        raise ValueError("ring_exchange needs a group of size > 1")
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    nxt, prv = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    ops = [dist.P2POp(dist.isend, send, group=group.pg, tag=tag, group_peer=nxt),
+           dist.P2POp(dist.irecv, recv, group=group.pg, tag=tag, group_peer=prv)]
+    count(group, nbytes(send))
+    return recv, dist.batch_isend_irecv(ops)

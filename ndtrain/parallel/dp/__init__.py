@@ -1,0 +1,1 @@
+"""Data parallel: bucketed gradient all-reduce overlapped with backward (DDP)."""

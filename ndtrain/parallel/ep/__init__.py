@@ -1,0 +1,1 @@
+"""Expert parallel: MoE token dispatch / combine by variable-size all-to-all."""

@@ -1,0 +1,1 @@
+"""Pipeline parallel: stages, schedules (GPipe, 1F1B, interleaved, ZB-H1), runtime, p2p."""

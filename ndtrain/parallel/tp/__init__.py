@@ -1,0 +1,1 @@
+"""Tensor + sequence parallel (Megatron-LM): column / row splits, SP, vocab-parallel loss."""

@@ -1,0 +1,82 @@
+"""Tensor / sequence parallel autograd collectives: Megatron-LM's f and g (Shoeybi et al. 2019) and
+the sequence-parallel all-gather / reduce-scatter pair (Korthikanti et al. 2022).
+
+Each class is named for its forward effect; its docstring says "fwd: X, bwd: Y". Bytes are counted
+on the group's axis by the primitives of ``ndtrain.parallel.comm``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel.comm import all_reduce, gather_dim, reduce_scatter_dim
+
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's f operator: enter a tensor-parallel region with a replicated input.
+
+    fwd: identity, bwd: all-reduce (sum) over ``group``.
+    Also applied to weights that every rank of ``group`` holds whole but uses on different data
+    (norm gains under sequence parallel, replicated kv heads), so their gradients are summed.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's g operator: leave a tensor-parallel region by summing partial outputs.
+
+    fwd: all-reduce (sum) over ``group``, bwd: identity.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Sequence-sharded -> full sequence before a tensor-parallel region (Korthikanti 2022, g-bar).
+
+    fwd: all-gather along ``dim``, bwd: reduce-scatter along ``dim`` (the region's partial input
+    gradients are summed and each rank keeps its own sequence slice).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Partial sums of a tensor-parallel region -> summed, sequence-sharded (Korthikanti 2022).
+
+    fwd: reduce-scatter along ``dim``, bwd: all-gather along ``dim``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return gather_dim(g, ctx.dim, ctx.group), None, None
