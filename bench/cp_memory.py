@@ -21,13 +21,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,6 +33,7 @@ from ndtrain.mesh import ParallelDims
 from ndtrain.model.attention import causal_attention
 from ndtrain.parallel.cp.context_parallel import local_positions, shard_sequence
 from ndtrain.parallel.cp.ring import ring_attention
+from ndtrain.spawn import spawn
 
 B, H, G, D = 1, 8, 2, 64
 SEQ = (512, 1024, 2048, 4096)
@@ -91,17 +89,6 @@ def measure_sdpa() -> list[dict]:
     return rows
 
 
-def _worker(rank: int, cp: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    try:
-        rows = measure_ring(rank, cp)
-        Path(out_dir, f"{rank}.json").write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
-
-
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -128,16 +115,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from ndtrain.launch import free_port
-
     results = {"config": {"B": B, "H": H, "G": G, "D": D, "dtype": "float32", "layout": "load_balanced"},
                "sdpa_one_process": measure_sdpa(), "ring": []}
     results["ring"] += measure_ring(0, 1)
-    for cp in (2, 4):
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(cp, free_port(), tmp), nprocs=cp, start_method="spawn")
-            for r in range(cp):
-                results["ring"] += json.loads(Path(tmp, f"{r}.json").read_text())
+    for cp in (2, 4):  # measure_ring(rank, cp) on cp gloo ranks
+        for rows in spawn(measure_ring, cp, backend="gloo", threads=max(1, (os.cpu_count() or 1) // cp)):
+            results["ring"] += rows
     base = {row["T"]: row for row in results["ring"] if row["cp"] == 1}
     print(f"{'T':>6} {'cp':>3} {'saved MiB/rank':>15} {'vs cp=1':>8} {'score block MiB':>16} {'fwd+bwd s':>10}")
     for row in results["ring"]:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
+from ndtrain.spawn import spawn
 from ndtrain.train import Trainer
 
 
@@ -42,12 +41,7 @@ def _cfg(stage: int, nproc: int) -> Config:
                   parallel=ParallelConfig(zero_stage=stage, bucket_size_bytes=4 * 2**20))
 
 
-def _worker(rank: int, world: int, port: int, stage: int, steps: int, out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, stage: int, steps: int) -> dict | None:
     cfg = _cfg(stage, world)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))
     n = sum(p.numel() for p in tr.model.parameters())
@@ -57,14 +51,14 @@ def _worker(rank: int, world: int, port: int, stage: int, steps: int, out: str) 
         tr.measure_memory = s == steps - 1
         res = tr.step(x[rank:rank + 1], torch.roll(x, -1, 1)[rank:rank + 1])
     if rank == 0:
-        Path(out).write_text(json.dumps({
+        return {
             "stage": stage, "params": n, "state_bytes": res["mem_state_peak_bytes"],
             "state_bytes_per_param": res["mem_state_peak_bytes"] / n,
             "params_bytes": res["mem_params_bytes"], "grads_bytes": res["mem_grads_bytes"],
             "optim_bytes": res["mem_optim_bytes"], "buffers_bytes": res["mem_buffers_bytes"],
             "activations_peak_bytes": res["mem_activations_peak_bytes"],
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": res["loss"]}))
-    dist.destroy_process_group()
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": res["loss"]}
+    return None
 
 
 def formula(stage: int, n: int) -> float:
@@ -84,17 +78,9 @@ def main() -> None:
         saved = json.loads(dest.read_text())
         _plot(saved["rows"], saved["nproc"], Path(args.plot))
         return
-    import torch.multiprocessing as mp
-
-    from ndtrain.launch import free_port
-
     rows = []
     for stage in (0, 1, 2, 3):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "res.json"
-            mp.start_processes(_worker, args=(args.nproc, free_port(), stage, args.steps, str(out)),
-                               nprocs=args.nproc, start_method="spawn")
-            r = json.loads(out.read_text())
+        r = spawn(_worker, args.nproc, (stage, args.steps), backend="gloo", threads=1)[0]
         r["formula_bytes_per_param"] = formula(stage, args.nproc)
         r["state_vs_ddp"] = r["state_bytes"] / rows[0]["state_bytes"] if rows else 1.0
         rows.append(r)

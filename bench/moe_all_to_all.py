@@ -18,13 +18,10 @@ Writes ``bench/results/moe_all_to_all.json``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,16 +30,14 @@ from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.model.moe import moe_layers
-from ndtrain.parallel.ep import expert_parallel as ep_mod
+from ndtrain.parallel.ep import layers as ep_mod
 from ndtrain.parallel.parallelize import parallelize
+from ndtrain.spawn import spawn
 
 E, K, C, B, T = 8, 2, 256, 8, 128
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, world: int) -> dict:
     cfg = Config(model=ModelConfig(vocab_size=512, dim=C, n_layers=1, n_heads=4, ffn_hidden=512, max_seq_len=T,
                                    moe_experts=E, moe_top_k=K, moe_ffn_hidden=256, init_std=0.02),
                  training=TrainingConfig(dtype="float32", global_batch_size=B * world),
@@ -72,22 +67,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
            "measured_fwd": fwd, "exact_fwd": exact_fwd, "measured_fwd_bwd": fwd + bwd,
            "ratio_fwd_vs_2x_theory": fwd / (2 * theory), "ratio_fwd_bwd_vs_4x_theory": (fwd + bwd) / (4 * theory),
            "load_max_mean": float(moe_layers(model)[0].stats.counts.max() / moe_layers(model)[0].stats.counts.mean())}
-    Path(out, f"r{rank}.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    return res
 
 
 def main() -> None:
-    import socket
-    import tempfile
-
     rows = []
     for world in (2, 4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, port, tmp), nprocs=world)
-            rows += [json.loads(Path(tmp, f"r{r}.json").read_text()) for r in range(world)]
+        rows += spawn(_rank, world, backend="gloo", threads=1)
     for r in rows:
         print(f"ep={r['ep']} rank {r['rank']}: theory {r['theory_per_direction'] / 1e6:.3f} MB/direction | "
               f"fwd measured {r['measured_fwd'] / 1e6:.3f} MB = exact {r['exact_fwd'] / 1e6:.3f} MB | "

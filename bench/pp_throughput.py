@@ -41,6 +41,7 @@ SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 
 def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool) -> dict:
     from ndtrain.mesh import ParallelDims
+    from ndtrain.parallel.pp.observe import ActionTimer
     from ndtrain.parallel.pp.runtime import PipelineRuntime
     from ndtrain.parallel.pp.viz import gather_measured_timeline, render_png, render_text
 
@@ -49,12 +50,14 @@ def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool)
     for sched, v in SCHEDS:
         chunks = [SleepStage(t / v, first=(rank == 0 and c == 0)) for c in range(v)]
         rt = PipelineRuntime(chunks, mesh.group("pp"), sched, lambda y, _: y.sum())
+        timer = ActionTimer()  # timing is an observer: the runtime itself does no timing
+        rt.observers.append(timer)
         for m in ms:
             x = torch.zeros(m, 2, dtype=torch.long)
             best = None
             for _ in range(steps + 1):  # + 1 warm-up step
                 rt.run(x, x, m)
-                tl = gather_measured_timeline(rt)
+                tl = gather_measured_timeline(timer, mesh.group("pp"))
                 if best is None or tl.end - tl.start < best.end - best.start:
                     best = tl
             span = best.end - best.start

@@ -77,18 +77,10 @@ def measure(cfg, mesh, steps: int, warmup: int, rank: int = 0, world: int = 1) -
             "ratio": med["ndtrain"] / med["baseline"], "steps": steps}
 
 
-def _ddp_worker(rank, world, port, args, out):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ddp_worker(rank, world, args) -> dict:
     cfg = _cfg(args, world)
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
-    res = measure(cfg, mesh, args.steps, args.warmup, rank, world)
-    if rank == 0:
-        Path(out).write_text(json.dumps(res))
-    dist.destroy_process_group()
+    return measure(cfg, mesh, args.steps, args.warmup, rank, world)
 
 
 def _cfg(args, world):
@@ -108,17 +100,9 @@ def main() -> None:
         res = measure(_cfg(args, 1), ParallelDims().build_mesh(), args.steps, args.warmup)
         res["baseline"] = "plain PyTorch loop (autocast, AdamW, clip_grad_norm_)"
     else:
-        import tempfile
+        from ndtrain.spawn import spawn
 
-        import torch.multiprocessing as mp
-
-        from ndtrain.launch import free_port
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "res.json"
-            mp.start_processes(_ddp_worker, args=(2, free_port(), args, str(out)), nprocs=2,
-                               start_method="spawn")
-            res = json.loads(out.read_text())
+        res = spawn(_ddp_worker, 2, (args,), backend="gloo", threads=max(1, (os.cpu_count() or 2) // 2))[0]
         res["baseline"] = "torch.nn.parallel.DistributedDataParallel, 2 gloo processes"
     res.update(mode=args.mode, config=args.config, overrides=args.override,
                threads=torch.get_num_threads(), torch=torch.__version__)

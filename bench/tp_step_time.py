@@ -24,19 +24,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
+from ndtrain.spawn import spawn
 from ndtrain.train import Trainer
 
 
@@ -82,28 +81,21 @@ class Run:
                 "params_per_rank": sum(p.numel() for p in self.tr.model.parameters())}
 
 
-def _worker(rank: int, world: int, port: int, out: str, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        runs = {"tp1_dp2": Run(args, world), "tp2": Run(args, world, tp=2),
-                "tp2_sp": Run(args, world, tp=2, sequence_parallel=True)}
-        single = Run(args, 1) if rank == 0 else None
-        for step in range(args.steps + 2):
-            for run in runs.values():
-                dist.barrier()
-                run.step(step, args.seq)
+def _worker(rank: int, world: int, args) -> dict:
+    runs = {"tp1_dp2": Run(args, world), "tp2": Run(args, world, tp=2),
+            "tp2_sp": Run(args, world, tp=2, sequence_parallel=True)}
+    single = Run(args, 1) if rank == 0 else None
+    for step in range(args.steps + 2):
+        for run in runs.values():
             dist.barrier()
-            if single is not None:
-                single.step(step, args.seq)
-        res = {k: r.result() for k, r in runs.items()}
-        if rank == 0:
-            res["tp1_one_process"] = single.result()
-            Path(out).write_text(json.dumps(res))
+            run.step(step, args.seq)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        if single is not None:
+            single.step(step, args.seq)
+    res = {k: r.result() for k, r in runs.items()}
+    if rank == 0:
+        res["tp1_one_process"] = single.result()
+    return res
 
 
 def main() -> None:
@@ -112,13 +104,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
-    from ndtrain.launch import free_port
-
     res = {"config": vars(args) | {"cpus": os.cpu_count(), "threads_per_process": 1}}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "res.json")
-        mp.start_processes(_worker, args=(2, free_port(), out, args), nprocs=2, start_method="spawn")
-        res.update(json.loads(Path(out).read_text()))
+    res.update(spawn(_worker, 2, (args,), backend="gloo", threads=1)[0])
     base = res["tp1_dp2"]["median_step_s"]
     for name in ("tp1_dp2", "tp2", "tp2_sp", "tp1_one_process"):
         r = res[name]

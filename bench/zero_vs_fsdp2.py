@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -76,12 +75,9 @@ def _fsdp2_step(model, opt, sched, x, y, cfg, world: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+def _worker(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     over = dict(kv.split("=", 1) for kv in args.override)
     over["parallel.zero_stage"] = "3"
     cfg = load_config(args.config, over, world_size=world)
@@ -108,14 +104,11 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    if rank == 0:
-        Path(out).write_text(json.dumps({
-            "ndtrain_step_s": med["ndtrain"], "fsdp2_step_s": med["fsdp2"],
+    return {"ndtrain_step_s": med["ndtrain"], "fsdp2_step_s": med["fsdp2"],
             "ratio": med["ndtrain"] / med["fsdp2"], "steps": args.steps, "world": world,
             "dtype": cfg.training.dtype,
             "ndtrain_comm_bytes_per_step": traffic,
-            "params": sum(p.numel() for p in tr.model.parameters())}))
-    dist.destroy_process_group()
+            "params": sum(p.numel() for p in tr.model.parameters())}
 
 
 def main() -> None:
@@ -126,15 +119,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--override", nargs="*", default=[], help="section.key=value")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
+    from ndtrain.spawn import spawn
 
-    from ndtrain.launch import free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "res.json"
-        mp.start_processes(_worker, args=(args.nproc, free_port(), args, str(out)), nprocs=args.nproc,
-                           start_method="spawn")
-        res = json.loads(out.read_text())
+    threads = max(1, (os.cpu_count() or 2) // args.nproc)
+    res = spawn(_worker, args.nproc, (args,), backend="gloo", threads=threads)[0]  # rank 0's numbers
     res.update(baseline="torch.distributed.fsdp.fully_shard (FSDP2), gloo", config=args.config,
                overrides=args.override, torch=torch.__version__)
     dest = ROOT / "bench" / "results" / f"zero_vs_fsdp2_{res['dtype']}.json"

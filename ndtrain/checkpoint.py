@@ -88,13 +88,19 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[s
 def load_checkpoint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Collective: load DCP tensors in place into ``tensors``; restore RNG; return ``meta``."""
     path = Path(path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=str(path))
+    load_tensors(path, tensors)
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
     return json.loads((path / "meta.json").read_text())
+
+
+def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    """Collective: load only the DCP tensors named in ``tensors`` (e.g. ``{"model": ...}`` for a
+    weights-only start), in place; RNG and meta untouched. Raises if a name is missing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=str(path))
 
 
 def _rng_state() -> dict[str, Any]:

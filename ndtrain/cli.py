@@ -21,9 +21,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"--nproc ({world}) must be >= 1")
     cfg = load_config(args.config, parse_cli_overrides(extra), world_size=world)
     run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if os.environ.get("RANK", "0") == "0":
-        print(f"run dir: {run_dir}", flush=True)
-    launch(cfg, run_dir, args.nproc)
+    launch(cfg, run_dir, args.nproc, announce=os.environ.get("RANK", "0") == "0")
     return 0
 
 
@@ -52,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 a rank failed (its traceback once, then one line), 2 an invalid config
+    or setup found before any process started (one line), 130 interrupted (Ctrl-C; all ranks
+    stopped)."""
+    from ndtrain.spawn import SpawnError  # torch-free: `ndtrain plan` must not import torch
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
@@ -66,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ndtrain: invalid config: {e}", file=sys.stderr)
         return 2
+    except SpawnError as e:
+        if e.details:
+            print(e.details.rstrip(), file=sys.stderr)
+        print(f"ndtrain: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ndtrain: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
     return 1
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from ndtrain.errors import ConfigError
+from ndtrain.validate import validate as _validate
 
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the rule that failed."""
+# Presets ship inside the package (wheel package data); the repo's top-level configs/ links here.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass
@@ -177,8 +177,9 @@ class ParallelConfig:
 class CheckpointConfig:
     every: int = 0  # steps between saves (0 = never)
     keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
-    resume: bool = True  # resume from the newest complete checkpoint in the run directory
-    load_from: str = ""  # a checkpoint directory to start from (e.g. of another run / layout)
+    resume: bool = True  # resume from the newest complete checkpoint in the run directory (wins over load_from)
+    load_from: str = ""  # resume another run's checkpoint (any layout) when this run has none of its own
+    init_weights_from: str = ""  # fine-tune: weights only (ndtrain checkpoint of any layout or HF folder), step 0
 
 
 @dataclass
@@ -288,7 +289,13 @@ def load_config(preset: str = "default", overrides: dict[str, Any] | None = None
                 world_size: int | None = None) -> Config:
     """Read a preset, apply overrides, validate (against ``world_size`` when given)."""
     cfg = Config()
-    tree = yaml.safe_load(resolve_preset(preset).read_text()) or {}
+    path = resolve_preset(preset)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:  # one line naming file and line, not a parser traceback
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
     apply_overrides(cfg, _flatten(tree))
     apply_overrides(cfg, overrides or {})
     validate(cfg, world_size)
@@ -307,8 +314,6 @@ def save_config(cfg: Config, path: Path) -> None:
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Cross-field checks (``ndtrain.validate``); raises ConfigError naming the failed rule."""
-    from ndtrain.validate import validate as _validate
-
     _validate(cfg, world_size)
 
 

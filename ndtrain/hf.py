@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
+from ndtrain.hf_common import model_from_state_dict, read_safetensors, rope_params
+from ndtrain.hf_moe import load_hf_moe_checkpoint
 from ndtrain.model import Transformer
 
 # ndtrain block-relative name -> HF name within "model.layers.{i}."
@@ -32,14 +34,6 @@ _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
             "output.weight": "lm_head.weight"}
 
 
-def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a transformers 4 or 5 config dict."""
-    params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return float(theta), scaling
-
-
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """``ModelConfig`` from a Llama config.json dict.
 
@@ -55,7 +49,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, dim // n_heads):
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({dim // n_heads})")
-    theta, scaling = _rope_params(hf)
+    theta, scaling = rope_params(hf)
     cfg = ModelConfig(
         name="llama", vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
@@ -122,22 +116,6 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return {h: sd[n] for n, h in _name_pairs(cfg) if not (cfg.tie_embeddings and n == "output.weight")}
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(folder / f)))
-    return sd
-
-
 def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
     """Read config.json and (possibly sharded) safetensors from ``folder`` into a ``Transformer``.
@@ -149,25 +127,9 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
     folder = Path(folder)
     hf = json.loads((folder / "config.json").read_text())
     if hf.get("model_type") in ("mixtral", "deepseek_v3"):  # MoE families: ndtrain.hf_moe
-        from ndtrain.hf_moe import load_hf_moe_checkpoint
-
         return load_hf_moe_checkpoint(folder, device, dtype)
     cfg = config_from_hf(hf)
-    return cfg, model_from_state_dict(cfg, state_dict_from_hf(_read_safetensors(folder), cfg), device, dtype)
-
-
-def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], device="cpu",
-                          dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build ``Transformer(cfg)`` on meta, materialise it on ``device`` in ``dtype`` and load ``sd``
-    (strict: a missing or unexpected key raises RuntimeError); RoPE tables rebuilt in fp32."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.load_state_dict(sd, strict=True)
-    model.init_rope()
-    return model
+    return cfg, model_from_state_dict(cfg, state_dict_from_hf(read_safetensors(folder), cfg), device, dtype)
 
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path) -> None:

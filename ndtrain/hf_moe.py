@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
+from ndtrain.hf_common import model_from_state_dict, read_safetensors, rope_params
 from ndtrain.model import Transformer
 
 MOE_MODEL_TYPES = ("mixtral", "deepseek_v3")
@@ -39,13 +40,11 @@ _SWIGLU = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w
 
 
 def _common(hf: dict[str, Any]) -> dict[str, Any]:
-    from ndtrain.hf import _rope_params
-
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention / MLP biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not 'silu'")
-    theta, scaling = _rope_params(hf)
+    theta, scaling = rope_params(hf)
     if scaling is not None:
         raise ValueError(f"RoPE scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported "
                          "for MoE imports")
@@ -155,10 +154,8 @@ def load_hf_moe_checkpoint(folder: str | Path, device: torch.device | str = "cpu
                            dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
     """Read a Mixtral / DeepSeek-V3 checkpoint folder into a ``Transformer`` (``dtype`` parameters;
     router and expert biases follow ``dtype`` too). Raises FileNotFoundError, ValueError, KeyError."""
-    from ndtrain.hf import _read_safetensors, model_from_state_dict
-
     folder = Path(folder)
     hf = json.loads((folder / "config.json").read_text())
     cfg = config_from_hf_moe(hf)
-    sd = state_dict_from_hf_moe(_read_safetensors(folder), cfg, bool(hf.get("rope_interleave", True)))
+    sd = state_dict_from_hf_moe(read_safetensors(folder), cfg, bool(hf.get("rope_interleave", True)))
     return cfg, model_from_state_dict(cfg, sd, device, dtype)

@@ -1,63 +1,46 @@
 """Start the ranks of a run: N local processes, or the processes torchrun already started.
 
-* ``--nproc N``: the parent validates the config for world size N, prepares the data once (tokenizer
-  training and token shards are cached), then spawns N processes with a free loopback port and
-  ``MASTER_ADDR``/``MASTER_PORT`` set; each calls ``init_process_group`` (gloo on CPU, NCCL with one
-  GPU per process) and trains.
+* ``--nproc N``: the parent validates the config for world size N, runs the pre-start checks
+  (``ndtrain.preflight``), prepares the data once (tokenizer training and token shards are cached),
+  then starts N processes with ``spawn``; each calls ``init_process_group`` (gloo on CPU, NCCL with
+  one GPU per process) and trains.
 * Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the process joins
   torchrun's rendezvous; local rank 0 of each node prepares the data while the others wait.
+
+Local ranks start through ``ndtrain.spawn.spawn`` (re-exported here), the one process-starting
+helper of the package, tests and benchmarks.
 """
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.mesh import device_for_rank
+from ndtrain.preflight import backend_for, preflight
+from ndtrain.spawn import SpawnError, free_port, spawn
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def backend_for(cfg: Config) -> str:
-    if cfg.parallel.backend != "auto":
-        return cfg.parallel.backend
-    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    return "nccl" if use_cuda else "gloo"
+__all__ = ["SpawnError", "backend_for", "free_port", "launch", "prepare_checked", "spawn"]
 
 
 def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def _worker(local_rank: int, world: int, port: int, cfg: Config, run_dir: str, data_path: str,
-            threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
-    torch.set_num_threads(threads)
-    _init_and_run(cfg, Path(run_dir), Path(data_path), local_rank, local_rank, world)
-
-
-def _init_and_run(cfg: Config, run_dir: Path, data_path: Path, rank: int, local_rank: int,
-                  world: int) -> None:
+def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str) -> None:
     from ndtrain.train import run
 
-    device = device_for_rank(local_rank, cfg.training.device)
+    device = device_for_rank(rank, cfg.training.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend_for(cfg), rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
     try:
-        run(cfg, run_dir, data_path, device)
+        run(cfg, Path(run_dir), Path(data_path), device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -81,13 +64,26 @@ def prepare_checked(cfg: Config) -> Path:
     return path
 
 
-def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
-    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None)."""
+def _announce(on: bool, run_dir: Path) -> None:
+    if on:
+        print(f"run dir: {run_dir}", flush=True)
+
+
+def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False) -> None:
+    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
+    ``announce`` prints the run directory once the checks passed.
+
+    Raises ConfigError (before any rank starts) for an invalid layout, an unusable run directory,
+    backend, checkpoint path or data, or a model / data change against the run directory's
+    checkpoints (``ndtrain.preflight``); SpawnError when a local rank fails.
+    """
     under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         validate(cfg, world)
+        preflight(cfg, Path(run_dir), world)
+        _announce(announce, run_dir)
         device = device_for_rank(local_rank, cfg.training.device)
         if world > 1:
             dist.init_process_group(backend_for(cfg), device_id=device if device.type == "cuda" else None)
@@ -110,12 +106,12 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None) -> None:
     if nproc < 1:
         raise ConfigError(f"--nproc ({nproc}) must be >= 1")
     validate(cfg, nproc)
+    preflight(cfg, Path(run_dir), nproc)
+    _announce(announce, run_dir)
     data_path = prepare_checked(cfg)
     if nproc == 1:
         from ndtrain.train import run
 
         run(cfg, run_dir, data_path)
         return
-    mp.start_processes(_worker, args=(nproc, free_port(), cfg, str(run_dir), str(data_path),
-                                      _threads_per_rank(nproc)),
-                       nprocs=nproc, join=True, start_method="spawn")
+    spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)), threads=_threads_per_rank(nproc))

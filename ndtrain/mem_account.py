@@ -14,7 +14,8 @@ has size 0), in four categories:
 Data-parallel objects expose ``memory_tensors() -> {category: [tensors]}``; plain DDP does not and
 is read from the model and optimizer (``state_tensors``). Samples are taken at fixed points of a
 step (after each microbatch's backward, after the gradient sync, after the optimizer step) and,
-while ``track`` is on, inside the data-parallel hooks; the log reports each category's peak and
+while a ``MemorySampler`` is attached to a sharded data-parallel object's ``observers``
+(``ndtrain.parallel.zero.observe``), inside its hooks; the log reports each category's peak and
 the peak of params + grads + optim (``mem_state_peak_bytes``).
 
 Activations (``ActivationMeter``): a ``TorchDispatchMode`` that sees every tensor an operator
@@ -84,6 +85,18 @@ class StateMemory:
         out = {f"mem_{c}_bytes": self.peak[c] for c in CATEGORIES}
         out["mem_state_peak_bytes"] = self.peak_state
         return out
+
+
+class MemorySampler:
+    """Observer of a sharded data-parallel object's hooks: samples ``dp.memory_tensors()`` into
+    ``mem`` (a ``StateMemory``) whenever the tensors it holds change (``on_state``).
+    Attach: ``dp.observers["memory"] = MemorySampler(mem)``."""
+
+    def __init__(self, mem: StateMemory):
+        self.mem = mem
+
+    def on_state(self, dp) -> None:
+        self.mem.sample(dp.memory_tensors())
 
 
 _UNTRACKED = [0]

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ndtrain.config import ConfigError, ParallelConfig
+from ndtrain.errors import ConfigError
+from ndtrain.parallel.ep import rules as ep_rules
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DERIVED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -67,7 +68,9 @@ class ParallelDims:
     world_size: int = 1
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
+    def from_config(cls, p, world_size: int) -> ParallelDims:
+        """Degrees from a ``ParallelConfig`` ``p`` (typed by name: ``ndtrain.config`` imports this
+        module's users, not the other way round) on ``world_size`` ranks."""
         if world_size < 1:
             raise ConfigError(f"world_size ({world_size}) must be >= 1")
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
@@ -90,8 +93,8 @@ class ParallelDims:
         prod = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if prod != self.world_size:
             raise ConfigError(f"pp*dp_replicate*dp_shard*cp*tp ({prod}) != world_size ({self.world_size})")
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ConfigError(f"dp_shard*cp ({self.dp_shard * self.cp}) is not divisible by ep ({self.ep})")
+        if (self.dp_shard * self.cp) % self.ep:  # ep borrows its ranks from dp_shard x cp
+            ep_rules.check(self.ep, 0, self.dp_shard, self.cp)
 
     @property
     def dp(self) -> int:

@@ -176,24 +176,21 @@ class MetricsLog:
         print(format_line(row), flush=True)
 
 
+# (row key, console format) in print order; a key absent from the row is left out of the line.
+_LINE_FIELDS = (
+    ("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("lr", "lr {:.2e}"),
+    ("grad_norm", "gnorm {:.3f}"), ("tokens_per_s", "{:,.0f} tok/s"),
+    ("aux_loss", "aux {:.4f}"), ("mtp_loss", "mtp {:.4f}"),
+)
+
+
 def format_line(row: dict) -> str:
+    """One console line for a metrics row: step, losses, lr, throughput, MFU, MoE load, memory."""
     parts = [f"step {row['step']:>5}"]
-    if "loss" in row:
-        parts.append(f"loss {row['loss']:.4f}")
-    if "val_loss" in row:
-        parts.append(f"val {row['val_loss']:.4f}")
-    if "lr" in row:
-        parts.append(f"lr {row['lr']:.2e}")
-    if "grad_norm" in row:
-        parts.append(f"gnorm {row['grad_norm']:.3f}")
-    if "tokens_per_s" in row:
-        parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+    parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[:5] if key in row]
     if "mfu" in row:
         parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
-    if "aux_loss" in row:
-        parts.append(f"aux {row['aux_loss']:.4f}")
-    if "mtp_loss" in row:
-        parts.append(f"mtp {row['mtp_loss']:.4f}")
+    parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[5:] if key in row]
     if "moe_load_max_mean" in row:
         parts.append(f"load max/mean {row['moe_load_max_mean']:.2f} drop {100 * row['moe_dropped_frac']:.1f}%")
     if "peak_mem_bytes" in row:

@@ -8,18 +8,18 @@
   floor over the last ``decay_fraction`` of steps.
 * Clipping: the global L2 norm over every gradient element of the model, counted exactly once
   across all ranks (``sum_sq`` contributions are summed over the axes where gradients are sharded),
-  and one clip coefficient applied everywhere (Pascanu et al. 2013).
+  and one clip coefficient applied everywhere (Pascanu et al. 2013). The cross-rank sum is injected
+  by the caller (``reduce_sum``), so this module never touches process groups.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from ndtrain.config import TrainingConfig
-from ndtrain.parallel import comm
 
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -36,10 +36,24 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
     return groups
 
 
-def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW over ``named_params`` with the config's betas, eps and weight decay."""
-    return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+def build_optimizer(named_params, cfg: TrainingConfig, eager_state: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``named_params`` with the config's betas, eps and weight decay.
+
+    ``eager_state``: create every parameter's state now (step 0, zero moments: exactly what the
+    first ``step()`` would create), so optimizer state dicts exist before step 1 (sharded layouts
+    present them as views that a checkpoint load writes into).
+    """
+    opt = torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
+                            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    if eager_state:
+        # AdamW's own step counter: fp32, fp64 under a fp64 default dtype
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.state[p] = {"step": torch.tensor(0.0, dtype=step_dtype),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return opt
 
 
 def lr_factor(step: int, cfg: TrainingConfig) -> float:
@@ -50,7 +64,7 @@ def lr_factor(step: int, cfg: TrainingConfig) -> float:
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":
-        decay_steps = max(1, int(round(cfg.decay_fraction * cfg.steps)))
+        decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
         start = cfg.steps - decay_steps
         if step < start:
             return 1.0
@@ -78,19 +92,29 @@ def shard_axes(p: torch.Tensor) -> tuple[str, ...]:
     return getattr(p, SHARD_AXES_ATTR, ())
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Factor the gradients are multiplied by: ``max_norm / (norm + 1e-6)`` when ``norm`` exceeds
+    ``max_norm`` > 0, else 1.0 (0 disables clipping). Anything clipping part of the gradients
+    elsewhere (the pipeline's tied head) uses this same factor."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+
+
 @torch.no_grad()
 def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: float,
-                   mesh=None) -> float:
+                   reduce_sum: Callable[[torch.Tensor, tuple[str, ...]], None] | None = None) -> float:
     """Clip gradients in place to global L2 norm ``max_norm``; return the norm before clipping.
 
     Args:
         items: ``(grad, axes)`` pairs of this rank: ``grad`` is what this rank holds (a shard
             without padding, or a full replicated tensor) and ``axes`` the mesh axes it is split
             over. Elements are then counted exactly once: squared norms are summed over ``axes``
-            (grouped by identical ``axes`` so each group needs one all-reduce), and a replicated
+            (grouped by identical ``axes`` so each group needs one reduction), and a replicated
             tensor is counted once, not once per replica.
         max_norm: threshold; 0 disables clipping (the norm is still computed).
-        mesh: the ``Mesh`` whose axis groups the sums run over (needed when any axes are given).
+        reduce_sum: ``reduce_sum(sq, axes)`` sums the float64 (1,) tensor ``sq`` in place over the
+            mesh axes ``axes`` (``ndtrain.parallel.dp.grad_sync.sum_over_axes(mesh)``); called for
+            every group, also with ``axes == ()``, in the same order on every rank. None: one
+            process, nothing to sum (raises ValueError if any ``axes`` are given).
     Sums of squares are kept in float64, so the norm is exact enough for 1e-6 parity tests, and
     every rank ends with the same norm and the same clip coefficient.
     """
@@ -100,14 +124,15 @@ def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: 
     device = items[0][0].device if items else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for axes in sorted(by_axes):  # same order on every rank
-        grads = by_axes[axes]
-        sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().reshape(1)
-        for axis in axes:
-            comm.all_reduce(sq, mesh.group(axis))
+        sq = torch.stack([g.detach().double().pow(2).sum() for g in by_axes[axes]]).sum().reshape(1)
+        if reduce_sum is not None:
+            reduce_sum(sq, axes)
+        elif axes:
+            raise ValueError(f"gradients split over {axes} need a reduce_sum")
         total += sq
     norm = total.sqrt().item()
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
+    coef = clip_coefficient(norm, max_norm)
+    if coef != 1.0:
         for g, _ in items:
             g.mul_(coef)
     return norm

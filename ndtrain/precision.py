@@ -12,23 +12,19 @@
   ``LossScaler``).
 
 Dynamic loss scaling: after the gradient sync, each rank checks its gradients for inf / NaN and the
-flags are max-reduced over every mesh axis, so all ranks agree. On overflow every rank skips the
+flags are max-reduced over every rank of the mesh (by the caller's ``reduce_max``, e.g.
+``ndtrain.parallel.dp.grad_sync.max_over_mesh(mesh)``; this module never touches process groups),
+so all ranks agree. On overflow every rank skips the
 optimizer step (and the LR schedule does not advance) and halves S; after
 ``loss_scale_growth_interval`` consecutive good steps S doubles.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from collections.abc import Callable
 
-from ndtrain.parallel import comm
+import torch
 
 _MIXED = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def master_dtype(dtype: str) -> torch.dtype:
-    """Dtype of parameters / master weights and optimizer state for ``training.dtype``."""
-    return torch.float64 if dtype == "float64" else torch.float32
 
 
 def compute_dtype(dtype: str) -> torch.dtype | None:
@@ -60,18 +56,20 @@ class LossScaler:
         self.good_steps = 0
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor], mesh) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor],
+                          reduce_max: Callable[[torch.Tensor], None] | None = None) -> bool:
         """Multiply ``grads`` in place by 1/S; return True if every gradient of every rank is finite.
 
-        The overflow flag is max-reduced over all mesh axes (a collective: every rank calls it).
+        ``reduce_max(flag)`` max-reduces the (1,) float32 overflow flag in place over every rank
+        of the mesh (a collective: every rank calls it); None in a single process.
         """
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g in grads:
             if not torch.isfinite(g).all():
                 found.fill_(1.0)
                 break
-        for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
-            comm.all_reduce(found, mesh.group(axis), op=dist.ReduceOp.MAX)
+        if reduce_max is not None:
+            reduce_max(found)
         ok = found.item() == 0.0
         if ok:
             inv = 1.0 / self.scale

@@ -1,16 +1,22 @@
-"""The training loop: build -> parallelize -> step -> log -> checkpoint.
+"""The training run: build -> parallelize -> (resume) -> step -> log -> evaluate -> checkpoint -> sample.
 
-Loss convention (token-weighted): the loss of a step is the sum of the per-token cross-entropies over
-all valid labels (label != -100) of the *global* batch, divided by the number of valid labels of the
-global batch. Each microbatch backpropagates ``sum_ce / n_valid_global``; data-parallel gradients are
-summed. Splitting a batch into microbatches or across ranks therefore gives the single-process
-gradient exactly, even when ranks hold very different numbers of valid tokens. MoE auxiliary
-losses and MTP losses are added the same way (``ndtrain.train_extras``).
+``run(cfg, run_dir, data_path, device)`` drives one rank; the per-step work is ``Trainer.step``
+(``ndtrain.trainer``; re-exported here with ``IGNORE_INDEX``). Each phase is its own function:
+``_start`` (resume / load / fine-tune start), ``_log_row``, ``_val_loss``, ``_save``, ``_sample``.
+
+Where a run starts (``_start``): the run directory's own newest complete checkpoint (with
+``checkpoint.resume``) always wins; otherwise ``checkpoint.load_from`` (another run's checkpoint,
+any layout: weights, optimizer, schedule, data position and step); otherwise
+``checkpoint.init_weights_from`` (weights only, from an ndtrain checkpoint of any layout or a
+Hugging Face folder; fresh optimizer and schedule, step 0); otherwise the seeded initialisation.
+Rank 0 prints which.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,316 +25,244 @@ import torch.distributed as dist
 from ndtrain import checkpoint as ckpt
 from ndtrain import metrics
 from ndtrain.config import Config, save_config
-from ndtrain.mem_account import ActivationMeter, StateMemory, state_tensors
+from ndtrain.data import GlobalBatchSampler, TokenData
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
-from ndtrain.model import build_model
-from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
-from ndtrain.parallel.parallelize import build_batch_plan, parallelize
-from ndtrain.parallel.pp.pipeline import flatten_param_groups, unflatten_param_groups
-from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
-from ndtrain.precision import build_loss_scaler, compute_dtype
-from ndtrain.train_extras import ExtraLosses
+from ndtrain.trainer import IGNORE_INDEX, Trainer
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "Trainer", "run", "sample_text"]
 
 
-class Trainer:
-    """One rank's training state. ``step(inputs, labels)`` runs one optimizer step on its local batch.
+@dataclass
+class _Run:
+    """What the phases of one rank's run share."""
 
-    Args:
-        cfg: validated config.
-        mesh: the layout (``ParallelDims(...).build_mesh()``); all ones works in a plain process.
-        device: this rank's device.
-    """
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: Mesh
+    trainer: Trainer
+    data: TokenData
+    sampler: GlobalBatchSampler
+    run_dir: Path
 
-    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
-        self.cfg, self.mesh, self.device = cfg, mesh, device
-        t = cfg.training
-        self.param_dtype = torch.float64 if t.dtype == "float64" else torch.float32
-        self.autocast_dtype = compute_dtype(t.dtype)  # bf16 / fp16 autocast, None = off
-        self.autocast = self.autocast_dtype is not None
-        self.scaler = build_loss_scaler(t)  # fp16 dynamic loss scaling (ndtrain.precision)
-        self.mem = StateMemory()  # per-rank bytes held (ndtrain.mem_account)
-        self.measure_memory = False  # also meter activations / in-hook peaks on the next step
-        self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
-        if mesh.dims.pp > 1:  # only this rank's pipeline stage, built on meta (ndtrain.parallel.pp.stage)
-            from ndtrain.parallel.pp.stage import build_pipeline_stage
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
 
-            self.model = build_pipeline_stage(cfg, mesh, device, self.param_dtype, t.seed)
-        else:
-            self.model = build_model(cfg.model, device, self.param_dtype, t.seed)
-        self.dp = parallelize(self.model, mesh, cfg)
-        self.plan = build_batch_plan(mesh, cfg)  # cuts batches for cp, vocab-parallel loss for tp
-        # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train_extras); None if dense
-        self.extras = (ExtraLosses(cfg, self.model, mesh, device)
-                       if cfg.model.is_moe or cfg.model.mtp_depth else None)
-        self.optimizer = self.dp.build_optimizer(t)
-        self.scheduler = build_scheduler(self.optimizer, t)
-        self.step_count = 0
-        dims = mesh.dims
-        self.local_batch = t.global_batch_size // dims.dp
-        self.micro_batch = t.micro_batch_size or self.local_batch
-        self.pipeline = None  # pp > 1: step() hands the microbatches to the pipeline schedule
-        if dims.pp > 1:
-            from ndtrain.parallel.pp.pipeline import StagePipeline
+    def local(self, indices, split: str):
+        """This rank's (inputs, labels) of the global batch ``indices`` of ``split``."""
+        dp = self.mesh.group("dp")
+        return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)
 
-            n_micro = cfg.parallel.pp_microbatches or self.local_batch // self.micro_batch
-            self.pipeline = StagePipeline(
-                self.model, self.dp, mesh, cfg, lambda lg, y: self.plan.loss_sum(lg.to(self.param_dtype), y),
-                lambda: (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast
-                         else contextlib.nullcontext()), device, n_micro)
-
-    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,)."""
-        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
-               else contextlib.nullcontext())
-        with ctx:
-            logits = self.model(inputs, positions)  # (B, T, V), or (B, T, V / tp) under tp
-        if logits.dtype != self.param_dtype:
-            logits = logits.to(self.param_dtype)
-        return self.plan.loss_sum(logits, labels)
-
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64.
-
-        Returns ``loss`` (global token-weighted mean), ``grad_norm`` (before clipping), ``lr``,
-        ``n_tokens`` (valid labels in the global batch); MoE / MTP models add ``aux_loss``,
-        ``mtp_loss``, ``moe_load_max_mean``, ``moe_dropped_frac``... (``ExtraLosses.end_step``).
-        """
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        inputs, labels, positions = self.plan.shard(inputs, labels)  # this cp rank's tokens
-        dp_cp = self.mesh.group("dp_cp")
-        n_valid = comm.all_reduce_scalar(float((labels != IGNORE_INDEX).sum()), dp_cp,
-                                         device=self.device)
-        denom = max(n_valid, 1.0)
-        if self.pipeline is not None:
-            return self._pipeline_step(inputs, labels, positions, n_valid)
-        if self.extras is not None:
-            self.extras.begin_step(inputs, labels)
-        n_micro = inputs.shape[0] // self.micro_batch
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.mem.reset()
-        if hasattr(self.dp, "mem"):  # sample inside the data-parallel hooks too
-            self.dp.mem = self.mem if self.measure_memory else None
-        act_peak = 0
-        for i in range(n_micro):
-            sl = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
-            last = i == n_micro - 1
-            meter = (ActivationMeter(self.model.parameters()) if self.measure_memory and i == 0
-                     else contextlib.nullcontext())
-            with contextlib.nullcontext() if last else self.dp.no_sync(), meter:
-                ls = self._forward_loss_sum(inputs[sl], labels[sl], positions)
-                loss = ls / denom
-                if self.extras is not None:
-                    loss = loss + self.extras.micro_loss(labels[sl])
-                (loss * self.scaler.scale if self.scaler else loss).backward()
-            act_peak = max(act_peak, getattr(meter, "peak", 0))
-            self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
-            loss_sum += ls.detach().double()
-        self.dp.finish_grad_sync()
-        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
-        ok = True
-        if self.scaler is not None:  # fp16: unscale; an overflow on any rank skips the step everywhere
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            ok = self.scaler.unscale_and_check(grads, self.mesh)
-            self.scaler.update(ok)
-        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip, self.mesh) if ok else float("nan")
-        lr = self.optimizer.param_groups[0]["lr"]
-        if ok:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
-        self.optimizer.zero_grad(set_to_none=True)
-        comm.all_reduce(loss_sum, dp_cp)
-        self.step_count += 1
-        out = {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
-        out.update(self.mem.report())
-        if self.measure_memory:
-            self.activation_peak_bytes = act_peak
-        out["mem_activations_peak_bytes"] = self.activation_peak_bytes
-        if self.scaler is not None:
-            out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
-        if self.extras is not None:  # aux / MTP losses, expert loads; aux-loss-free bias update
-            out.update(self.extras.end_step())
-        return out
-
-    def _pipeline_step(self, inputs, labels, positions, n_valid: float) -> dict[str, float]:
-        """``step`` under pipeline parallel: the schedule runs every microbatch (DP sync after the
-        last, tied-embedding grads summed), then global-norm clipping over all stages."""
-        denom = max(n_valid, 1.0)
-        scale = self.scaler.scale if self.scaler is not None else 1.0  # fp16: loss scaled by S
-        self.pipeline.runtime.track_memory = self.measure_memory
-        loss_sum = self.pipeline.forward_backward(inputs, labels, denom / scale, positions)
-        ok = True
-        if self.scaler is not None:  # unscale; an overflow on any rank of any stage skips the step
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            ok = self.scaler.unscale_and_check(grads, self.mesh)
-            self.scaler.update(ok)
-        grad_norm = self.pipeline.clip_grad_norm(self.cfg.training.grad_clip) if ok else float("nan")
-        lr = self.optimizer.param_groups[0]["lr"]
-        if ok:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        comm.all_reduce(loss_sum, self.mesh.group("dp_cp"))
-        self.step_count += 1
-        out = {"loss": loss_sum.item() / denom, "grad_norm": grad_norm, "lr": lr, "n_tokens": n_valid}
-        if self.measure_memory:  # live activation storages of the whole step on this stage
-            out["mem_activations_peak_bytes"] = self.pipeline.runtime.peak_activation_bytes
-        if self.scaler is not None:
-            out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
-        return out
-
-    @torch.no_grad()
-    def eval_loss(self, batches) -> float:
-        """Token-weighted mean loss over ``batches`` of (inputs, labels) local to this rank."""
-        self.model.eval()
-        tot = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, labels in batches:
-            inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
-            if self.pipeline is not None:  # the last stage's loss, summed over pp (all ranks agree)
-                tot[0] += self.pipeline.eval_loss_sum(inputs, labels, positions)
-            else:
-                tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
-            tot[1] += (labels != IGNORE_INDEX).sum()
-        self.model.train()
-        comm.all_reduce(tot, self.mesh.group("dp_cp"))
-        return (tot[0] / tot[1].clamp(min=1)).item()
-
-    def tensor_state(self) -> dict:
-        # optimizer groups keyed by parameter name, tied head as the embedding (ndtrain.parallel.pp.pipeline)
-        optim = flatten_param_groups(self.dp.optim_state_dict(self.optimizer), self.model)
-        state = {"model": self.dp.model_state_dict(), "optim": optim}
-        return gather_tp_state(state, self.model, self.mesh)  # TP-split tensors whole (global names)
-
-    def load_tensor_state(self, state: dict) -> None:
-        template = self.dp.optim_state_dict(self.optimizer)
-        state = {**state, "optim": unflatten_param_groups(state["optim"], template, self.model)}
-        state = scatter_tp_state(state, self.model, self.mesh)
-        self.dp.load_model_state_dict(state["model"])
-        self.dp.load_optim_state_dict(self.optimizer, state["optim"])
-
-
-def _local(data, sampler_indices, dims_dp: int, dp_rank: int, split: str, seq_len: int, sampler):
-    local = sampler.local_slice(sampler_indices, dp_rank, dims_dp)
-    return data.get(split, local, seq_len)
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
 
 
 def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None = None) -> list[dict]:
-    """Train according to ``cfg`` on this rank; returns the logged metric rows (rank 0; else [])."""
-    from ndtrain.data import GlobalBatchSampler, TokenData
+    """Train according to ``cfg`` on this rank; returns the logged metric rows (rank 0; else []).
 
+    Raises ValueError (every rank) when ``checkpoint.load_from`` / ``init_weights_from`` is not a
+    checkpoint, or a checkpoint's step leaves nothing to train (past ``training.steps``)."""
+    r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    t, trainer = cfg.training, r.trainer
+    _start(r)
+    log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count)
+    fpt = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s)
+    _print_header(r, fpt, peak)
+    if trainer.step_count == 0:
+        log.log({"step": 0, "val_loss": _val_loss(r)})
+    stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
+    window = [0.0, 0]  # seconds, steps since the last logged row
+    r.mesh.reset_stats()
+    first_step = trainer.step_count + 1
+    while trainer.step_count < stop:
+        step = trainer.step_count + 1
+        inputs, labels = r.local(r.sampler.next_global(), "train")
+        trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
+        out, dt = _timed_step(r, inputs, labels)
+        window[0] += dt
+        window[1] += 1
+        row = None
+        if step % cfg.logging.log_every == 0 or step == stop:
+            row = _log_row(r, step, out, window, fpt, peak)
+            window = [0.0, 0]
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            row = row or {"step": step, "loss": out["loss"]}
+            row["val_loss"] = _val_loss(r)
+        if row:
+            log.log(row)
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop):
+            _save(r, step)
+        if t.sample_every and step % t.sample_every == 0:
+            _sample(r, f"sample @ {step}", quiet=True)
+    if trainer.step_count == t.steps:
+        _sample(r, "sample", quiet=False)
+        if r.rank == 0 and cfg.logging.plot and log.rows:
+            print(f"plot: {metrics.plot_run(r.run_dir)}", flush=True)
+    if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
+        dist.barrier()
+    return log.rows
+
+
+def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None) -> _Run:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     t = cfg.training
     device = device or device_for_rank(rank, t.device)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build_mesh(device.type)
-    run_dir = Path(run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
     data = TokenData(data_path)
-    T = cfg.data.seq_len
-    sampler = GlobalBatchSampler(data.num_sequences("train", T), t.global_batch_size, t.seed)
+    sampler = GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), t.global_batch_size, t.seed)
     trainer = Trainer(cfg, mesh, device)
-    dp_rank = mesh.group("dp").rank
+    return _Run(cfg, rank, world, device, dims, mesh, trainer, data, sampler, run_dir)
 
-    ckpt_root = run_dir / "checkpoints"
-    start = cfg.checkpoint.load_from or (cfg.checkpoint.resume and ckpt.latest_checkpoint(ckpt_root))
-    if start:
-        state = trainer.tensor_state()
-        meta = ckpt.load_checkpoint(Path(start), state)
-        trainer.load_tensor_state(state)
-        trainer.scheduler.load_state_dict(meta["scheduler"])
-        sampler.load_state_dict(meta["sampler"])
-        trainer.step_count = meta["step"]
-        if trainer.scaler is not None and "loss_scale" in meta:
-            trainer.scaler.load_state_dict(meta["loss_scale"])
-        if rank == 0:
-            print(f"resumed from {start} at step {trainer.step_count}", flush=True)
 
-    log = metrics.MetricsLog(run_dir, enabled=rank == 0, keep_through_step=trainer.step_count)
-    peak = metrics.peak_flops(device, t.dtype, cfg.logging.peak_flops_per_s)
-    fpt = metrics.flops_per_token(cfg.model, T)
-    if rank == 0:
-        n_params = sum(p.numel() for p in trainer.model.parameters())
-        where = "params" if world == 1 else "params on rank 0"
-        print(f"ndtrain: {n_params / 1e6:.2f}M {where} | layout {dims} | {t.dtype} on {device.type} | "
-              f"{fpt / 1e6:.1f} MFLOP/token | peak {peak / 1e9 if peak else float('nan'):.1f} "
-              f"GFLOP/s per rank", flush=True)
+def _read_meta(path: Path, key: str) -> dict:
+    meta = Path(path) / "meta.json"
+    if not meta.is_file():
+        raise ValueError(f"{key}={path}: not an ndtrain checkpoint folder (no meta.json); give a "
+                         "checkpoints/step_XXXXXXXX folder")
+    return json.loads(meta.read_text())
 
-    def val_loss() -> float:
-        nval = data.num_sequences("val", T)
-        batches = []
-        for b in range(t.eval_batches):
-            idx = [(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)]
-            batches.append(_local(data, idx, dims.dp, dp_rank, "val", T, sampler))
-        return trainer.eval_loss(batches)
 
-    if trainer.step_count == 0:
-        log.log({"step": 0, "val_loss": val_loss()})
-    stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
-    window_t, window_tokens = 0.0, 0
-    # rank 0 generates alone: not with split heads / vocab, nor with experts on other ranks (ep)
-    can_sample = dims.tp == 1 and dims.cp == 1 and dims.pp == 1 and dims.ep == 1
-    # ... nor with ZeRO-3 parameters sharded over ranks (a forward all-gathers them: collective)
-    can_sample = can_sample and not (cfg.parallel.zero_stage == 3 and dims.dp_shard * dims.cp > 1)
-    mesh.reset_stats()
-    first_step = trainer.step_count + 1
-    while trainer.step_count < stop:
-        step = trainer.step_count + 1
-        inputs, labels = _local(data, sampler.next_global(), dims.dp, dp_rank, "train", T, sampler)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
-        out = trainer.step(inputs, labels)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        window_t += dt
-        window_tokens += t.global_batch_size * T
-        row = None
-        if step % cfg.logging.log_every == 0 or step == stop:
-            comm_bytes = mesh.reset_stats()
-            tps = window_tokens / window_t
-            mem = comm.all_reduce_scalar(metrics.peak_memory_bytes(device), mesh.group("dp_cp"),
-                                         op=dist.ReduceOp.MAX, device=device)
-            row = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tokens_per_s": tps, "step_time_s": window_t / (window_tokens / (t.global_batch_size * T)),
-                   "mfu": fpt * tps / (peak * world) if peak else None, "peak_mem_bytes": int(mem),
-                   "comm_bytes": comm_bytes}
-            row.update({k: v for k, v in out.items()
-                        if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
-            window_t, window_tokens = 0.0, 0
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            row = row or {"step": step, "loss": out["loss"]}
-            row["val_loss"] = val_loss()
-        if row:
-            log.log(row)
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop):
-            meta = {"step": step, "scheduler": trainer.scheduler.state_dict(),
-                    "sampler": sampler.state_dict(), "layout": dims.degrees()}
-            if trainer.scaler is not None:
-                meta["loss_scale"] = trainer.scaler.state_dict()
-            ckpt.save_checkpoint(ckpt_root, step, trainer.tensor_state(), meta, cfg.checkpoint.keep_last)
-        if rank == 0 and can_sample and t.sample_every and step % t.sample_every == 0:
-            print(f"sample @ {step}: {sample_text(trainer, data, cfg)!r}", flush=True)
-    if rank == 0 and trainer.step_count == t.steps:
-        if can_sample:
-            print(f"sample: {sample_text(trainer, data, cfg)!r}", flush=True)
-        else:
-            print("sample: skipped (this layout splits the forward over ranks: tp / cp / pp / ep / "
-                  "sharded ZeRO-3)", flush=True)
-        if cfg.logging.plot and log.rows:
-            print(f"plot: {metrics.plot_run(run_dir)}", flush=True)
-    if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
-        dist.barrier()
-    return log.rows
+def _start(r: _Run) -> None:
+    """Resume, load or fine-tune start (see the module docstring); rank 0 says which."""
+    c, steps = r.cfg.checkpoint, r.cfg.training.steps
+    own = ckpt.latest_checkpoint(r.ckpt_root) if c.resume else None
+    if own or c.load_from:
+        path = own or Path(c.load_from)
+        key = "the run's newest checkpoint" if own else "checkpoint.load_from"
+        step = _read_meta(path, key)["step"]
+        if step > steps or (not own and step == steps):
+            raise ValueError(f"{key} {path} is at step {step}, past training.steps ({steps}): nothing "
+                             "to train (raise training.steps, or use checkpoint.init_weights_from to start "
+                             "a new run from its weights)")
+        _resume(r, path)
+        r.say(f"resumed from {path} ({key}) at step {r.trainer.step_count}")
+    elif c.init_weights_from:
+        _init_weights(r, Path(c.init_weights_from))
+        r.say(f"initial weights from {c.init_weights_from} (checkpoint.init_weights_from); "
+              "fresh optimizer and schedule, step 0")
+
+
+def _resume(r: _Run, path: Path) -> None:
+    tr = r.trainer
+    state = tr.tensor_state()
+    meta = ckpt.load_checkpoint(path, state)
+    tr.load_tensor_state(state)
+    tr.scheduler.load_state_dict(meta["scheduler"])
+    r.sampler.load_state_dict(meta["sampler"])
+    tr.step_count = meta["step"]
+    if tr.scaler is not None and "loss_scale" in meta:
+        tr.scaler.load_state_dict(meta["loss_scale"])
+
+
+def _init_weights(r: _Run, path: Path) -> None:
+    """Weights only: an ndtrain checkpoint (DCP reshards any layout) or a Hugging Face folder
+    (``config.json`` + safetensors, converted by ``ndtrain.hf``)."""
+    template = r.trainer.tensor_state()["model"]
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        from ndtrain.hf import load_hf_checkpoint
+
+        _, hf_model = load_hf_checkpoint(path, "cpu", r.trainer.param_dtype)
+        full = hf_model.state_dict()
+        missing = sorted(set(template) - set(full))
+        if missing:
+            raise ValueError(f"checkpoint.init_weights_from={path}: the HF model lacks {missing[:5]}")
+        for name, value in template.items():  # whole tensors into the template's global shapes
+            src = full[name].to(value.dtype)
+            if tuple(src.shape) != tuple(value.shape):
+                raise ValueError(f"checkpoint.init_weights_from={path}: {name} has shape "
+                                 f"{tuple(src.shape)}, this model {tuple(value.shape)}")
+            template[name] = _fill(value, src)
+    else:
+        _read_meta(path, "checkpoint.init_weights_from")
+        ckpt.load_tensors(path, {"model": template})
+    r.trainer.load_model_state(template)
+
+
+def _fill(value, src: torch.Tensor):
+    """``src`` (whole) in the form of ``value``: a DTensor gets its local shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(value, DTensor):
+        return distribute_tensor(src.to(value.device), value.device_mesh, value.placements)
+    return src.to(value.device)
+
+
+def _print_header(r: _Run, fpt: float, peak: float | None) -> None:
+    n_params = sum(p.numel() for p in r.trainer.model.parameters())
+    where = "params" if r.world == 1 else "params on rank 0"
+    r.say(f"ndtrain: {n_params / 1e6:.2f}M {where} | layout {r.dims} | {r.cfg.training.dtype} on "
+          f"{r.device.type} | {fpt / 1e6:.1f} MFLOP/token | peak {peak / 1e9 if peak else float('nan'):.1f} "
+          "GFLOP/s per rank")
+
+
+def _timed_step(r: _Run, inputs, labels) -> tuple[dict, float]:
+    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda _d: None)
+    sync(r.device)
+    t0 = time.perf_counter()
+    out = r.trainer.step(inputs, labels)
+    sync(r.device)
+    return out, time.perf_counter() - t0
+
+
+def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: float | None) -> dict:
+    """The metrics row of ``step``: losses, throughput over the steps since the last row, MFU,
+    peak memory (max over dp x cp ranks; a collective), bytes per mesh axis, extra terms."""
+    t = r.cfg.training
+    seconds, n_steps = window
+    tokens = n_steps * t.global_batch_size * r.cfg.data.seq_len
+    tps = tokens / seconds
+    comm_bytes = r.mesh.reset_stats()  # before the peak-memory all-reduce below (next window's)
+    mem = comm.all_reduce_scalar(metrics.peak_memory_bytes(r.device), r.mesh.group("dp_cp"),
+                                 op=dist.ReduceOp.MAX, device=r.device)
+    row = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+           "tokens_per_s": tps, "step_time_s": seconds / n_steps,
+           "mfu": fpt * tps / (peak * r.world) if peak else None, "peak_mem_bytes": int(mem),
+           "comm_bytes": comm_bytes}
+    row.update({k: v for k, v in out.items()
+                if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
+    return row
+
+
+def _val_loss(r: _Run) -> float:
+    """Token-weighted loss over ``eval_batches`` fixed global batches of the validation split."""
+    t, T = r.cfg.training, r.cfg.data.seq_len
+    nval = r.data.num_sequences("val", T)
+    batches = [r.local([(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)], "val")
+               for b in range(t.eval_batches)]
+    return r.trainer.eval_loss(batches)
+
+
+def _save(r: _Run, step: int) -> None:
+    tr = r.trainer
+    meta = {"step": step, "scheduler": tr.scheduler.state_dict(), "sampler": r.sampler.state_dict(),
+            "layout": r.dims.degrees()}
+    if tr.scaler is not None:
+        meta["loss_scale"] = tr.scaler.state_dict()
+    ckpt.save_checkpoint(r.ckpt_root, step, tr.tensor_state(), meta, r.cfg.checkpoint.keep_last)
+
+
+def _sample(r: _Run, label: str, quiet: bool) -> None:
+    """Rank 0 generates alone when the layout allows it (``ParallelPlan.sample_skip_reason``);
+    otherwise says why (unless ``quiet``)."""
+    if r.rank != 0:
+        return
+    reason = r.trainer.plan.sample_skip_reason
+    if not reason:
+        print(f"{label}: {sample_text(r.trainer, r.data, r.cfg)!r}", flush=True)
+    elif not quiet:
+        print(f"{label}: skipped ({reason})", flush=True)
 
 
 @torch.no_grad()

@@ -111,15 +111,19 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[str]:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from e
                 if not isinstance(rec, dict) or field not in rec:
                     raise ValueError(f"{path}:{lineno}: record has no field {field!r} (data.text_field)")
-                text = rec[field]
-                if text is None:
-                    continue
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, "
-                                     f"not a string")
-                yield text
+                yield from _texts([rec[field]], f"{path}:{lineno}: field {field!r}")
         except UnicodeDecodeError as e:
             raise ValueError(f"cannot read JSONL file {path}: {e}") from e
+
+
+def _texts(values, where: str) -> Iterator[str]:
+    """The strings of ``values``, skipping nulls; ValueError naming ``where`` for a non-string."""
+    for text in values:
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise ValueError(f"{where} holds {type(text).__name__}, not a string")
+        yield text
 
 
 def _iter_parquet(path: Path, field: str) -> Iterator[str]:
@@ -134,13 +138,7 @@ def _iter_parquet(path: Path, field: str) -> Iterator[str]:
         raise ValueError(f"parquet file {path} has no column {field!r} (data.text_field); "
                          f"columns: {names}")
     for batch in pf.iter_batches(columns=[field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise ValueError(f"parquet file {path}: column {field!r} holds "
-                                 f"{type(text).__name__}, not strings")
-            yield text
+        yield from _texts(batch.column(0).to_pylist(), f"parquet file {path}: column {field!r}")
 
 
 def _iter_file(path: Path, cfg: DataConfig) -> Iterator[str]:

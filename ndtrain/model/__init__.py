@@ -1,10 +1,10 @@
 """Single-device Llama-3-style model: build on meta, init deterministically, compose for parallelism."""
 from ndtrain.model.attention import Attention, causal_attention
-from ndtrain.model.init import build_model, count_params, init_weights
+from ndtrain.model.init import count_params, init_weights
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import apply_rope, rope_inv_freq, rope_tables
-from ndtrain.model.transformer import Transformer, TransformerBlock
+from ndtrain.model.transformer import Transformer, TransformerBlock, build_model
 
 __all__ = [
            "Attention",

@@ -84,22 +84,6 @@ def init_weights(model: nn.Module, seed: int) -> None:
         model.init_rope()
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> nn.Module:
-    """Construct a ``Transformer`` on the meta device, materialise on ``device`` in ``dtype``, init.
-
-    Returns the model in train mode. Parameters are ``dtype``; the RoPE tables stay float32.
-    """
-    from ndtrain.model.transformer import Transformer  # local: transformer imports this module lazily
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to(dtype=dtype)  # free on meta
-    model.to_empty(device=device)  # unties tied weights; init_weights re-ties them
-    model.init_weights(seed)
-    return model
-
-
 def count_params(model: nn.Module, include_embedding: bool = True) -> int:
     """Number of distinct parameters (tied weights counted once; DTensors by global size).
 

@@ -14,8 +14,8 @@ float32 / bfloat16, 16-byte aligned rows) when available, else ``grouped_mm_loop
 one matmul per expert over its segment; always used for float64). ``tests/unit/test_moe.py`` pins
 the two together, outputs and gradients.
 
-``MoE.run_experts(xs, counts)`` is the hook expert parallel overrides per instance (like
-``Attention.core`` for context parallel): given tokens sorted by global expert id and the count per
+``MoE.run_experts(xs, counts)`` calls ``self.experts``, the module expert parallel replaces per instance
+(as context parallel replaces ``Attention.core``): given tokens sorted by global expert id and the count per
 expert, return the expert outputs in the same order. This file never communicates.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.model import moe_balance
 from ndtrain.model.mlp import FeedForward
+from ndtrain.model.moe_balance import moe_layers  # noqa: F401  (re-exported)
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -180,7 +181,7 @@ class MoE(nn.Module):
 
     # ---- experts ---------------------------------------------------------------------------------
     def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs (M, C) sorted by expert id, counts (E,) -> (M, C). Overridden by expert parallel."""
+        """xs (M, C) sorted by expert id, counts (E,) -> (M, C). Expert parallel replaces ``experts``."""
         return self.experts(xs, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,8 +213,3 @@ class MoE(nn.Module):
             if first:
                 self.aux_sum = aux
         return out.view(b, t, c)
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """Every MoE module of ``model`` in registration order (empty for a dense model)."""
-    return [m for m in model.modules() if isinstance(m, MoE)]

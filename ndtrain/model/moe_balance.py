@@ -102,10 +102,15 @@ def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
     return total
 
 
+def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every MoE module of ``model`` in registration order (empty for a dense model): the modules
+    that keep routing statistics in a ``LoadStats`` (``ndtrain.model.moe.MoE``; defined by attribute
+    so this module needs no import of ``moe``, which imports it)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "stats", None), LoadStats)]
+
+
 def pop_aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
     """Sum and clear the ``aux_sum`` of every MoE layer of ``model`` (None if there is none)."""
-    from ndtrain.model.moe import moe_layers  # local: moe imports this module
-
     total = None
     for m in moe_layers(model):
         if m.aux_sum is not None:
@@ -131,8 +136,6 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
     the unweighted token sum over the global batch and all MoE layers (divide by routed tokens for
     the mean).
     """
-    from ndtrain.model.moe import moe_layers
-
     layers = [m for m in moe_layers(model) if m.stats.counts is not None]
     if not layers:
         return {}

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
+from ndtrain.model.block import TransformerBlock
 from ndtrain.model.norm import RMSNorm
 
 
@@ -35,7 +36,6 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: ModelConfig, depth: int):
         super().__init__()
-        from ndtrain.model.transformer import TransformerBlock  # local: transformer imports this module
 
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)

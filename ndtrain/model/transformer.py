@@ -19,38 +19,12 @@ import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model.attention import Attention, KVCacheLike
-from ndtrain.model.mla import MLAttention
-from ndtrain.model.mlp import FeedForward
-from ndtrain.model.moe import MoE
+from ndtrain.model.attention import KVCacheLike
+from ndtrain.model.block import TransformerBlock
+from ndtrain.model.init import init_weights
 from ndtrain.model.mtp import MTPModule, mtp_forward
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import rope_tables
-
-
-class TransformerBlock(nn.Module):
-    """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
-
-    ``attention`` is ``Attention`` (MHA / GQA) or ``MLAttention`` (``cfg.attention == "mla"``);
-    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``).
-
-    Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
-    """
-
-    def __init__(self, cfg: ModelConfig, layer_id: str, layer_index: int | None = None):
-        super().__init__()
-        self.layer_id = layer_id
-        index = int(layer_id) if layer_index is None else layer_index
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = (MLAttention(cfg, layer_id) if cfg.attention == "mla"
-                          else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id))
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)  # (B, T, C)
-        return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)
 
 
 class Transformer(nn.Module):
@@ -98,7 +72,6 @@ class Transformer(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init, independent of device, dtype and which layers exist; see ``init.py``."""
-        from ndtrain.model.init import init_weights  # local: init.build_model imports this module
 
         init_weights(self, seed)
 
@@ -138,3 +111,17 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V) or (B, T, C)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> nn.Module:
+    """Construct a ``Transformer`` on the meta device, materialise on ``device`` in ``dtype``, init.
+
+    Returns the model in train mode. Parameters are ``dtype``; the RoPE tables stay float32.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to(dtype=dtype)  # free on meta
+    model.to_empty(device=device)  # unties tied weights; init_weights re-ties them
+    model.init_weights(seed)
+    return model

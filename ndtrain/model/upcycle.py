@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model.init import build_model
+from ndtrain.model.transformer import build_model
 
 _MOE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")}
 

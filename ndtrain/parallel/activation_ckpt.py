@@ -24,36 +24,18 @@ region's inputs through the enclosing region, so they are dropped and recomputed
 replays the region's blocks through their ``__call__``, re-opening only deeper regions; RNG state (CPU and CUDA) is stashed when the
 segment starts and restored for the recompute (``preserve_rng_state``), so dropout masks match;
 autocast state is restored too. Blocks called without grad (evaluation, generation with a KV
-cache) are not checkpointed.
+cache) are not checkpointed. The policy string is parsed by ``ndtrain.parallel.ac_policy``.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
+from ndtrain.parallel.ac_policy import parse_policy  # the one parser (also used by validation, planner)
+
 _REPLAYING: list[int] = []  # levels of the regions replaying their blocks (checkpoint recompute)
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-
-
-def parse_policy(policy: str, n_layers: int) -> tuple[str, int]:
-    """``policy`` -> (kind, blocks per segment): ("none", 0), ("segment", C) or ("selective", 1).
-
-    Raises ValueError for an unknown policy.
-    """
-    if policy == "none":
-        return "none", 0
-    if policy == "full":
-        return "segment", 1
-    if policy == "sqrt":
-        return "segment", max(1, round(math.sqrt(n_layers)))
-    if policy == "selective":
-        return "selective", 1
-    if policy.startswith("every:") and policy[6:].isdigit() and int(policy[6:]) >= 1:
-        return "segment", int(policy[6:])
-    raise ValueError(f"activation_checkpoint {policy!r} must be none|full|every:C|sqrt|selective")
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

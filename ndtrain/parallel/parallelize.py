@@ -9,20 +9,26 @@ Order (each step sees the result of the previous ones):
   5. activation checkpointing             (training.activation_checkpoint)
   6. data parallel: DDP / ZeRO / FSDP     (parallel.zero_stage, dp_replicate x dp_shard)
 Data parallel comes last because it must see the final set of (possibly sharded) parameters.
-
-``build_batch_plan`` gives the trainer the two per-batch hooks the axes need: cutting a rank's
-batch (context parallel: tokens, labels and RoPE positions by the cp layout) and the loss
-(tensor parallel: vocab-parallel cross-entropy over vocabulary-split logits).
+Then, from the result, everything else that depends on the layout: the batch plan (cp cut,
+vocab-parallel loss), the checkpoint adapter (tp gather / scatter, tied-head names), the pipeline
+runner (pp > 1) and whether rank 0 may generate alone. ``parallelize`` returns them as one
+``ParallelPlan`` (``ndtrain.parallel.api``): the trainer uses nothing else.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import Config
 from ndtrain.mesh import Mesh
+from ndtrain.model import build_model
+from ndtrain.parallel.api import GradSync, ParallelPlan
+from ndtrain.parallel.batch import BatchPlan
 from ndtrain.parallel.dp.ddp import DataParallel
+from ndtrain.parallel.state import CheckpointAdapter
+from ndtrain.precision import compute_dtype, grad_reduce_dtype
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
@@ -31,8 +37,6 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
     (x ``dp_replicate``). All return an object with the ``DataParallel`` interface."""
     p = cfg.parallel
     if p.zero_stage != 0:
-        from ndtrain.precision import compute_dtype, grad_reduce_dtype
-
         cd = compute_dtype(cfg.training.dtype)
         rd = grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype)
         if p.zero_stage in (1, 2):
@@ -45,24 +49,85 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
                                         keep_last_unit=p.keep_last_unit_gathered,
                                         compute_dtype=cd, reduce_dtype=rd)
     reduce_dtype = None
-    if cfg.training.dtype == "bfloat16":
+    if cfg.training.dtype in ("bfloat16", "float16"):  # fp16 too: parallel.grad_reduce_dtype is honoured
         reduce_dtype = getattr(torch, p.grad_reduce_dtype)
     # cp ranks see different tokens of the same samples: their gradients are summed too.
     group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
     return DataParallel(model, group, p.bucket_size_bytes, reduce_dtype)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    """Apply every configured axis to ``model`` (in place) and return its gradient synchroniser."""
+def param_dtype(cfg: Config) -> torch.dtype:
+    """Dtype of the parameters (and master weights): float64 for float64 runs, else float32."""
+    return torch.float64 if cfg.training.dtype == "float64" else torch.float32
+
+
+def parallelize(model: nn.Module | None, mesh: Mesh, cfg: Config,
+                device: torch.device | None = None) -> ParallelPlan:
+    """Apply every configured axis to ``model`` (in place) and build the rest of the layout.
+
+    Args:
+        model: a materialised single-device model, or None to build it here on ``device`` in
+            ``param_dtype(cfg)`` with ``training.seed`` -- under pp only this rank's stage, on
+            meta first (``ndtrain.parallel.pp.stage.build_pipeline_stage``), so no rank ever
+            holds the whole model.
+        mesh: the layout; cfg: the validated config; device: this rank's device (default CPU).
+    Returns the ``ParallelPlan`` the trainer uses (model, grad_sync, batch, state, pipeline).
+    """
+    device = device or torch.device("cpu")
+    if model is None:
+        model = _build(cfg, mesh, device)
+    grad_sync = _apply_axes(model, mesh, cfg)
+    batch = BatchPlan(mesh, cfg)
+    pipeline = _build_pipeline(model, grad_sync, batch, mesh, cfg, device)  # pp == 1: one stage
+    return ParallelPlan(model, grad_sync, batch, CheckpointAdapter(model, grad_sync, mesh), pipeline,
+                        sample_skip_reason(mesh, cfg))
+
+
+def _build(cfg: Config, mesh: Mesh, device: torch.device) -> nn.Module:
+    if mesh.dims.pp > 1:  # only this rank's stage
+        from ndtrain.parallel.pp.stage import build_pipeline_stage
+
+        return build_pipeline_stage(cfg, mesh, device, param_dtype(cfg), cfg.training.seed)
+    return build_model(cfg.model, device, param_dtype(cfg), cfg.training.seed)
+
+
+def _build_pipeline(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, mesh: Mesh, cfg: Config,
+                    device: torch.device):
+    """The stage's ``StagePipeline``: the layout's loss on logits cast to the parameter dtype,
+    autocast from ``training.dtype``, ``pp_microbatches`` (default: local batch / micro batch)."""
+    from ndtrain.parallel.pp.pipeline import StagePipeline
+
+    t, dtype, ac = cfg.training, param_dtype(cfg), compute_dtype(cfg.training.dtype)
+    local = t.global_batch_size // mesh.dims.dp
+    n_micro = cfg.parallel.pp_microbatches or local // (t.micro_batch_size or local)
+    return StagePipeline(
+        model, grad_sync, mesh, cfg, lambda lg, y: batch.loss_sum(lg.to(dtype), y),
+        lambda: torch.autocast(device.type, dtype=ac) if ac is not None else contextlib.nullcontext(),
+        device, n_micro)
+
+
+def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:
+    """"" if rank 0 can run ``ndtrain.generate`` alone on its model, else why not: a forward that
+    needs other ranks (split heads / vocabulary, cut sequences, other stages, experts elsewhere,
+    ZeRO-3 parameters gathered by collectives)."""
+    d = mesh.dims
+    split = [a for a in ("tp", "cp", "pp", "ep") if getattr(d, a) > 1]
+    if cfg.parallel.zero_stage == 3 and d.dp_shard * d.cp > 1:
+        split.append("sharded ZeRO-3")
+    return f"this layout splits the forward over ranks ({' / '.join(split)})" if split else ""
+
+
+def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config) -> GradSync:
+    """Steps 1-6 of the module docstring, in order, in place; returns the gradient synchroniser."""
     p = cfg.parallel
-    if mesh.dims.pp > 1:  # no-op for a stage built by pp.build_pipeline_stage
+    if mesh.dims.pp > 1:  # prunes a full model; a no-op for a stage built by _build
         from ndtrain.parallel.pp.stage import apply_pipeline
 
         apply_pipeline(model, mesh, cfg)
     if mesh.dims.tp > 1:
         from ndtrain.parallel.tp.tensor_parallel import apply_tp
 
-        apply_tp(model, mesh, p.sequence_parallel)
+        apply_tp(model, mesh, p.sequence_parallel, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype))
     expert_names: list[str] = []
     if cfg.model.is_moe:
         from ndtrain.parallel.ep.expert_parallel import apply_ep
@@ -83,48 +148,6 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep.expert_parallel)
         from ndtrain.parallel.ep.expert_parallel import ExpertDataParallel
 
-        reduce_dtype = getattr(torch, p.grad_reduce_dtype) if cfg.training.dtype == "bfloat16" else None
+        reduce_dtype = grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype)  # bf16 and fp16
         return ExpertDataParallel(model, mesh, cfg, expert_names, reduce_dtype)
     return apply_data_parallel(model, mesh, cfg)
-
-
-class BatchPlan:
-    """Per-batch hooks of the layout, used by the trainer.
-
-    ``shard(inputs, labels)``: (B, T) -> this rank's (B, T_local) inputs, labels and (T_local,)
-    RoPE positions (None when the model's default ``arange(T)`` is right). Labels are already
-    shifted, so cutting after the shift keeps every (input, label) pair together.
-    ``loss_sum(logits, labels)``: sum of token cross-entropies over valid labels; logits (B, T, V),
-    or (B, T, Vp / tp) under tensor parallel (vocab-parallel, never gathered).
-    """
-
-    def __init__(self, mesh: Mesh, cfg: Config, ignore_index: int = -100):
-        from ndtrain.parallel.cp.context_parallel import resolve_layout
-
-        p = cfg.parallel
-        self.cp, self.tp = mesh.group("cp"), mesh.group("tp")
-        self.layout = resolve_layout(p.cp_impl, p.cp_layout)
-        self.full_positions = p.sequence_parallel
-        self.vocab_size, self.ignore_index = cfg.model.vocab_size, ignore_index
-
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
-        if self.cp.size > 1:
-            from ndtrain.parallel.cp.context_parallel import shard_batch
-
-            return shard_batch(inputs, labels, self.cp, self.layout)
-        positions = torch.arange(inputs.shape[1], device=inputs.device) if self.full_positions else None
-        return inputs, labels, positions
-
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.tp.size > 1:
-            from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
-
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp,
-                                                self.vocab_size, self.ignore_index).sum()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index,
-                               reduction="sum")
-
-
-def build_batch_plan(mesh: Mesh, cfg: Config) -> BatchPlan:
-    """The batch-cutting and loss hooks of ``cfg``'s layout (see ``BatchPlan``)."""
-    return BatchPlan(mesh, cfg)

@@ -6,7 +6,7 @@ Pure Python (no process groups, no torch outside ``measure``), so it runs on a l
     from ndtrain.planner import load_model_spec, get_accelerator, Cluster, Workload, parse_layout
     spec, _ = load_model_spec("llama3_405b")
     plan = evaluate(spec, Cluster(get_accelerator("H100"), 8192), Workload(8192, 2048 * 8192),
-                    parse_layout("tp=8,pp=16,dp_shard=64,zero_stage=2,schedule=interleaved,v=8"))
+                    parse_layout("tp=8,pp=16,dp_shard=64,zero_stage=2,pp_schedule=interleaved,pp_virtual_stages=8"))
     plan.mfu, plan.memory.total, plan.fits
 """
 from ndtrain.planner.hardware import HARDWARE, Accelerator, Cluster, get_accelerator

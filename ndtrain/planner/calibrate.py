@@ -68,7 +68,7 @@ def trainer_layout(cfg, world: int | None = None) -> Layout:
     local = max(1, t.global_batch_size // (dp_shard * p.dp_replicate))
     return Layout(tp=p.tp, cp=p.cp, pp=p.pp, dp_shard=dp_shard, dp_replicate=p.dp_replicate, ep=p.ep,
                   zero_stage=p.zero_stage, ac=t.activation_checkpoint, microbatch=t.micro_batch_size or local,
-                  schedule=p.pp_schedule, v=p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1,
+                  pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1,
                   sp=int(p.sequence_parallel), cp_impl=p.cp_impl)
 
 

@@ -120,35 +120,41 @@ def run_plan(args: argparse.Namespace) -> int:
     reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
     if rec is not None and args.layout:
         reasons = explain(rec, [], spec, cluster, w)[:3]
-    if args.json:
-        for p in plans:
-            print(json.dumps(p.to_dict()))
-    else:
-        from ndtrain.planner.report import format_table
-
-        n = spec.params_total
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        print(f"{spec.name}: {size} params on {gpus} x {acc.name}, T = {seq}, "
-              f"{batch:,} tokens/step")
-        print(format_table(plans, rec))
-        if rec is not None:
-            print(f"\nrecommended: {rec.layout}")
-            for r in reasons:
-                print(f"  - {r}")
-        elif plans and plans[0].memory and not plans[0].errors:
-            p = plans[0]
-            print(f"\ndoes not fit: {p.memory.total / 2**30:.1f} GiB > {p.memory.capacity / 2**30:.1f} GiB: "
-                  + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in p.memory.breakdown.items()))
-        elif plans and plans[0].errors:
-            print("\ninvalid layout: " + "; ".join(plans[0].errors))
-        else:
-            print("\nno layout fits in memory")
+    _print_plans(args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
     if args.report:
         from ndtrain.planner.report import write_report
 
         md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
         print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
     return 0 if rec is not None else 1
+
+
+def _print_plans(args, plans, rec, reasons, spec, where: str, seq: int, batch: int) -> None:
+    """Print the ranked plans: one JSON object per line (``--json``) or the table, the
+    recommendation and its reasons, or why nothing fits."""
+    if args.json:
+        for p in plans:
+            print(json.dumps(p.to_dict()))
+        return
+    from ndtrain.planner.report import format_table
+
+    n = spec.params_total
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    print(f"{spec.name}: {size} params on {where}, T = {seq}, "
+          f"{batch:,} tokens/step")
+    print(format_table(plans, rec))
+    if rec is not None:
+        print(f"\nrecommended: {rec.layout}")
+        for r in reasons:
+            print(f"  - {r}")
+    elif plans and plans[0].memory and not plans[0].errors:
+        p = plans[0]
+        print(f"\ndoes not fit: {p.memory.total / 2**30:.1f} GiB > {p.memory.capacity / 2**30:.1f} GiB: "
+              + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in p.memory.breakdown.items()))
+    elif plans and plans[0].errors:
+        print("\ninvalid layout: " + "; ".join(plans[0].errors))
+    else:
+        print("\nno layout fits in memory")
 
 
 def _preset_batch_tokens(model: str, seq: int) -> int:

@@ -1,16 +1,25 @@
 """A layout (mesh degrees + per-run knobs) and a workload (sequence, batch, tokens, precision).
 
 Layout strings look like ``"tp=8,cp=1,pp=16,dp_shard=64,dp_replicate=1,ep=1,zero_stage=3,ac=none,
-microbatch=1,schedule=1f1b,v=1"``; missing keys take defaults, ``dp_shard=-1`` takes the ranks left
-over. Axis order outer to inner is ndtrain's mesh order ``pp, dp_replicate, dp_shard, cp, tp`` (TP
+microbatch=1,pp_schedule=1f1b,pp_virtual_stages=1"``; missing keys take defaults, ``dp_shard=-1``
+takes the ranks left over. Field names are the config's (``parallel.pp_schedule``...); ``schedule``,
+``v`` and ``virtual_stages`` are accepted as short aliases when parsing. Axis order outer to inner is ndtrain's mesh order ``pp, dp_replicate, dp_shard, cp, tp`` (TP
 innermost, on the fastest link); ``ep`` borrows ranks from ``dp_shard x cp``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+from ndtrain.errors import ConfigError
+from ndtrain.parallel.ac_policy import every_blocks
+from ndtrain.parallel.cp import rules as cp_rules
+from ndtrain.parallel.dp import rules as dp_rules
+from ndtrain.parallel.ep import rules as ep_rules
+from ndtrain.parallel.pp import rules as pp_rules
+from ndtrain.parallel.rules import check_activation_checkpoint
+from ndtrain.parallel.tp import rules as tp_rules
+from ndtrain.parallel.zero import rules as zero_rules
+
 CP_IMPLS = ("ring", "allgather", "ulysses")
 
 
@@ -25,8 +34,8 @@ class Layout:
     zero_stage: int = 0
     ac: str = "none"  # none | full | every:C | sqrt | selective
     microbatch: int = 1  # sequences per microbatch per rank
-    schedule: str = "1f1b"
-    v: int = 1  # virtual stages per rank (interleaved)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
+    pp_virtual_stages: int = 1  # model chunks per rank (interleaved)
     sp: int = -1  # sequence parallel with TP: 1 / 0; -1 = on when tp > 1
     cp_impl: str = "ring"  # ring | allgather (Llama 3) | ulysses
 
@@ -54,8 +63,8 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"tp={self.tp}", f"cp={self.cp}", f"pp={self.pp}", f"dp_shard={self.dp_shard}",
                  f"dp_replicate={self.dp_replicate}", f"ep={self.ep}", f"zero_stage={self.zero_stage}",
-                 f"ac={self.ac}", f"microbatch={self.microbatch}", f"schedule={self.schedule}",
-                 f"v={self.v}"]
+                 f"ac={self.ac}", f"microbatch={self.microbatch}", f"pp_schedule={self.pp_schedule}",
+                 f"pp_virtual_stages={self.pp_virtual_stages}"]
         if self.cp > 1 and self.cp_impl != "ring":
             parts.append(f"cp_impl={self.cp_impl}")
         if self.sp >= 0 and self.sp != (self.tp > 1):
@@ -67,14 +76,16 @@ class Layout:
         axes = [f"{n}{getattr(self, k)}" for n, k in (("TP", "tp"), ("CP", "cp"), ("PP", "pp"),
                                                       ("EP", "ep")) if getattr(self, k) > 1]
         dp = f"DP{self.dp}" if self.dp_replicate == 1 else f"DP{self.dp_replicate}x{self.dp_shard}"
-        sched = f" {self.schedule}" + (f"/v{self.v}" if self.v > 1 else "") if self.pp > 1 else ""
+        v = self.pp_virtual_stages
+        sched = f" {self.pp_schedule}" + (f"/v{v}" if v > 1 else "") if self.pp > 1 else ""
         return " ".join(axes + [dp]) + f" z{self.zero_stage} ac={self.ac} mb{self.microbatch}{sched}"
 
 
 def parse_layout(text: str) -> Layout:
     """Parse ``"k=v,k=v"``; raises ValueError on unknown keys or bad values."""
     known = {f.name: f.type for f in fields(Layout)}
-    aliases = {"mb": "microbatch", "zero": "zero_stage", "virtual_stages": "v", "pp_schedule": "schedule"}
+    aliases = {"mb": "microbatch", "zero": "zero_stage", "virtual_stages": "pp_virtual_stages",
+               "v": "pp_virtual_stages", "schedule": "pp_schedule"}
     kw = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
@@ -83,7 +94,7 @@ def parse_layout(text: str) -> Layout:
         key = aliases.get(key, key)
         if key not in known:
             raise ValueError(f"unknown layout key {key!r}; known: {', '.join(known)}")
-        if key in ("ac", "schedule", "cp_impl"):
+        if key in ("ac", "pp_schedule", "cp_impl"):
             kw[key] = value
         else:
             try:
@@ -113,11 +124,7 @@ class Workload:
 
 def ac_every(ac: str, n_layers: int) -> int:
     """The C of ``every:C`` (``sqrt``: C = round(sqrt(L))); 0 for the other policies."""
-    if ac == "sqrt":
-        return max(1, round(math.sqrt(n_layers)))
-    if ac.startswith("every:"):
-        return int(ac[6:])
-    return 0
+    return every_blocks(ac, n_layers)  # ndtrain.parallel.ac_policy: the one policy parser
 
 
 def microbatches(layout: Layout, workload: Workload) -> int:
@@ -126,7 +133,13 @@ def microbatches(layout: Layout, workload: Workload) -> int:
 
 
 def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_node: int = 8) -> list[str]:
-    """Divisibility and range rules; returns the violated rules (empty list = valid)."""
+    """Divisibility and range rules; returns the violated rules (empty list = valid).
+
+    The axis rules are the ones ``ndtrain.validate`` applies to a config (each axis's
+    ``ndtrain/parallel/<axis>/rules.py``), so a layout the planner proposes passes validation and
+    the other way round; the planner only allows what it models beyond ndtrain's runtime: the
+    ``allgather`` CP of Llama 3 (cut like ring) and end pipeline chunks holding only the
+    embedding / head."""
     errs = []
     lay = layout
 
@@ -134,43 +147,28 @@ def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_n
         if not ok:
             errs.append(msg)
 
-    for k in ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep", "microbatch", "v"):
+    def rule(fn, *args, **kw):  # an axis rule: its ConfigError text becomes one violation
+        try:
+            fn(*args, **kw)
+        except ConfigError as e:
+            errs.append(str(e))
+
+    for k in ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep", "microbatch", "pp_virtual_stages"):
         need(getattr(lay, k) >= 1, f"{k} ({getattr(lay, k)}) must be >= 1")
     if errs:
         return errs
     need(lay.world == gpus, f"pp*dp_replicate*dp_shard*cp*tp ({lay.world}) != gpus ({gpus})")
-    need(spec.n_heads % lay.tp == 0, f"n_heads ({spec.n_heads}) is not divisible by tp ({lay.tp})")
-    g = spec.n_kv_heads
-    need(g % lay.tp == 0 or lay.tp % g == 0, f"kv heads ({g}) and tp ({lay.tp}) do not divide")
-    need(spec.ffn_hidden % lay.tp == 0, f"ffn_hidden ({spec.ffn_hidden}) is not divisible by tp ({lay.tp})")
-    need(lay.cp == 1 or workload.seq_len % (2 * lay.cp) == 0,
-         f"seq_len ({workload.seq_len}) is not divisible by 2*cp ({2 * lay.cp}) (load-balanced CP)")
-    need(lay.pp <= spec.n_layers, f"pp ({lay.pp}) exceeds n_layers ({spec.n_layers})")
-    need(lay.schedule in SCHEDULES, f"schedule ({lay.schedule}) must be one of {SCHEDULES}")
     need(lay.cp_impl in CP_IMPLS, f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
-    if lay.schedule == "interleaved" and lay.pp > 1:
-        # every chunk holds a block, except that the first may hold only the embedding and the
-        # last only the head (Llama 3: 126 blocks in 16 x 8 chunks)
-        need(lay.pp * lay.v <= spec.n_layers + 2,
-             f"pp*v ({lay.pp * lay.v}) exceeds n_layers + 2 ({spec.n_layers + 2})")
-    else:
-        need(lay.v == 1, f"v ({lay.v}) > 1 needs schedule=interleaved and pp > 1")
-    need(lay.zero_stage in (0, 1, 2, 3), f"zero_stage ({lay.zero_stage}) must be 0..3")
-    ac = lay.ac
-    need(ac in ("none", "full", "sqrt", "selective") or (ac.startswith("every:") and ac[6:].isdigit()
-                                                         and int(ac[6:]) >= 1),
-         f"ac ({ac}) must be none|full|every:C|sqrt|selective")
+    rule(tp_rules.check, lay.tp, spec.n_heads, spec.n_kv_heads, spec.ffn_hidden, lay.seq_parallel)
+    rule(cp_rules.check, lay.cp, workload.seq_len, "ulysses" if lay.cp_impl == "ulysses" else "ring",
+         "auto", spec.n_heads, lay.tp, lay.seq_parallel)
+    rule(pp_rules.check, lay.pp, spec.n_layers, lay.pp_schedule, lay.pp_virtual_stages,
+         activation_checkpoint=lay.ac, end_stages_may_hold_no_block=True)
+    rule(zero_rules.check, lay.zero_stage)
+    rule(ep_rules.check, lay.ep, spec.n_experts if spec.is_moe else 0, lay.dp_shard, lay.cp)
+    rule(check_activation_checkpoint, lay.ac, "ac")
     need(workload.global_batch_tokens % workload.seq_len == 0,
          f"global_batch_tokens ({workload.global_batch_tokens}) is not a multiple of seq_len "
          f"({workload.seq_len})")
-    seqs = workload.global_batch_seqs
-    need(seqs % lay.dp == 0, f"global batch ({seqs} sequences) is not divisible by dp ({lay.dp})")
-    need(seqs % lay.dp != 0 or (seqs // lay.dp) % lay.microbatch == 0,
-         f"local batch ({seqs // max(lay.dp, 1)}) is not divisible by microbatch ({lay.microbatch})")
-    need((lay.dp_shard * lay.cp) % lay.ep == 0,
-         f"dp_shard*cp ({lay.dp_shard * lay.cp}) is not divisible by ep ({lay.ep})")
-    if lay.ep > 1:
-        need(spec.is_moe and spec.n_experts % lay.ep == 0,
-             f"ep ({lay.ep}) needs a MoE model whose experts ({spec.n_experts}) it divides")
-    need(not lay.seq_parallel or lay.tp > 1, "sequence parallel needs tp > 1")
+    rule(dp_rules.check_batch, workload.global_batch_seqs, lay.dp, lay.microbatch)
     return errs

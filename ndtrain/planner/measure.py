@@ -3,7 +3,7 @@
 * Matmul: times square (n x n) @ (n x n) products of a few sizes for a fraction of a second each
   (CUDA events on GPU, wall clock on CPU); the best rate is this machine's achievable peak, the
   analogue of the lecture's "simple matmul loop" benchmark (HFU ~80% of the datasheet on H100).
-* Collectives: spawns ``world`` processes with ``torch.multiprocessing`` (gloo on 127.0.0.1 on CPU,
+* Collectives: spawns ``world`` processes with ``ndtrain.spawn`` (gloo on 127.0.0.1 on CPU,
   NCCL on GPU), times all-reduce of several sizes (best of a few repetitions after a warm-up), and
   fits the ring model t = 2(n-1) alpha + 2(n-1)/n * V / beta by least squares (``fit_alpha_beta``).
 
@@ -12,8 +12,6 @@ this machine use measured numbers. Only this module imports torch; the rest of t
 """
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import sys
 import time
@@ -75,38 +73,28 @@ def fit_alpha_beta(samples: list, n: int) -> tuple[float, float]:
     return alpha, 2 * (n - 1) / n / slope
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collective_worker(rank, world, port, sizes, reps, backend, queue):
+def _collective_worker(rank, world, sizes, reps, backend):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # the closing barrier runs on this rank's GPU
     out = []
-    try:
-        for nbytes in sizes:
-            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
-            for _ in range(3):  # warm-up: connections, buffers, caches
-                dist.all_reduce(x)
-            times = []
-            for _ in range(reps):
-                _sync(dev)
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(x)
-                _sync(dev)
-                times.append(time.perf_counter() - t0)
-            out.append((x.numel() * 4, min(times)))  # the least disturbed repetition
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        queue.put(out)
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+        for _ in range(3):  # warm-up: connections, buffers, caches
+            dist.all_reduce(x)
+        times = []
+        for _ in range(reps):
+            _sync(dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        out.append((x.numel() * 4, min(times)))  # the least disturbed repetition
+    return out
 
 
 def measure_collectives(world: int = 2, sizes=(2**12, 2**16, 2**20, 2**22), reps: int = 5,
@@ -130,34 +118,15 @@ def measure_collectives(world: int = 2, sizes=(2**12, 2**16, 2**20, 2**22), reps
 
 def _time_all_reduce(world: int, sizes, reps: int, backend: str, timeout_s: float):
     import torch
-    import torch.multiprocessing as mp
+
+    from ndtrain.spawn import spawn
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, list(sizes), reps, backend, queue))
-             for r in range(world)]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-        try:
-            samples = queue.get(timeout=timeout_s)
-        except Exception as e:  # queue.Empty or a dead worker
-            raise RuntimeError(f"collective measurement failed or timed out after {timeout_s:.0f} s") from e
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    return samples, backend
+    # one thread per rank: the ranks share this machine's cores, as the ranks of a run do
+    per_rank = spawn(_collective_worker, world, (list(sizes), reps, backend), backend=backend, threads=1,
+                     timeout_s=timeout_s)
+    return per_rank[0], backend
 
 
 def measure_baseline_rss(imports: str = "torch, ndtrain.train") -> float:

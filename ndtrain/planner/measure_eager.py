@@ -2,17 +2,14 @@
 ``planner/calibrate.py``): component times of the model's eager training step at the run's shapes,
 threads and concurrent ranks, and the framework baseline of a rank's resident memory.
 
-Both spawn fresh processes (``torch.multiprocessing``, spawn) so that the measurement sees what a
+Both spawn fresh processes (``ndtrain.spawn``) so that the measurement sees what a
 rank of ``ndtrain train`` sees: its own thread count, the other ranks running at the same time,
 and an interpreter that imported only what a rank imports.
 """
 from __future__ import annotations
 
-import queue as queue_mod
 import statistics
 import time
-
-from ndtrain.planner.measure import _free_port
 
 
 def _time_median(fn, reps: int) -> float:
@@ -47,8 +44,7 @@ def _component_seconds(make, reps: int, pool_bytes: int):
     return _time_median(lambda: run(True), reps) / len(sets), _time_median(lambda: run(False), reps) / len(sets)
 
 
-def _eager_rates_worker(rank, shapes, dims, params, dtype, threads, reps, queue,
-                        pool_bytes=96 * 2**20):
+def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps, pool_bytes=96 * 2**20):
     import torch
     import torch.nn.functional as F
 
@@ -91,7 +87,7 @@ def _eager_rates_worker(rank, shapes, dims, params, dtype, threads, reps, queue,
     for name, make in comps.items():
         out[f"{name}_s"], out[f"{name}_fwd_s"] = _component_seconds(make, reps, pool_bytes)
     out.update(_param_pass_seconds(params, dt, reps))
-    queue.put(out)
+    return out
 
 
 def _param_pass_seconds(shapes, dt, reps: int) -> dict:
@@ -133,70 +129,43 @@ def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, w
     ``reps``; the result is the median over processes. Raises RuntimeError if a worker fails or
     times out.
     """
-    import torch.multiprocessing as mp
-
     from ndtrain.planner.eager import param_shapes
     from ndtrain.planner.eager_time import linear_shapes
+    from ndtrain.spawn import spawn
 
     dims = (microbatch, seq_len, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.dim, spec.ffn_hidden,
             spec.vocab_size)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_eager_rates_worker,
-                         args=(r, linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype,
-                               threads, reps, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    outs, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(outs) < world:
-            try:
-                outs.append(queue.get(timeout=1.0))
-            except queue_mod.Empty:  # check for a dead worker or the deadline
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    raise RuntimeError("eager rate measurement: a worker failed or timed out") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+    args = (linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype, threads, reps)
+    # no process group: the ranks only run at the same time, as a layout's ranks compete for cores
+    outs = spawn(_eager_rates_worker, world, args, threads=threads, timeout_s=timeout_s)
     return {k: statistics.median(o[k] for o in outs) for k in outs[0]} | {"threads": threads, "world": world}
 
 
-def _baseline_worker(rank, world, port, cfg_dict, threads, prepare, queue):
+def _baseline_worker(rank, world, cfg_dict, prepare):
     import resource
 
     import torch
-    import torch.distributed as dist
 
     from ndtrain.config import config_from_dict
     from ndtrain.mesh import ParallelDims
     from ndtrain.train import Trainer
 
-    torch.set_num_threads(threads)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        cfg = config_from_dict(cfg_dict)
-        if prepare:  # a one-process `ndtrain train` prepares (cached) data in the training process
-            from ndtrain.data import GlobalBatchSampler, TokenData, prepare_data
+    cfg = config_from_dict(cfg_dict)
+    if prepare:  # a one-process `ndtrain train` prepares (cached) data in the training process
+        from ndtrain.data import GlobalBatchSampler, TokenData, prepare_data
 
-            data = TokenData(prepare_data(cfg.data, cfg.model.vocab_size))
-            GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), cfg.training.global_batch_size, 0)
-        m = cfg.model  # the same trainer, layout and dtype around a negligible model
-        m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden = 16, 1, 2, 1, 32
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        tr = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
-        b, T = tr.local_batch, cfg.data.seq_len
-        x = torch.randint(0, m.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(rank))
-        for step in range(2):
-            tr.measure_memory = step == 0
-            tr.step(x[:, :-1], x[:, 1:])
-        queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        data = TokenData(prepare_data(cfg.data, cfg.model.vocab_size))
+        GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), cfg.training.global_batch_size, 0)
+    m = cfg.model  # the same trainer, layout and dtype around a negligible model
+    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden = 16, 1, 2, 1, 32
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    tr = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
+    b, T = tr.local_batch, cfg.data.seq_len
+    x = torch.randint(0, m.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        tr.measure_memory = step == 0
+        tr.step(x[:, :-1], x[:, 1:])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure_trainer_baseline_rss(cfg, world: int = 1, threads: int = 1, prepare_data: bool | None = None,
@@ -208,27 +177,9 @@ def measure_trainer_baseline_rss(cfg, world: int = 1, threads: int = 1, prepare_
     model (dim 16, 1 layer). What it does not contain is model state and activations, which the
     planner predicts. Raises RuntimeError if a worker fails or times out.
     """
-    import torch.multiprocessing as mp
+    from ndtrain.spawn import spawn
 
     prepare = world == 1 if prepare_data is None else prepare_data
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_baseline_worker, args=(r, world, port, cfg.to_dict(), threads, prepare, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    outs, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(outs) < world:
-            try:
-                outs.append(queue.get(timeout=1.0))
-            except queue_mod.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    raise RuntimeError("baseline measurement: a worker failed or timed out") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+    outs = spawn(_baseline_worker, world, (cfg.to_dict(), prepare), backend="gloo" if world > 1 else None,
+                 threads=threads, timeout_s=timeout_s)
     return float(max(outs))

@@ -164,7 +164,7 @@ def estimate_memory(spec, workload: Workload, layout: Layout, stage_layers: list
     best = None
     p = len(stage_layers)
     middle = max(range(1, p - 1), default=0,  # the middle stage holding the most block-microbatches
-                 key=lambda i: stage_layers[i] * inflight_microbatches(p, m, lay.schedule, lay.v, stage=i))
+                 key=lambda i: stage_layers[i] * inflight_microbatches(p, m, lay.pp_schedule, lay.pp_virtual_stages, stage=i))
     for s in sorted({0, middle, p - 1}):
         prm = stage_params(spec, stage_layers, s)
         dense_local = prm["dense"] / lay.tp
@@ -182,7 +182,7 @@ def estimate_memory(spec, workload: Workload, layout: Layout, stage_layers: list
         if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
             bd["param_casts"] = 2 * (dense_local + expert_local) / (n_shard if lay.zero_stage == 3 else 1)
         act = _stage_activations(spec, w, lay, tokens, prm, n_layers)
-        inflight = inflight_microbatches(lay.pp, m, lay.schedule, lay.v, stage=s)
+        inflight = inflight_microbatches(lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages, stage=s)
         bd["activations"] = act["stored"] * inflight + act["working"]
         if s == len(stage_layers) - 1:  # logits (bf16) + fp32 softmax of the cross entropy
             bd["logits"] = tokens * spec.vocab_size / lay.tp * (w.act_bytes + 4)

@@ -156,10 +156,11 @@ def _with_knobs(base: Layout, spec, local_seqs: int) -> list[Layout]:
         if base.pp == 1:
             out.append(replace(base, microbatch=mb))
             continue
-        out.append(replace(base, microbatch=mb, schedule="1f1b"))
+        out.append(replace(base, microbatch=mb, pp_schedule="1f1b"))
         for v in (2, 4, 8):
             if base.pp * v <= spec.n_layers and m >= base.pp:
-                out.append(replace(base, microbatch=mb, schedule="interleaved", v=v))
+                out.append(replace(base, microbatch=mb, pp_schedule="interleaved",
+                                       pp_virtual_stages=v))
     return out
 
 
@@ -188,7 +189,7 @@ def search(spec, cluster: Cluster, w: Workload, top: int = 10) -> list[Plan]:
 def complexity(lay: Layout) -> tuple:
     """How much machinery a layout needs (fewer axes, lower ZeRO stage, less recompute first)."""
     axes = sum(getattr(lay, a) > 1 for a in ("tp", "cp", "pp", "ep")) + (lay.dp_replicate > 1 < lay.dp_shard)
-    return (axes, lay.zero_stage, AC_ORDER.index(lay.ac) if lay.ac in AC_ORDER else 2, lay.v)
+    return (axes, lay.zero_stage, AC_ORDER.index(lay.ac) if lay.ac in AC_ORDER else 2, lay.pp_virtual_stages)
 
 
 def recommend(plans: list, tolerance: float = 0.01) -> Plan | None:
@@ -242,6 +243,7 @@ def _frugal(lay: Layout, axis: str, spec, cluster: Cluster, w: Workload) -> floa
     """Memory of the leanest variant of ``lay`` with ``axis`` = 1 (ZeRO-3, full AC, microbatch 1)."""
     factor = getattr(lay, axis)
     alt = replace(lay, **{axis: 1}, dp_shard=lay.dp_shard * factor, zero_stage=3, ac="full", microbatch=1,
-                  schedule="1f1b" if axis == "pp" else lay.schedule, v=1 if axis == "pp" else lay.v)
+                  pp_schedule="1f1b" if axis == "pp" else lay.pp_schedule,
+                  pp_virtual_stages=1 if axis == "pp" else lay.pp_virtual_stages)
     p = evaluate(spec, cluster, w, alt, with_time=False)
     return p.memory.total if p.memory else 0.0

@@ -95,10 +95,10 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     t_rc = rc_frac * t_fwd_c + (fl["attn"] / peak_attn if lay.ac == "selective" else 0.0)
     t_bwd_layer = t_bwd_c / max(n_layers, 1)
 
-    fwd = {"tp": n_layers * c["tp_fwd"], "ep": n_moe * c["ep_fwd"], "pp": lay.v * c["pp"],
+    fwd = {"tp": n_layers * c["tp_fwd"], "ep": n_moe * c["ep_fwd"], "pp": lay.pp_virtual_stages * c["pp"],
            "zero": max(0.0, c["zero_fwd"] - t_fwd_c)}
     bwd = {"tp": n_layers * max(0.0, c["tp_bwd"] - 0.5 * t_bwd_layer), "ep": n_moe * c["ep_bwd"],
-           "pp": lay.v * c["pp"], "zero": max(0.0, c["zero_bwd"] - t_bwd_c - t_rc)}
+           "pp": lay.pp_virtual_stages * c["pp"], "zero": max(0.0, c["zero_bwd"] - t_bwd_c - t_rc)}
     if lay.cp_impl == "ring":
         fwd["cp"] = n_layers * max(0.0, c["cp_fwd"] - t_attn_layer)
         bwd["cp"] = n_layers * max(0.0, c["cp_bwd"] - 2.5 * t_attn_layer)
@@ -106,7 +106,7 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
         fwd["cp"], bwd["cp"] = n_layers * c["cp_fwd"], n_layers * c["cp_bwd"]
     t_f = t_fwd_c + sum(fwd.values())
     t_b = t_bwd_c + t_rc + sum(bwd.values())
-    pipe = estimate_pipeline_time(t_f, t_b, lay.pp, m, lay.schedule, lay.v)
+    pipe = estimate_pipeline_time(t_f, t_b, lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages)
 
     dp_exposed = max(0.0, c["dp_grad"] - t_bwd_c) + max(0.0, c["dp_param"] - t_fwd_c)
     pb, gb, kb = PRECISIONS[w.precision]

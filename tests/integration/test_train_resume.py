@@ -105,3 +105,67 @@ def test_cli_two_processes(tmp_path):
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert json.loads(json.dumps(rows))  # JSONL is plain JSON
     assert (run_dir / "config.yaml").exists()
+
+
+def _val0(run_dir: Path) -> float:
+    return next(r["val_loss"] for r in read_metrics(run_dir) if r["step"] == 0)
+
+
+def test_own_checkpoint_wins_over_load_from_and_clear_errors(tmp_path, capsys):
+    """Issue 11 item 7: a run started from ``load_from`` resumes from its own newest checkpoint
+    when run again; the console names the checkpoint; ``load_from`` past ``training.steps`` and a
+    folder that is not a checkpoint are errors, not silent no-ops."""
+    torch.set_num_threads(1)
+    over = {"training.steps": 6, "checkpoint.every": 2}
+    cfg = _cfg(tmp_path, **over)
+    data = prepare_data(cfg.data, cfg.model.vocab_size)
+    run(cfg, tmp_path / "other", data)
+    other6 = tmp_path / "other" / "checkpoints" / "step_00000006"
+    run(_cfg(tmp_path, **over, **{"training.stop_at_step": 2}), tmp_path / "src", data)
+    src2 = tmp_path / "src" / "checkpoints" / "step_00000002"
+    capsys.readouterr()
+    started = _cfg(tmp_path, **over, **{"checkpoint.load_from": str(src2), "training.stop_at_step": 4})
+    run(started, tmp_path / "b", data)
+    assert f"resumed from {src2} (checkpoint.load_from) at step 2" in capsys.readouterr().out
+    run(_cfg(tmp_path, **over, **{"checkpoint.load_from": str(src2)}), tmp_path / "b", data)
+    own = tmp_path / "b" / "checkpoints" / "step_00000004"
+    assert f"resumed from {own} (the run's newest checkpoint) at step 4" in capsys.readouterr().out
+    full, b = _losses(tmp_path / "other"), _losses(tmp_path / "b")
+    assert sorted(b) == [3, 4, 5, 6]  # steps 3-4 once, then 5-6 after the own step-4 checkpoint
+    for step in (3, 4, 5, 6):
+        assert b[step] == pytest.approx(full[step], rel=1e-7, abs=0)
+    with pytest.raises(ValueError, match=r"at step 6, past training.steps \(6\)"):
+        run(_cfg(tmp_path, **over, **{"checkpoint.load_from": str(other6)}), tmp_path / "c", data)
+    with pytest.raises(ValueError, match="not an ndtrain checkpoint folder"):
+        run(_cfg(tmp_path, **over, **{"checkpoint.load_from": str(tmp_path)}), tmp_path / "d", data)
+
+
+def test_init_weights_from_ndtrain_checkpoint_and_hf_folder(tmp_path, capsys):
+    """``checkpoint.init_weights_from``: a fine-tune starts at step 0 with a fresh optimizer and
+    schedule from another run's weights -- an ndtrain checkpoint or a Hugging Face folder. Its
+    step-0 validation loss equals the source run's final one exactly (same weights, same batches)."""
+    torch.set_num_threads(1)
+    over = {"training.steps": 4, "checkpoint.every": 4, "model.tie_embeddings": "true"}
+    cfg = _cfg(tmp_path, **over)
+    data = prepare_data(cfg.data, cfg.model.vocab_size)
+    run(cfg, tmp_path / "src", data)
+    src = tmp_path / "src" / "checkpoints" / "step_00000004"
+    final_val = [r for r in read_metrics(tmp_path / "src") if r["step"] == 4][-1]["val_loss"]
+    assert _val0(tmp_path / "src") != pytest.approx(final_val, rel=1e-3)  # it trained
+    capsys.readouterr()
+    run(_cfg(tmp_path, **over, **{"checkpoint.init_weights_from": str(src)}), tmp_path / "ft", data)
+    assert "initial weights from" in capsys.readouterr().out
+    assert _val0(tmp_path / "ft") == pytest.approx(final_val, rel=1e-7, abs=0)
+    assert sorted(_losses(tmp_path / "ft")) == [1, 2, 3, 4]  # a new run: steps 1.. with warmup again
+
+    from ndtrain.hf import save_hf_checkpoint
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.train import Trainer
+
+    tr = Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+    state = tr.tensor_state()
+    ckpt.load_tensors(src, {"model": state["model"]})
+    tr.load_model_state(state["model"])
+    save_hf_checkpoint(tr.model, cfg.model, tmp_path / "hf")
+    run(_cfg(tmp_path, **over, **{"checkpoint.init_weights_from": str(tmp_path / "hf")}), tmp_path / "ft_hf", data)
+    assert _val0(tmp_path / "ft_hf") == pytest.approx(final_val, rel=1e-6, abs=0)

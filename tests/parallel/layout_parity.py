@@ -186,7 +186,8 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
     gains ((2L + 1) C), replicated kv weights (2 L G D C) and 1 clip scalar per step.
     cp ring: (cp-1) K/V blocks forward, (cp-1) K/V + cp dK/dV blocks backward, per layer.
     cp Ulysses: q, k, v and out through an all-to-all ((n-1)/n) in each direction, per layer.
-    dp: one all-reduce of the local gradients over dp (dp_cp when cp > 1) + 2 scalars on dp_cp.
+    dp: one all-reduce of the local gradients over dp (dp_cp when cp > 1) + 4 scalars on dp_cp
+    (valid labels with the batch-size agreement's B and B^2 in one all-reduce; the loss).
     """
     L, C, H, D, b = 2, 32, 4, 8, 8
     B = G // n_dp
@@ -209,7 +210,7 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
     n = n_dp * n_cp
     if n > 1:
         out["dp_cp" if n_cp > 1 else "dp"] = 2 * (n - 1) / n * b * n_params_local
-        out["dp_cp"] = out.get("dp_cp", 0.0) + 2 * (n - 1) / n * 2 * b
+        out["dp_cp"] = out.get("dp_cp", 0.0) + 2 * (n - 1) / n * 4 * b
     return out
 
 

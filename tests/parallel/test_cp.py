@@ -23,6 +23,7 @@ from ndtrain.parallel.cp.context_parallel import (
 from ndtrain.parallel.cp.ulysses import check_ulysses_heads
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import assert_bytes, assert_parity, run_layout, tiny_cfg
+from tests.parallel.test_tp import FakeMesh
 
 
 def test_load_balanced_layout():
@@ -62,6 +63,25 @@ def test_ulysses_head_rule_and_layout_resolution():
         check_ulysses_heads(6, 4)
     assert resolve_layout("ring", "auto") == "load_balanced"
     assert resolve_layout("ulysses", "auto") == "contiguous"
+
+
+@pytest.mark.parametrize("impl,want", [
+    ("ring", "(context_parallel): RingAttention(cp=2, layout=load_balanced, causal=True, K/V: ring send/recv)"),
+    ("ulysses", "(context_parallel): UlyssesAttention(cp=2, all-to-all sequence <-> heads)"),
+])
+def test_repr_shows_the_cp_attention_core(impl, want):
+    """``apply_cp`` installs a visible core module (``print(model)`` shows it) that is the one the
+    attention calls, without adding state-dict keys."""
+    from ndtrain.model import build_model
+    from ndtrain.parallel.cp.context_parallel import apply_cp
+
+    model = build_model(tiny_cfg().model, "cpu", torch.float64, 0)
+    keys = list(model.state_dict())
+    apply_cp(model, FakeMesh(0, cp=2), impl)
+    assert want in repr(model), repr(model)
+    att = model.layers["1"].attention
+    assert att.core is att.context_parallel
+    assert list(model.state_dict()) == keys
 
 
 CASES_2 = {  # name: (run_layout kwargs, theory kwargs)

@@ -21,6 +21,7 @@ from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.train import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
+from tests.parallel.test_tp import FakeMesh
 
 V, T, G, E, STEPS = 64, 8, 8, 8, 10
 
@@ -221,3 +222,22 @@ def test_ep_layout_rules(bad, rule):
     apply_overrides(cfg, {"model.moe_experts": "6", **bad})
     with pytest.raises(ConfigError, match=rule):
         validate(cfg, 4)
+
+
+def test_repr_shows_the_experts_a_rank_holds():
+    """``apply_ep`` replaces each MoE layer's experts by an ``ExpertParallelExperts`` module that
+    prints its expert range and holds exactly that slice of the full weights, under the same names."""
+    from ndtrain.model import build_model
+    from ndtrain.parallel.ep.expert_parallel import apply_ep
+
+    cfg = moe_cfg(2, ep=2, micro=0)
+    model = build_model(cfg.model, "cpu", torch.float64, 0)
+    keys = list(model.state_dict())
+    full = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+    names = apply_ep(model, FakeMesh(1, ep=2), cfg)
+    assert "(experts): ExpertParallelExperts(experts [4, 8) of 8 on ep2 rank 1, hidden=16, dim=32" in repr(model)
+    assert list(model.state_dict()) == keys
+    assert sorted(names) == sorted(full)
+    named = dict(model.named_parameters())
+    for n, w in full.items():
+        assert torch.equal(named[n], w[4:8]) and named[n].ndtrain_shard_axes == ("ep",)

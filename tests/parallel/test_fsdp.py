@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.optim import build_optimizer, build_scheduler
+from ndtrain.parallel.zero.observe import GatherCounter
 from ndtrain.train import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_zero import V, global_batch, tiny_cfg
@@ -38,6 +39,8 @@ def _vs_fully_shard(rank: int, world: int) -> tuple[list[float], list[float]]:
     twin = None
     torch.manual_seed(0)
     tr = Trainer(cfg, mesh, torch.device("cpu"))
+    gathers = GatherCounter()  # instrumentation is attached by the caller (observe.py)
+    tr.dp.observers["gathers"] = gathers
     from ndtrain.model import build_model
 
     twin = build_model(cfg.model, "cpu", torch.float64, cfg.training.seed)
@@ -65,7 +68,7 @@ def _vs_fully_shard(rank: int, world: int) -> tuple[list[float], list[float]]:
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         theirs.append(total.item() / n_valid)
-    return ours, theirs, tr.dp.gather_counts
+    return ours, theirs, gathers.counts
 
 
 def test_zero3_matches_torch_fully_shard():

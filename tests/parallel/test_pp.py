@@ -22,6 +22,7 @@ from torch import nn
 
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
+from ndtrain.parallel.pp.observe import ActionTimer, Jitter
 from ndtrain.train import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 
@@ -87,7 +88,8 @@ def _grid(rank: int, world: int, configs: list, jitter_s: float = 0.0, steps: in
         cfg = pp_cfg(world, sched, m, v, tie)
         validate(cfg, world)
         tr = Trainer(cfg, mesh, torch.device("cpu"))
-        tr.pipeline.runtime.jitter_s = jitter_s
+        if jitter_s:  # random per-rank sleeps before every action (an observer of the runtime)
+            tr.pipeline.runtime.observers.append(Jitter(jitter_s, cfg.training.seed, rank))
         ref = refs[tie]
         loss_err = gn_err = 0.0
         t0 = time.monotonic()
@@ -214,11 +216,13 @@ def _measured_bubble(rank: int, world: int, m: int, t: float, steps: int) -> dic
     for sched, v in SCHEDS:
         chunks = [SleepStage(t / v, first=(rank == 0 and c == 0)) for c in range(v)]
         rt = PipelineRuntime(chunks, mesh.group("pp"), sched, lambda y, _: y.sum())
+        timer = ActionTimer()
+        rt.observers.append(timer)
         x = torch.zeros(m, 2, dtype=torch.long)
         best = None
         for _ in range(steps):  # keep the least disturbed step (min span), as benchmarks do
             rt.run(x, x, m)
-            tl = gather_measured_timeline(rt)
+            tl = gather_measured_timeline(timer, mesh.group("pp"))
             if best is None or tl.end - tl.start < best.end - best.start:
                 best = tl
         out[sched] = {"bubbles": best.bubbles(), "span": best.end - best.start}

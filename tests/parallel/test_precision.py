@@ -9,7 +9,7 @@ no other step is skipped. Exact comparisons: the flags and scales are the same f
 
 In the same processes, bf16 runs of ZeRO-2 / ZeRO-3 with ``parallel.grad_reduce_dtype`` float32 and
 bfloat16: the reduce-scatter bytes follow the reduce dtype (4 or 2 bytes) while the all-gathers
-move bf16 (2 bytes), exactly as the formulas of ``zero.py`` / ``fsdp.py`` say.
+move bf16 (2 bytes), exactly as the formulas of ``zero12.py`` / ``fsdp.py`` say.
 """
 from __future__ import annotations
 

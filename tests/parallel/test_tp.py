@@ -9,6 +9,7 @@ Communication is checked exactly against ``theory_bytes``.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from ndtrain import checkpoint as ckpt
 from ndtrain.config import ConfigError, ParallelConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
-from ndtrain.parallel.tp.tensor_parallel import check_tp_heads, padded_vocab
+from ndtrain.model import build_model
+from ndtrain.parallel.tp.tensor_parallel import apply_tp, check_tp_heads, padded_vocab
 from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 from ndtrain.train import Trainer
 from tests.dist_utils import run_ranks
@@ -73,6 +75,54 @@ def test_gqa_rule_and_padding():
     with pytest.raises(ValueError, match=r"n_kv_heads \(3\) and tp \(2\)"):
         check_tp_heads(6, 3, 2)
     assert padded_vocab(61, 4) == 64 and padded_vocab(64, 4) == 64
+
+
+class FakeMesh:
+    """The parts of a ``Mesh`` the ``apply_<axis>`` functions read while installing their modules
+    (group sizes and this rank's place; no process group: nothing here may communicate)."""
+
+    def __init__(self, rank: int, **sizes: int):
+        self.rank, self.sizes = rank, sizes
+        self.dims = SimpleNamespace(dp_cp=1, **sizes)
+
+    def group(self, name: str) -> AxisGroup:
+        n = self.sizes.get(name, 1)
+        return AxisGroup(name, n, self.rank if n > 1 else 0, None)
+
+
+def test_repr_shows_the_tp_layout_and_names_do_not_change():
+    """After ``apply_tp`` every layer prints its sharding (plan table -> wrapper modules), and the
+    parameter names / state-dict keys are exactly the single-device model's."""
+    cfg = tiny_cfg()
+    model = build_model(cfg.model, "cpu", torch.float64, 0)
+    keys = list(model.state_dict())
+    apply_tp(model, FakeMesh(1, tp=2), sequence_parallel=True)
+    text = repr(model)
+    for line in ("(tok_embeddings): VocabParallelEmbedding(rows=62/tp2 [31, 62), vocab=61, dim=32, sp=True)",
+                 "(attention_norm): SequenceParallelNorm(RMSNorm(32, eps=1e-05), weight grad: all-reduce over tp2)",
+                 "(wq): ColumnParallelLinear(in=32, out=32/tp2, sp=True)",
+                 "(wk): ColumnParallelLinear(in=32, out=16/tp2, sp=True)",
+                 "(wo): RowParallelLinear(in=32/tp2, out=32, sp=True, output: reduce-scatter T)",
+                 "(w2): RowParallelLinear(in=48/tp2, out=32, sp=True, output: reduce-scatter T)",
+                 "(tp_input): RegionInput(tp=2, all-gather T)",
+                 "(norm): SequenceParallelNorm(RMSNorm(32, eps=1e-05), weight grad: all-reduce over tp2)",
+                 "(output): ColumnParallelLinear(in=32, out=62/tp2 (padded from 61), sp=True, input: all-gather T)"):
+        assert line in text, (line, text)
+    assert "Linear(in_features" not in text and "): Embedding(" not in text
+    assert list(model.state_dict()) == keys
+    assert tuple(model.layers["0"].attention.wq.weight.shape) == (16, 32)
+
+    model = build_model(tiny_cfg().model, "cpu", torch.float64, 0)  # tp=4 > 2 kv heads: replicated
+    full_wk = model.layers["1"].attention.wk.weight.detach().clone()
+    apply_tp(model, FakeMesh(2, tp=4))
+    text = repr(model)
+    assert ("(wk): ReplicatedKVLinear(in=32, out=8 (kv head 1 of 2, whole weight), grad: all-reduce over tp4)"
+            in text), text
+    assert "(wo): RowParallelLinear(in=32/tp4, out=32, sp=False, output: all-reduce)" in text
+    assert "(tp_input): RegionInput(tp=4, copy (bwd all-reduce))" in text
+    assert "(attention_norm): RMSNorm(32, eps=1e-05)" in text  # replicated, untouched without SP
+    assert torch.equal(model.layers["1"].attention.wk.weight, full_wk)
+    assert list(model.state_dict()) == keys
 
 
 def _local_batch(trainer: Trainer, step: int):

@@ -90,7 +90,7 @@ def _layouts_vs_single(rank: int, world: int, layouts: list[dict]) -> dict:
 
 
 def expected_traffic(lay: dict, res: dict, p_pad: dict, p_head: dict) -> dict[str, float]:
-    """Bytes per rank per step in float64 (8 bytes), from the formulas in zero.py / fsdp.py."""
+    """Bytes per rank per step in float64 (8 bytes), from the formulas in zero12.py / fsdp.py."""
     n, r, w, b = res["n_shard"], res["n_rep"], res["n_dp"], 8
     pp = p_pad[n]
     ring = (n - 1) / n * pp * b  # one all-gather or one reduce-scatter of all parameters
@@ -105,7 +105,7 @@ def expected_traffic(lay: dict, res: dict, p_pad: dict, p_head: dict) -> dict[st
             back = ring - ((n - 1) / n * p_head[n] * b if lay.get("keep_last_unit_gathered", True) else 0.0)
         shard = MICRO * (2 * ring + back)
     out = {"dp_shard_cp": shard + 2 * (n - 1) / n * b,  # + the grad-norm scalar
-           "dp_cp": 2 * 2 * (w - 1) / w * b}  # valid-token count and logged loss
+           "dp_cp": 2 * 4 * (w - 1) / w * b}  # batch agreement (valid tokens, B, B^2) and logged loss
     if r > 1:
         out["dp_replicate"] = 2 * (r - 1) / r * pp / n * b
     return out

@@ -30,6 +30,25 @@ def test_parse_policy():
         parse_policy("every:0", 4)
 
 
+def test_one_policy_parser_for_validation_and_planner():
+    """Validation (``parallel.rules``) and the planner (``ac_every``) read the policy through the
+    same parser as the mechanism: same accepted strings, same C."""
+    from ndtrain.config import ConfigError
+    from ndtrain.parallel.ac_policy import every_blocks, is_valid_policy
+    from ndtrain.parallel.rules import check_activation_checkpoint
+    from ndtrain.planner.layout import ac_every
+
+    for ac in ("none", "full", "sqrt", "selective", "every:1", "every:7"):
+        assert is_valid_policy(ac)
+        check_activation_checkpoint(ac)
+    for ac in ("every:0", "every:", "every:-2", "sqrt:2", "Full", ""):
+        assert not is_valid_policy(ac)
+        with pytest.raises(ConfigError, match="every:C"):
+            check_activation_checkpoint(ac)
+    assert [ac_every(a, 16) for a in ("none", "full", "selective", "every:3", "sqrt")] == [0, 0, 0, 3, 4]
+    assert every_blocks("sqrt", 2) == 1 and every_blocks("every:1", 8) == 1
+
+
 def _cfg(ac: str) -> Config:
     return Config(model=ModelConfig(vocab_size=61, dim=30, n_layers=4, n_heads=3, n_kv_heads=1,
                                     ffn_hidden=45, max_seq_len=64, rope_theta=10000.0),
@@ -132,6 +151,32 @@ def test_flat_shard_layout_matches_chunk_and_slow_twin(n):
             chunks = torch.chunk(full, n)
             want = chunks[rank] if rank < len(chunks) else full[:0]
             assert torch.equal(lay.valid_view(shard, i), want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_flat_shard_layout_empty_scalar_and_tiny(n):
+    """(0,) and (3, 0) take no space, a 0-d parameter is one row of one element, (1,) and (2, 3)
+    have fewer rows than ranks: pack equals its slow twin (which fills padding with zeros over a
+    7.0 canvas) and each rank's valid rows are its ``torch.chunk`` (of the 0-d one seen as (1,))."""
+    g = torch.Generator().manual_seed(n)
+    shapes = [(0,), (), (1,), (2, 3), (3, 0), (5,)]
+    fulls = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    lay0 = FlatShardLayout([torch.Size(s) for s in shapes], n, 0)
+    assert lay0.sizes[0] == lay0.sizes[4] == 0 and lay0.sizes[1] == 1
+    grid = lay0.pack(fulls, torch.empty(lay0.padded_numel, dtype=torch.float64))
+    assert torch.equal(grid, lay0.pack_reference(fulls, torch.full_like(grid, 7.0)))
+    outs = [torch.full(s, 7.0, dtype=torch.float64) for s in shapes]
+    lay0.unpack(grid, outs)
+    assert all(torch.equal(a, b) for a, b in zip(outs, fulls))
+    for rank in range(n):
+        lay = FlatShardLayout([torch.Size(s) for s in shapes], n, rank)
+        shard = lay.shard_from_full(fulls, torch.empty(lay.shard_numel, dtype=torch.float64))
+        assert torch.equal(shard, grid.view(n, -1)[rank])
+        for i, full in enumerate(fulls):
+            rows = full.reshape(1) if full.dim() == 0 else full
+            chunks = torch.chunk(rows, n) if rows.shape[0] else ()
+            want = chunks[rank] if rank < len(chunks) else rows[:0]
+            assert torch.equal(lay.valid_view(shard, i), want), (n, rank, shapes[i])
 
 
 def test_storage_bytes_counts_each_storage_once():

@@ -41,10 +41,28 @@ def test_cli_override_parsing():
     ({"parallel.pp_schedule": "dualpipe"}, 1, r"pp_schedule \(dualpipe\) must be"),
     ({"training.activation_checkpoint": "every:0"}, 1, r"activation_checkpoint \(every:0\)"),
     ({"model.vocab_size": "0"}, 1, r"model.vocab_size \(0\) must be positive"),
+    ({"model.mtp_depth": "1", "parallel.zero_stage": "3"}, 2,
+     r"mtp_depth \(1\) > 0 with zero_stage 3 is not implemented"),
+    ({"model.n_heads": "6", "model.dim": "48", "model.n_kv_heads": "0", "parallel.tp": "4"}, 4,
+     r"n_heads \(6\) is not divisible by tp \(4\)"),
+    ({"checkpoint.load_from": "a", "checkpoint.init_weights_from": "b"}, 1, r"exclude each other"),
 ])
 def test_invalid_configs_name_the_rule(overrides, world, rule):
     with pytest.raises(ConfigError, match=rule):
         load_config("debug", overrides, world_size=world)
+
+
+def test_validation_and_planner_share_the_axis_rules():
+    """One rule text for a layout, whether a config or the planner checks it."""
+    from ndtrain.planner.layout import Layout, Workload, check_layout
+    from ndtrain.planner.model_spec import load_model_spec
+
+    spec, _ = load_model_spec("llama3_8b")  # 32 heads
+    errs = check_layout(spec, 6, Workload(seq_len=8192, global_batch_tokens=6 * 8192), Layout(tp=3, dp_shard=2))
+    with pytest.raises(ConfigError) as cfg_err:
+        load_config("llama3_8b", {"parallel.tp": "3"}, world_size=6)
+    assert "n_heads (32) is not divisible by tp (3)" in errs
+    assert str(cfg_err.value) == "n_heads (32) is not divisible by tp (3)"
 
 
 def test_unknown_keys_and_types():

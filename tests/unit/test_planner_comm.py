@@ -87,7 +87,7 @@ def test_context_parallel_impls():
     spec, _ = load_model_spec("llama3_405b")
     w = Workload(seq_len=131072, global_batch_tokens=128 * 131072)
     cl = Cluster(H100, 16384)
-    base = "tp=8,cp=16,pp=16,dp_shard=8,zero_stage=2,schedule=interleaved,v=8"
+    base = "tp=8,cp=16,pp=16,dp_shard=8,zero_stage=2,pp_schedule=interleaved,pp_virtual_stages=8"
     lays = {impl: parse_layout(f"{base},cp_impl={impl}")
             for impl in ("ring", "allgather", "ulysses")}
     plans = {k: evaluate(spec, cl, w, v) for k, v in lays.items()}

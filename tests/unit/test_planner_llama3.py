@@ -20,7 +20,7 @@ from ndtrain.planner.search import evaluate
 SPEC, _ = load_model_spec("llama3_405b")
 H100 = get_accelerator("H100")
 BATCH_TOKENS = 2048 * 8192  # 16M
-BASE = "zero_stage=2,ac=none,microbatch=1,schedule=interleaved,v=8"
+BASE = "zero_stage=2,ac=none,microbatch=1,pp_schedule=interleaved,pp_virtual_stages=8"
 ROWS = [  # gpus, seq_len, layout, reported MFU
     (8192, 8192, f"tp=8,cp=1,pp=16,dp_shard=64,{BASE}", 0.43),
     (16384, 8192, f"tp=8,cp=1,pp=16,dp_shard=128,{BASE}", 0.41),

@@ -118,8 +118,8 @@ def test_zero_stages_shard_state_over_dp_shard_times_cp():
 
 def test_gpipe_holds_all_microbatches():
     lay = {"pp": 4, "dp_shard": 2, "zero_stage": 1, "microbatch": 1}
-    g = _plan(SPEC_8B, 8, 8192, 64 * 8192, Layout(schedule="gpipe", **lay))
-    f = _plan(SPEC_8B, 8, 8192, 64 * 8192, Layout(schedule="1f1b", **lay))
+    g = _plan(SPEC_8B, 8, 8192, 64 * 8192, Layout(pp_schedule="gpipe", **lay))
+    f = _plan(SPEC_8B, 8, 8192, 64 * 8192, Layout(pp_schedule="1f1b", **lay))
     ratio = g.memory.breakdown["activations"] / f.memory.breakdown["activations"]
     assert 32 / 4 <= ratio <= 32 / 4 * 9 / 8  # m / p, up to the stage imbalance (8 vs 9 blocks)
     assert g.step.step_time_s == pytest.approx(f.step.step_time_s)

@@ -112,7 +112,7 @@ def test_qwen_moe_shared_expert():
 def test_parse_layout_defaults_and_errors():
     lay = parse_layout("tp=8,cp=1,pp=16,dp_shard=64,zero_stage=3,ac=none,microbatch=1")
     assert (lay.tp, lay.pp, lay.dp_shard, lay.dp_replicate, lay.zero_stage) == (8, 16, 64, 1, 3)
-    assert lay.schedule == "1f1b" and lay.v == 1 and lay.seq_parallel
+    assert lay.pp_schedule == "1f1b" and lay.pp_virtual_stages == 1 and lay.seq_parallel
     assert parse_layout(str(lay)) == lay
     assert parse_layout("tp=2").resolve(16).dp_shard == 8
     with pytest.raises(ValueError, match="unknown layout key"):
@@ -130,6 +130,8 @@ def test_check_layout_rules():
     errs = check_layout(spec, 64, w, Layout(tp=8, pp=2, dp_shard=8))
     assert any("!= gpus" in e for e in errs)
     assert any("n_heads" in e for e in check_layout(spec, 48, w, Layout(tp=6, dp_shard=8)))
-    assert any("microbatch" in e for e in check_layout(spec, 64, w, Layout(dp_shard=64, microbatch=3)))
-    assert any("interleaved" in e for e in check_layout(spec, 8, w, Layout(pp=2, dp_shard=4, v=2)))
+    # the rule texts are the config validation's (ndtrain/parallel/<axis>/rules.py)
+    assert any("micro_batch_size (3)" in e for e in check_layout(spec, 64, w, Layout(dp_shard=64, microbatch=3)))
+    assert any("interleaved" in e
+               for e in check_layout(spec, 8, w, Layout(pp=2, dp_shard=4, pp_virtual_stages=2)))
     assert any("ep" in e for e in check_layout(spec, 8, w, Layout(dp_shard=8, ep=2)))

@@ -53,7 +53,7 @@ def test_405b_on_16384_gpus():
     rec, _, why = _recommend(spec, 16384, Workload(seq_len=8192, global_batch_tokens=2048 * 8192))
     lay = rec.layout
     assert rec.fits and lay.tp == 8 and lay.pp > 1 and lay.cp == 1
-    assert lay.schedule == "interleaved"  # few microbatches per rank: the bubble needs v > 1
+    assert lay.pp_schedule == "interleaved"  # few microbatches per rank: the bubble needs v > 1
     assert 0.34 < rec.mfu < 0.48
     assert "bubble" in rec.bottleneck
     assert any(r.startswith("pipeline parallel") for r in why)
@@ -70,7 +70,7 @@ def test_cli_json_evaluates_a_layout(capsys):
     args = _args("--model", "llama3_405b", "--hardware", "H100", "--gpus", "8192", "--seq-len", "8192",
                  "--global-batch-tokens", str(2048 * 8192), "--train-tokens", "15.6e12", "--json",
                  "--layout", "tp=8,cp=1,pp=16,dp_shard=64,zero_stage=2,ac=none,microbatch=1,"
-                             "schedule=interleaved,v=8")
+                             "pp_schedule=interleaved,pp_virtual_stages=8")
     assert run_plan(args) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 1

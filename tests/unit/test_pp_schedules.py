@@ -69,6 +69,22 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free():
     assert n == 4 * len(PS) * len(MS) + 2 * len(PS) * len(MS)
 
 
+def test_schedules_follow_their_warmup_formulas():
+    """Each rank's order is warm-up forwards, then strict F/B alternation, then backwards, with the
+    warm-up of the papers: 1F1B and ZB-H1 min(p-r-1, m) (PipeDream-Flush), interleaved
+    min(v m, (p-r-1)*2 + (v-1)*g) chunk-forwards, g = p + m mod p (m < p: g = m) (Megatron-LM)."""
+    for name, p, m, v in _all():
+        if name == "gpipe":
+            continue
+        s = build_schedule(name, p, m, v)
+        g = m if m < p else p + m % p
+        for r, acts in enumerate(s.actions):
+            fb = "".join(a.kind for a in acts if a.kind != "W")
+            w = min(v * m, (p - r - 1) * 2 + (v - 1) * g) if name == "interleaved" else min(p - r - 1, m)
+            steady = v * m - w
+            assert fb == "F" * w + "FB" * steady + "B" * w, (name, p, m, v, r, fb)
+
+
 def test_cross_stage_dependencies_hold_in_the_timeline():
     """In the simulated timeline every action starts after the actions it depends on end."""
     for name, p, m, v in _all(p_values=(2, 4), m_values=(1, 3, 4, 6)):
@@ -195,6 +211,7 @@ def test_zero_bubble_split_backward_matches_full_backward():
     """B computes only input-side gradients (no parameter grads, fewer matmuls); W adds exactly the
     weight gradients: B + W = one full backward, in grads (1e-12, float64) and in matmul count."""
     from ndtrain.mesh import AxisGroup
+    from ndtrain.parallel.pp.observe import ActionTimer
     from ndtrain.parallel.pp.runtime import PipelineRuntime
 
     torch.manual_seed(0)
@@ -214,6 +231,8 @@ def test_zero_bubble_split_backward_matches_full_backward():
     net.zero_grad(set_to_none=True)
 
     rt = PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "zero_bubble", loss_fn)
+    timer = ActionTimer()
+    rt.observers.append(timer)
     counts = {}
     orig_b, orig_w = rt._backward, rt._weight_grad
 
@@ -228,7 +247,7 @@ def test_zero_bubble_split_backward_matches_full_backward():
 
     rt._backward, rt._weight_grad = counted("B", orig_b), counted("W", orig_w)
     rt.run(tokens, labels, m=1, denom=20.0)
-    assert [e.kind for e in rt.last_events] == ["F", "B", "W"]
+    assert [e.kind for e in timer.events] == ["F", "B", "W"]
     for n, q in net.named_parameters():
         assert torch.allclose(q.grad, want[n], rtol=0, atol=1e-12), n
     assert counts["B"] < full.mm and counts["B"] + counts["W"] == full.mm

@@ -10,10 +10,12 @@ Layouts (``parallel.cp_layout``):
 The data already gives shifted labels (``labels[t] = inputs[t+1]``), so the next-token shift
 happens before sharding; inputs, labels, RoPE positions (and, for packed data, document ids) are
 cut with the same layout (``shard_batch``). The attention core of every block is replaced
-(``apply_cp``) by ring attention (``cp_ring``) or Ulysses (``cp_ulysses``); everything else in
-the model is per token and runs unchanged on the local tokens. The loss is summed over ``dp_cp``
-and parameter gradients are summed over ``dp_cp`` too (cp ranks see different tokens of the same
-samples).
+(``apply_cp``) by a ``RingAttention`` (``ring``) or ``UlyssesAttention`` (``ulysses``) module,
+which ``print(model)`` shows; everything else in the model is per token and runs unchanged on the
+local tokens. The loss is summed over ``dp_cp`` and parameter gradients are summed over ``dp_cp``
+too (cp ranks see different tokens of the same samples) by the data-parallel wrapper, in
+``parallel.grad_reduce_dtype``; this axis's own collectives carry activations and activation
+gradients only.
 """
 from __future__ import annotations
 
@@ -80,14 +82,28 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, la
     return inputs.index_select(1, pos), labels.index_select(1, pos), pos
 
 
-class RingCore:
+def _install_core(att: nn.Module, core: nn.Module) -> None:
+    """Make ``core`` the attention's ``core`` hook and show it in ``print(model)``.
+
+    ``Attention.core`` is a per-instance hook by the model's contract: ``self.core(q, k, v)`` finds
+    an entry in the instance ``__dict__`` before the class's method. ``nn.Module.__setattr__`` would
+    file a Module under ``_modules`` instead, where the method shadows it, so the core goes into
+    ``__dict__`` directly and is registered, once more, as the child ``context_parallel``: visible,
+    and without parameters or buffers, so state-dict keys do not change."""
+    att.__dict__["core"] = core
+    att.add_module("context_parallel", core)
+
+
+class RingAttention(nn.Module):
     """Attention core (``Attention.core`` replacement) running ring attention over ``group``.
 
+    q (B, H, T/cp, D), k / v (B, G, T/cp, D) of this rank's tokens (in ``layout``) -> (B, H, T/cp, D).
     ``documents``: optional (B, T) document ids of the full batch for packed sequences; set it
-    before the forward and every rank's block masks respect document boundaries.
+    before the forward and every rank's block masks respect document boundaries. No parameters.
     """
 
     def __init__(self, group: AxisGroup, layout: str, causal: bool = True):
+        super().__init__()
         self.group, self.layout, self.causal = group, layout, causal
         self.documents: torch.Tensor | None = None
         self._pos: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -100,7 +116,7 @@ class RingCore:
             self._pos[key] = (kv[self.group.rank], kv)
         return self._pos[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_pos, kv_pos = self.positions(q.shape[2], q.device)
         q_doc = kv_doc = None
         if self.documents is not None:
@@ -109,20 +125,33 @@ class RingCore:
             q_doc = kv_doc[self.group.rank]  # (B, Tl); kv_doc (cp, B, Tl)
         return ring_attention(q, k, v, self.group, q_pos, kv_pos, self.causal, q_doc, kv_doc)
 
+    def extra_repr(self) -> str:
+        return f"cp={self.group.size}, layout={self.layout}, causal={self.causal}, K/V: ring send/recv"
 
-class UlyssesCore:
-    """Attention core running ``inner`` (the model's own core) under Ulysses all-to-alls."""
+
+class UlyssesAttention(nn.Module):
+    """Attention core running ``inner`` (the model's own core) under Ulysses all-to-alls.
+
+    q (B, H, T/cp, D), k / v (B, G, T/cp, D) -> (B, H, T/cp, D); ``inner`` sees (B, H/cp, T, D).
+    No parameters.
+    """
 
     def __init__(self, group: AxisGroup, inner):
+        super().__init__()
         self.group, self.inner = group, inner
 
-    def __call__(self, q, k, v):
+    def forward(self, q, k, v):
         return ulysses_attention(q, k, v, self.group, self.inner)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.group.size}, all-to-all sequence <-> heads"
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "auto",
              causal: bool = True) -> str:
-    """Replace every block's attention core for context parallel over the ``cp`` axis.
+    """Replace every block's attention core for context parallel over the ``cp`` axis by a
+    ``RingAttention`` or ``UlyssesAttention`` module (shown by ``print(model)`` as the attention's
+    ``context_parallel`` child).
 
     ``causal`` applies to ring attention (Ulysses wraps whatever core the block has). Returns the
     resolved layout, which the batch must be sharded with (``shard_batch``). Raises ValueError for
@@ -132,12 +161,10 @@ def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "au
     layout = resolve_layout(impl, layout)
     if group.size == 1:
         return layout
+    if impl not in ("ring", "ulysses"):
+        raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses")
     for block in model.layers.values():
         att = block.attention
-        if impl == "ring":
-            att.core = RingCore(group, layout, causal)
-        elif impl == "ulysses":
-            att.core = UlyssesCore(group, att.core)
-        else:
-            raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses")
+        _install_core(att, RingAttention(group, layout, causal) if impl == "ring"
+                      else UlyssesAttention(group, att.core))
     return layout

@@ -2,14 +2,15 @@
 
 The algorithm (PyTorch DDP, Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
 Parallel Training"): parameters are grouped, in reverse registration order (roughly the order
-backward produces their gradients), into buckets of about ``bucket_size_bytes``. A
-post-accumulate-grad hook marks a parameter ready; when every parameter of a bucket is ready the
-bucket's gradients are flattened and an asynchronous all-reduce starts while backward goes on.
+backward produces their gradients), into buckets of about ``bucket_size_bytes`` (``buckets.py``,
+shared with ZeRO-1/2). A post-accumulate-grad hook marks a parameter ready; when every parameter of
+a bucket is ready the bucket's gradients are flattened and an asynchronous all-reduce starts while
+backward goes on.
 
 Three rules keep it exact and hang-free:
 
-* Buckets are launched strictly in index order (a ready bucket waits for its predecessors), so all
-  ranks issue the same collectives in the same order even when hooks fire in different orders.
+* Buckets are launched strictly in index order (``buckets.BucketLauncher``), so all ranks issue the
+  same collectives in the same order even when hooks fire in different orders.
 * ``finish_grad_sync()`` launches every bucket not launched yet, taking the gradient a parameter
   already holds, or zeros if it never got one (parameters unused in this step, possibly on some
   ranks only), so no rank waits for a collective the others never issue.
@@ -28,33 +29,30 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
+from ndtrain.parallel.dp.buckets import BucketLauncher, group_into_buckets, unique_named_params
+from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
 
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.reduce_dtype = reduce_dtype
-        self.ready: set[int] = set()
-        self.flat: torch.Tensor | None = None
-        self.work = None
-
-    def reset(self) -> None:
-        self.ready.clear()
-        self.flat = None
+        self.params, self.reduce_dtype = params, reduce_dtype
+        self.flat: torch.Tensor | None = None  # (sum numel,) in reduce_dtype while in flight
         self.work = None
 
 
-class DataParallel:
+class DataParallel(ReplicatedGradSync):
     """Attach bucketed all-reduce to ``module``'s parameters over ``group`` (the ``dp`` axis).
 
     Args:
-        module: the model; its parameters must already be identical on every rank (same seed).
+        module: the model (anything with ``named_parameters()``); its parameters must already be
+            identical on every rank (same seed).
         group: the data-parallel AxisGroup.
         bucket_size_bytes: target bucket size, measured in the reduction dtype.
-        reduce_dtype: dtype gradients are reduced in (fp32 default; bf16 halves the traffic).
+        reduce_dtype: dtype gradients are reduced in (None: the parameters' dtype; bf16 halves
+            the traffic).
 
     Communication per step: one all-reduce of every gradient, 2 (N-1)/N * Psi * b bytes per rank.
+    Optimizer, clipping and state dicts: ``grad_sync.ReplicatedGradSync``.
     """
 
     def __init__(self, module: nn.Module, group: AxisGroup, bucket_size_bytes: int = 25 * 2**20,
@@ -62,32 +60,13 @@ class DataParallel:
         self.module = module
         self.group = group
         self.sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
-        seen, unique = set(), []
-        for p in params:  # tied weights appear once
-            if id(p) not in seen:
-                seen.add(id(p))
-                unique.append(p)
-        self.buckets: list[_Bucket] = []
-        current, size = [], 0
-        for p in reversed(unique):
-            rd = reduce_dtype or p.dtype
-            current.append(p)
-            size += p.numel() * torch.empty((), dtype=rd).element_size()
-            if size >= bucket_size_bytes:
-                self.buckets.append(_Bucket(current, rd))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current, reduce_dtype or current[0].dtype))
-        self._where = {}
-        for bi, b in enumerate(self.buckets):
-            for pi, p in enumerate(b.params):
-                self._where[id(p)] = (bi, pi)
-        self._next_launch = 0
-        self._hooks = []
+        named = unique_named_params(module)
+        self.buckets = [_Bucket([p for _, p in grp], reduce_dtype or grp[0][1].dtype)
+                        for grp in group_into_buckets(named, bucket_size_bytes, reduce_dtype)]
+        self._launcher = BucketLauncher([b.params for b in self.buckets], self._launch)
         if group.size > 1:
-            for p in unique:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            for _, p in named:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -99,21 +78,11 @@ class DataParallel:
             self.sync = old
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.sync:
-            return
-        bi, pi = self._where[id(p)]
-        self.buckets[bi].ready.add(pi)
-        self._launch_ready()
+        if self.sync:
+            self._launcher.mark_ready(p)
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            self._launch(b)
-            self._next_launch += 1
-
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, i: int) -> None:
+        b = self.buckets[i]
         parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params]
         b.flat = torch.cat(parts).to(b.reduce_dtype)
         b.work = comm.all_reduce(b.flat, self.group, async_op=True)
@@ -122,9 +91,7 @@ class DataParallel:
         """Launch what is left (unused parameters get zeros), wait, and write the summed grads back."""
         if self.group.size == 1:
             return
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+        self._launcher.launch_rest()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -137,45 +104,4 @@ class DataParallel:
                 else:
                     p.grad.copy_(g)
                 offset += n
-            b.reset()
-        self._next_launch = 0
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    # --- optimizer, clipping and state: the interface the trainer uses for every DP flavour ---
-    def build_optimizer(self, tcfg):
-        """AdamW over the (replicated) parameters; see ``ndtrain.optim``."""
-        from ndtrain.optim import build_optimizer
-
-        return build_optimizer(self.module.named_parameters(), tcfg)
-
-    def clip_grad_norm(self, max_norm: float, mesh=None) -> float:
-        """Global-norm clipping. Gradients are identical across ``dp`` after the all-reduce, so
-        only axes a parameter is sharded over (tagged by TP / PP / EP) are summed over."""
-        from ndtrain.optim import clip_grad_norm, shard_axes
-
-        items = [(p.grad, shard_axes(p)) for bk in self.buckets for p in bk.params if p.grad is not None]
-        return clip_grad_norm(items, max_norm, mesh)
-
-    def model_state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.module)
-
-    def load_model_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(self.module, sd)
-
-    def optim_state_dict(self, optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, optimizer)
-
-    def load_optim_state_dict(self, optimizer, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, optimizer, sd)
+            b.flat, b.work = None, None

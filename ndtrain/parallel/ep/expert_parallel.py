@@ -4,7 +4,8 @@ Layout: the ``ep`` ranks (a chunk of ``dp_shard x cp``, see ``ndtrain.mesh``) sp
 layer's E experts into E/ep consecutive blocks; rank r keeps experts [r E/ep, (r+1) E/ep). Router,
 shared experts and everything else stay replicated. Each rank still routes its own tokens.
 
-Forward of one MoE layer on one rank (``ep_run_experts`` replaces ``MoE.run_experts``):
+Forward of one MoE layer on one rank (``ExpertParallelExperts``, ``ndtrain.parallel.ep.layers``,
+replaces the layer's ``GroupedExperts``; ``MoE.run_experts`` hands it the tokens of all experts):
 
 1. the (E,) per-expert counts of the tokens this rank sorted by expert are exchanged with an
    all-to-all (ep x E/ep int64), so every rank knows how many rows it will receive;
@@ -42,29 +43,10 @@ from torch import nn
 from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import MoE, moe_layers
-from ndtrain.optim import SHARD_AXES_ATTR
 from ndtrain.parallel import comm
 from ndtrain.parallel.dp.ddp import DataParallel
-from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
-
-_EXPERT_WEIGHTS = ("w1", "w3", "w2")
-
-
-def ep_run_experts(moe: MoE, group: AxisGroup, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Expert-parallel ``MoE.run_experts``: xs (M, C) sorted by global expert id, counts (E,) ->
-    (M, C) outputs of the (possibly remote) experts, in the same order."""
-    ep = group.size
-    el = counts.numel() // ep
-    send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
-    recv = torch.empty_like(send)  # (ep, E/ep): row s = rows source s sends to my experts
-    all_to_all_v(recv, send, [1] * ep, [1] * ep, group)
-    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    xr = AllToAllV.apply(xs, out_splits, in_splits, group)  # (R, C), (source, expert) order
-    seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
-    perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
-    y = moe.experts(xr[perm], recv.sum(0))  # (R, C)
-    y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
-    return AllToAllV.apply(y, in_splits, out_splits, group)  # (M, C)
+from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
+from ndtrain.parallel.ep.layers import EXPERT_WEIGHTS, ExpertParallelExperts
 
 
 def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor:
@@ -86,19 +68,13 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     if ep.size == 1:
         return []
     names = []
-    for name, moe in model.named_modules():
+    for name, moe in list(model.named_modules()):  # a snapshot: the loop replaces submodules
         if not isinstance(moe, MoE):
             continue
         if moe.n_experts % ep.size:
             raise ValueError(f"moe_experts ({moe.n_experts}) is not divisible by ep ({ep.size})")
-        el = moe.n_experts // ep.size
-        for w in _EXPERT_WEIGHTS:
-            full = getattr(moe.experts, w)
-            local = nn.Parameter(full.detach()[ep.rank * el:(ep.rank + 1) * el].clone())  # (E/ep, ., .)
-            setattr(local, SHARD_AXES_ATTR, ("ep",))
-            setattr(moe.experts, w, local)
-            names.append(f"{name}.experts.{w}")
-        moe.run_experts = functools.partial(ep_run_experts, moe, ep)
+        moe.experts = ExpertParallelExperts(moe.experts, ep)
+        names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names
 
 
@@ -112,7 +88,7 @@ class _Params:
         return iter(self._params)
 
 
-class ExpertDataParallel:
+class ExpertDataParallel(ReplicatedGradSync):  # build_optimizer, clip_grad_norm: dp.grad_sync
     """Data parallel for an expert-parallel model: the trainer's DP interface (``no_sync``,
     ``finish_grad_sync``, ``build_optimizer``, ``clip_grad_norm``, state dicts), with dense
     parameters all-reduced over ``dense_group`` (dp, or dp_cp under cp) and expert parameters over
@@ -148,17 +124,6 @@ class ExpertDataParallel:
         for q in self.expert_params:
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-
-    def build_optimizer(self, tcfg):
-        from ndtrain.optim import build_optimizer
-
-        return build_optimizer(self.module.named_parameters(), tcfg)
-
-    def clip_grad_norm(self, max_norm: float, mesh=None) -> float:
-        from ndtrain.optim import clip_grad_norm, shard_axes
-
-        items = [(q.grad, shard_axes(q)) for q in self.module.parameters() if q.grad is not None]
-        return clip_grad_norm(items, max_norm, mesh or self.mesh)
 
     # ---- checkpoint state: expert tensors as DTensor Shard(0) over the ep mesh -------------------
     def _to_dtensor(self, t: torch.Tensor):

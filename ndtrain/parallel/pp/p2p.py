@@ -1,6 +1,7 @@
 """Point-to-point messages between pipeline stages: a fixed header (dtype, shape), then the tensor.
 
 ``send_tensor`` posts both sends asynchronously (``send_async``, counted on the pp axis);
+``recv_tensor`` receives one message, blocking (the plain 1F1B reference executor uses it);
 ``Receiver`` runs one thread per peer that posts that peer's receives in the order the peer sends
 them (known from the schedule), so messages land while the main thread computes; ``take(key)``
 blocks only until that message is there (or raises after ``timeout_s``, or re-raises a receive
@@ -67,12 +68,7 @@ class Receiver:
     def _loop(self, peer: int, keys) -> None:
         try:
             for key, msg_tag in keys:
-                meta = torch.empty(_META_LEN, dtype=torch.int64)
-                recv_async(meta, self.group, peer, msg_tag).wait()
-                ndim = int(meta[1])
-                shape = [int(d) for d in meta[2:2 + ndim]]
-                buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
-                recv_async(buf, self.group, peer, msg_tag + 1).wait()
+                buf = recv_tensor(self.group, peer, msg_tag, self.device)
                 with self.cond:
                     self.inbox[key] = buf
                     self.cond.notify_all()
@@ -109,3 +105,14 @@ def send_tensor(t: torch.Tensor, group: AxisGroup, dst: int, msg_tag: int):
     meta[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     works = (send_async(meta, group, dst, msg_tag), send_async(t, group, dst, msg_tag + 1))
     return works, (meta, t)
+
+
+def recv_tensor(group: AxisGroup, src: int, msg_tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Blocking receive of one message from ``src``: the header (dtype, shape), then the tensor."""
+    meta = torch.empty(_META_LEN, dtype=torch.int64)
+    recv_async(meta, group, src, msg_tag).wait()
+    ndim = int(meta[1])
+    shape = [int(d) for d in meta[2:2 + ndim]]
+    buf = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=device)
+    recv_async(buf, group, src, msg_tag + 1).wait()
+    return buf

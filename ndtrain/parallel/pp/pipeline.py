@@ -1,6 +1,6 @@
 """Pipeline parallel in the trainer: tied embeddings across the first and last stage, global-norm
-clipping over all stages, checkpoint-ready optimizer state, and ``StagePipeline`` (what
-``ndtrain.train.Trainer`` calls when pp > 1).
+clipping over all stages, and ``StagePipeline`` (the trainer's
+step path; with pp == 1 it is one stage running its microbatches in order, no pipeline).
 
 Tied embeddings: the first stage's embedding and the last stage's head are separate copies with the
 same initial value (``ndtrain.parallel.pp.stage``); their gradients are summed over the 2-rank group
@@ -16,6 +16,7 @@ from torch import nn
 
 from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
+from ndtrain.optim import clip_coefficient
 from ndtrain.parallel import comm
 from ndtrain.parallel.pp.stage import stage_chunks, stage_info
 
@@ -72,48 +73,6 @@ def sync_tied_grads(model: nn.Module, dp, group: AxisGroup | None) -> None:
     comm.all_reduce(w.grad, group)
 
 
-def _tied_head_alias(model: nn.Module | None) -> dict[str, str]:
-    """{"output.weight": "tok_embeddings.weight"} on the last stage of a tied model, else {}."""
-    info = stage_info(model) if model is not None else None
-    return {"output.weight": "tok_embeddings.weight"} if (info and info.tied and not info.first
-                                                         and info.last) else {}
-
-
-def flatten_param_groups(optim_sd: dict, model: nn.Module | None = None) -> dict:
-    """The optimizer state dict as checkpointed: ``param_groups`` keyed by parameter name
-    (``{fqn: {"lr": ..., ...}}``, not a list of groups each listing its FQNs: pipeline stages hold
-    different parameters, so one list -- one checkpoint key, saved once -- fits no other stage),
-    and the last stage's tied head stored under the embedding's name, the name a single-process
-    optimizer uses for the tied Parameter (both stages hold identical moments)."""
-    alias = _tied_head_alias(model)
-    out = dict(optim_sd)
-    if alias and isinstance(out.get("state"), dict):
-        out["state"] = {alias.get(k, k): v for k, v in out["state"].items()}
-    groups = out.get("param_groups")
-    if isinstance(groups, list):
-        out["param_groups"] = {alias.get(f, f): {k: v for k, v in g.items() if k != "params"}
-                               for g in groups for f in g["params"]}
-    return out
-
-
-def unflatten_param_groups(optim_sd: dict, template: dict, model: nn.Module | None = None) -> dict:
-    """Inverse of ``flatten_param_groups``: the group lists of ``template`` (this layout's own
-    ``optim_state_dict``), each group's hyperparameters taken from its first parameter's entry."""
-    alias = _tied_head_alias(model)
-    out = dict(optim_sd)
-    if alias and isinstance(out.get("state"), dict):
-        back = {v: k for k, v in alias.items()}
-        out["state"] = {back.get(k, k): v for k, v in out["state"].items()}
-    flat = out.get("param_groups")
-    if isinstance(flat, dict):
-        groups = []
-        for g in template["param_groups"]:
-            saved = next((flat[alias.get(f, f)] for f in g["params"] if alias.get(f, f) in flat), {})
-            groups.append({**g, **saved, "params": g["params"]})
-        out["param_groups"] = groups
-    return out
-
-
 def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
     """Global-norm clipping over all stages: ``dp.clip_grad_norm`` sums squared norms over the
     parameters' shard axes (which include "pp"); the last stage's tied head is left out of the
@@ -128,8 +87,9 @@ def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
     norm = dp.clip_grad_norm(max_norm, mesh)
     if dup is not None:
         dup.grad = held
-        if held is not None and max_norm > 0 and norm > max_norm:
-            held.mul_(max_norm / (norm + 1e-6))  # the coefficient of optim.clip_grad_norm
+        coef = clip_coefficient(norm, max_norm)  # the factor optim.clip_grad_norm applied
+        if held is not None and coef != 1.0:
+            held.mul_(coef)
     return norm
 
 
@@ -139,6 +99,11 @@ class StagePipeline:
     Args: the stage ``model`` (after ``parallelize``), its gradient synchroniser ``dp``, ``mesh``,
     ``cfg``, ``loss_fn(logits, labels) -> sum CE`` (the layout's loss, e.g. vocab-parallel),
     ``forward_ctx`` (autocast factory), ``device``, ``m`` (microbatches per step).
+
+    With pp == 1 the whole model is one stage and the schedule is 1F1B on one rank, i.e. each
+    microbatch's forward then its backward, in order, every backward but the last under
+    ``dp.no_sync()``, then ``dp.finish_grad_sync()``: the same operations, in the same order, as a
+    plain gradient-accumulation loop (bitwise equal, ``tests/unit/test_pp_one_stage.py``).
     """
 
     def __init__(self, model: nn.Module, dp, mesh: Mesh, cfg: Config, loss_fn, forward_ctx,
@@ -147,14 +112,21 @@ class StagePipeline:
 
         self.model, self.dp, self.mesh, self.m = model, dp, mesh, m
         self.tied_group = build_tied_group(mesh, cfg)
-        self.runtime = PipelineRuntime(stage_chunks(model), mesh.group("pp"), cfg.parallel.pp_schedule,
-                                       loss_fn, dp, forward_ctx, device, seed=cfg.training.seed)
+        schedule = cfg.parallel.pp_schedule if mesh.dims.pp > 1 else "1f1b"  # one stage: F, B in turn
+        self.runtime = PipelineRuntime(stage_chunks(model), mesh.group("pp"), schedule, loss_fn, dp,
+                                       forward_ctx, device)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denom: float,
-                         positions: torch.Tensor | None = None) -> torch.Tensor:
+                         positions: torch.Tensor | None = None, extra_loss=None,
+                         loss_scale: float = 1.0) -> torch.Tensor:
         """All microbatches forward and backward, DP-reduced and tied-summed gradients in ``.grad``.
-        Returns the summed token loss of the local batch (float64, the same on every pp rank)."""
-        loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True)
+
+        inputs, labels: (B_local, T). Each microbatch backpropagates ``(loss_fn(logits, labels_mb) /
+        denom + extra_loss(labels_mb)) * loss_scale`` (``extra_loss``: optional MoE aux / MTP term,
+        called after the microbatch's forward on the last stage). Returns the summed token loss
+        of the local batch (float64, the same on every pp rank)."""
+        loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True,
+                                    extra_loss=extra_loss, loss_scale=loss_scale)
         sync_tied_grads(self.model, self.dp, self.tied_group)
         return loss_sum
 

@@ -1,48 +1,70 @@
-"""Pipeline runtime: run one rank's schedule (``pp_schedules``) over torch.distributed point-to-point.
+"""Pipeline runtime: run one rank's schedule (``schedules``) over torch.distributed point-to-point.
 
-Per step, on every pp rank:
+``PipelineRuntime.run`` is a loop over the rank's actions; each action kind has one short method:
 
-1. The local batch is cut into m microbatches (``tensor_split``: sizes differ by at most one, so
-   any m <= local batch works). Every rank holds the tokens and labels; stage 0 embeds the
-   tokens, the last stage computes the loss ``sum CE / n_valid_global`` (n_valid over all
-   microbatches and data-parallel ranks), so summed gradients are the single-process gradient.
-2. The rank's actions run in schedule order. ``F`` sends its output to the next virtual stage,
-   ``B`` its input gradient to the previous one (``pp_p2p``: a dtype / shape header, then the
-   tensor, so receivers need no shape knowledge).
-3. Overlap: sends are ``isend`` and waited only two actions later (or at the end); receives are
-   posted by one receiver thread per peer, in the order that peer sends (known from the schedule),
-   so a message is received while this rank computes, and a rank blocks only when the input of
-   its next action has not arrived. With that, any schedule order consistent with the dependency
-   graph runs without deadlock under any timing (``pp_simulate.simulate`` checks consistency).
-4. Data parallel: every backward that produces parameter gradients except the rank's last runs
-   under ``dp.no_sync()``; ``dp.finish_grad_sync()`` follows the last one (tied embeddings and
-   clipping over all stages: ``pp_train``).
+* ``_receive``: take the action's input (F: the previous stage's output, B: the next stage's input
+  gradient) from the ``Receiver`` (``p2p``), blocking only if it has not arrived;
+* ``_forward`` (F): run the chunk; on the last stage compute ``loss_fn(out, labels) / denom`` (plus
+  ``extra_loss(labels)``, times ``loss_scale``), else ``_send`` the output to the next stage;
+* ``_backward`` (B): backpropagate the received gradient (or the loss) and ``_send`` the input
+  gradient to the previous stage;
+* ``_weight_grad`` (W, zero-bubble only): the deferred weight gradients;
+* ``_send``: post the message (``isend``; waited two actions later by ``_reap_sends``).
+
+Per step: the local batch (B_local, T) is cut into m microbatches (``tensor_split``: sizes differ by
+at most one). Every rank holds tokens and labels; stage 0 embeds, the last stage computes the loss
+``sum CE / n_valid_global``, so summed gradients are the single-process gradient. Receives are
+posted ahead by one thread per peer in that peer's send order (``Schedule.inbound``) and sends never
+block, so any order consistent with the dependency graph runs without deadlock under any timing
+(``simulate.simulate`` checks consistency). With p == 1 no message is sent: one stage runs its
+microbatches forward then backward, in order (the non-pipelined step).
+
+Data parallel, a separate step (``_dp_context``): every gradient-producing action (B, or W when the
+backward is split) but the rank's last runs under ``dp.no_sync()``; ``dp.finish_grad_sync()``
+follows the loop.
 
 Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
 parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
-(so weight-gradient matmuls are skipped); ``W`` then backpropagates each recorded output's gradient
-into that module's own parameters, exactly the skipped terms (one ``autograd.grad`` per module, then
-one accumulation into ``.grad`` per W, so data-parallel hooks and ZeRO's end-of-backward flush fire
-once per W, not once per module). Needs modules that use their parameters only in their forward.
+(so weight-gradient matmuls are skipped); ``W`` adds the skipped weight gradients
+(``split_backward.accumulate_weight_grads``).
 
-Every action is timed (``time.time()``, comparable across local processes): ``last_events`` holds
-(kind, mb, chunk, start, end) and the time spent waiting for inputs; see ``ndtrain.parallel.pp.viz``.
+Timing, jitter and activation metering are observers (``observe``), attached by the caller.
 """
 from __future__ import annotations
 
 import contextlib
-import random
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
+from ndtrain.parallel.pp.observe import ActivationMemory
 from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
 from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
-from ndtrain.parallel.pp.simulate import Event
+from ndtrain.parallel.pp.split_backward import accumulate_weight_grads, parameter_owners
+
+
+@dataclass
+class _Step:
+    """State of one ``run``: inputs, loss settings, saved activations per (mb, chunk), sends."""
+
+    s: Schedule
+    xs: tuple
+    ys: tuple
+    denom: float
+    positions: torch.Tensor | None
+    train: bool
+    extra_loss: Callable | None
+    loss_scale: float
+    recv: Receiver
+    last_grad: int = -1  # index of the rank's last gradient-producing action (synchronised)
+    losses: list = field(default_factory=list)
+    saved: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    index: int = 0
 
 
 class PipelineRuntime:
@@ -52,230 +74,202 @@ class PipelineRuntime:
         chunks: this rank's modules, chunk c = virtual stage ``c * p + rank``; ``chunk(x)`` or
             ``chunk(x, positions)`` maps (B, T) tokens (stage 0) or (B, T, C) hidden states to
             hidden states, or to logits (B, T, V) on the last stage.
-        group: the ``pp`` AxisGroup.
+        group: the ``pp`` AxisGroup (size 1: one stage, no messages).
         schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble"; v = len(chunks).
         loss_fn: (logits, labels) -> sum of token losses of a microbatch (a 0-d tensor).
         dp: the gradient synchroniser (``no_sync`` / ``finish_grad_sync``), or None.
         forward_ctx: factory of the context forwards run in (e.g. bf16 autocast).
-        jitter_s: sleep uniform(0, jitter_s) seconds before every action (deadlock tests).
-        track_memory: measure the peak bytes of live activation storages of each step (saved
-            activations, activation gradients, buffers in flight; ``peak_activation_bytes``).
         timeout_s: how long a receive may wait before raising TimeoutError.
+    Attributes: ``observers`` (list of ``observe.RuntimeObserver``), ``microbatch_losses`` (the
+    last step's per-microbatch token-loss sums, float64 0-d, on the last stage; else empty).
     """
 
     def __init__(self, chunks: list[nn.Module], group: AxisGroup, schedule: str,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp=None,
                  forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 device: torch.device | str = "cpu", jitter_s: float = 0.0, seed: int = 0,
-                 track_memory: bool = False, timeout_s: float = 300.0):
+                 device: torch.device | str = "cpu", timeout_s: float = 300.0):
         self.chunks, self.group, self.schedule_name = chunks, group, schedule
         self.loss_fn, self.dp, self.forward_ctx = loss_fn, dp, forward_ctx
         self.device = torch.device(device)
         self.p, self.rank, self.v = group.size, group.rank, len(chunks)
-        self.jitter_s, self._rng = jitter_s, random.Random(seed * 1000 + group.rank)
         self.timeout_s = timeout_s
+        self.observers: list = []
+        self.microbatch_losses: list[torch.Tensor] = []
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self.last_events: list[Event] = []
-        self.last_wait_s = 0.0
-        self.track_memory = track_memory
-        self.peak_activation_bytes = 0
+        self._step: _Step | None = None
         self._capture: list | None = None
         self._hooks = []
         if schedule == "zero_bubble":
-            for chunk in chunks:
-                for mod in chunk.modules():
-                    if any(True for _ in mod.parameters(recurse=False)):
-                        self._hooks.append(mod.register_forward_hook(self._record_output))
+            self._hooks = [mod.register_forward_hook(self._record_output)
+                           for chunk in chunks for mod in parameter_owners(chunk)]
 
-    # --- schedule and messaging -----------------------------------------------------------------
     def schedule(self, m: int, name: str | None = None) -> Schedule:
         name = name or self.schedule_name
-        key = (name, m)
-        if key not in self._schedules:
-            self._schedules[key] = (forward_only(self.p, m, self.v) if name == "forward_only"
-                                    else build_schedule(name, self.p, m, self.v))
-        return self._schedules[key]
+        if (name, m) not in self._schedules:
+            self._schedules[(name, m)] = (forward_only(self.p, m, self.v) if name == "forward_only"
+                                          else build_schedule(name, self.p, m, self.v))
+        return self._schedules[(name, m)]
 
-    def _incoming(self, s: Schedule) -> dict[int, list]:
-        """Per peer: (key, tag) of every message it sends to this rank, in its send order."""
-        out: dict[int, list] = {}
-        S = s.n_stages
-        for q in range(self.p):
-            if q == self.rank:
-                continue
-            for a in s.actions[q]:
-                st = s.stage(q, a.chunk)
-                if a.kind == "F" and st + 1 < S and s.where(st + 1)[0] == self.rank:
-                    key = ("F", a.mb, st + 1)
-                elif a.kind == "B" and st > 0 and s.where(st - 1)[0] == self.rank:
-                    key = ("B", a.mb, st - 1)
-                else:
-                    continue
-                out.setdefault(q, []).append((key, tag(key[0], key[1], key[2], S)))
-        return out
+    # --- the step: a loop dispatching actions --------------------------------------------------
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, m: int, denom: float = 1.0,
+            positions: torch.Tensor | None = None, train: bool = True,
+            extra_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            loss_scale: float = 1.0) -> torch.Tensor:
+        """Run all m microbatches through the pipeline (forward and backward when ``train``).
 
-    def _send(self, t: torch.Tensor, kind: str, mb: int, to_stage: int, s: Schedule) -> None:
-        dst = s.where(to_stage)[0]
-        works, bufs = send_tensor(t, self.group, dst, tag(kind, mb, to_stage, s.n_stages))
-        self._sends.append((self._action_index, works, bufs))
+        inputs, labels: (B_local, T) on every pp rank; m <= B_local. The last stage backpropagates
+        ``(loss_fn(logits, labels_mb) / denom + extra_loss(labels_mb)) * loss_scale`` per microbatch
+        (``extra_loss``: MoE aux / MTP terms, called right after the microbatch's forward; the
+        ``* loss_scale`` is skipped when it is 1). Returns the sum of the token losses over all
+        microbatches (float64 0-d, all-reduced over pp so every stage returns it). In training the
+        parameters' ``.grad`` hold the gradients after the data-parallel sync.
+        Raises ValueError unless 1 <= m <= B_local; TimeoutError if a message does not arrive.
+        """
+        if m < 1 or m > inputs.shape[0]:
+            raise ValueError(f"microbatches m ({m}) must be in 1..local batch ({inputs.shape[0]})")
+        s = self.schedule(m, None if train else "forward_only")
+        st = self._step = _Step(s, inputs.tensor_split(m), labels.tensor_split(m), denom, positions,
+                                train, extra_loss, loss_scale, self._start_receiver(s))
+        acts, obs = s.actions[self.rank], self.observers
+        grad_kind = "W" if s.split_backward else "B"
+        st.last_grad = max((i for i, a in enumerate(acts) if a.kind == grad_kind), default=-1)
+        for o in obs:
+            o.on_step_start(self, s, train)
+        try:
+            with contextlib.nullcontext() if train else torch.no_grad():
+                for i, a in enumerate(acts):
+                    st.index = i
+                    self._reap_sends()
+                    for o in obs:
+                        o.on_wait(a)
+                    inp = self._receive(a)
+                    for o in obs:
+                        o.on_action_start(a)
+                    with self._dp_context(i):
+                        {"F": self._forward, "B": self._backward, "W": self._weight_grad}[a.kind](a, inp)
+                    for o in obs:
+                        o.on_action_end(a)
+                self._reap_sends(final=True)
+                st.recv.join()
+        finally:
+            self._step, self._capture = None, None
+            for o in obs:
+                o.on_step_end()
+        if train and self.dp is not None:
+            self.dp.finish_grad_sync()
+        self.microbatch_losses = st.losses
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in st.losses:  # microbatch order, as a plain loop accumulates
+            loss_sum += loss
+        comm.all_reduce(loss_sum, self.group)  # only the last stage holds a non-zero sum
+        return loss_sum
+
+    def _dp_context(self, i: int):
+        """``dp.no_sync()`` for every gradient-producing action of the rank but its last."""
+        st = self._step
+        kind = st.s.actions[self.rank][i].kind
+        if self.dp is None or not st.train or kind != ("W" if st.s.split_backward else "B"):
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if i == st.last_grad else self.dp.no_sync()
+
+    # --- messages -------------------------------------------------------------------------------
+    def _start_receiver(self, s: Schedule) -> Receiver:
+        recv = Receiver(self.group, self.device, self.timeout_s)
+        for peer, msgs in s.inbound(self.rank).items():
+            recv.start(peer, [(msg, tag(*msg, s.n_stages)) for msg in msgs])
+        return recv
+
+    def _receive(self, a: Action) -> torch.Tensor | None:
+        """The input of ``a`` from another stage (None for F on stage 0, B on the last stage, W)."""
+        s = self._step.s
+        stage = s.stage(self.rank, a.chunk)
+        if (a.kind == "F" and stage > 0) or (a.kind == "B" and stage < s.n_stages - 1):
+            return self._step.recv.take((a.kind, a.mb, stage))
+        return None
+
+    def _send(self, t: torch.Tensor, a: Action) -> None:
+        msg = self._step.s.message(self.rank, a)
+        if msg is not None:
+            dst = self._step.s.where(msg[2])[0]
+            works, bufs = send_tensor(t, self.group, dst, tag(*msg, self._step.s.n_stages))
+            self._step.sends.append((self._step.index, works, bufs))
 
     def _reap_sends(self, final: bool = False) -> None:
+        """Wait for sends posted two or more actions ago (all when ``final``), freeing buffers."""
         keep = []
-        for idx, works, bufs in self._sends:
-            if final or idx <= self._action_index - 2:
+        for idx, works, bufs in self._step.sends:
+            if final or idx <= self._step.index - 2:
                 for w in works:
                     w.wait()
             else:
                 keep.append((idx, works, bufs))
-        self._sends = keep
+        self._step.sends = keep
 
     def _record_output(self, module, args, output) -> None:
         if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
             self._capture.append((module, output))
 
-    # --- one step -----------------------------------------------------------------------------
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, m: int, denom: float = 1.0,
-            positions: torch.Tensor | None = None, train: bool = True) -> torch.Tensor:
-        """Run all m microbatches through the pipeline (forward and backward when ``train``).
-
-        inputs, labels: (B_local, T) on every pp rank; m <= B_local. Returns the sum of the token
-        losses over all microbatches (float64 0-d; non-zero only on the last stage). In training
-        the parameters' ``.grad`` hold d(sum CE / denom) after the data-parallel sync.
-        """
-        if m < 1 or m > inputs.shape[0]:
-            raise ValueError(f"microbatches m ({m}) must be in 1..local batch ({inputs.shape[0]})")
-        s = self.schedule(m, None if train else "forward_only")
-        xs, ys = inputs.tensor_split(m), labels.tensor_split(m)
-        self._sends, self._action_index = [], 0
-        self._state: dict[tuple[int, int], dict] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        recv = Receiver(self.group, self.device, self.timeout_s)
-        for peer, keys in self._incoming(s).items():
-            recv.start(peer, keys)
-        acts = s.actions[self.rank]
-        grad_kind = "W" if s.split_backward else "B"
-        last_grad = max((i for i, a in enumerate(acts) if a.kind == grad_kind), default=-1)
-        events, wait_s = [], 0.0
-        mem = None
-        if self.track_memory and train:  # live activation storages (ndtrain.mem_account)
-            from ndtrain.mem_account import ActivationMeter
-
-            mem = ActivationMeter([q for c in self.chunks for q in c.parameters()])
-        grad_ctx = contextlib.nullcontext() if train else torch.no_grad()
-        try:
-            with grad_ctx, (mem or contextlib.nullcontext()):
-                for i, a in enumerate(acts):
-                    self._action_index = i
-                    self._reap_sends()
-                    if self.jitter_s:
-                        time.sleep(self._rng.uniform(0.0, self.jitter_s))
-                    st = s.stage(self.rank, a.chunk)
-                    t_wait = time.time()
-                    inp = None
-                    if a.kind == "F" and st > 0:
-                        inp = recv.take(("F", a.mb, st))
-                    elif a.kind == "B" and st < s.n_stages - 1:
-                        inp = recv.take(("B", a.mb, st))
-                    t0 = time.time()
-                    wait_s += t0 - t_wait
-                    sync = (self.dp is None or not train or a.kind != grad_kind or i == last_grad)
-                    with contextlib.nullcontext() if sync else self.dp.no_sync():
-                        if a.kind == "F":
-                            loss = self._forward(a, st, s, inp, xs[a.mb], ys[a.mb], denom, positions, train)
-                            if loss is not None:
-                                loss_sum += loss
-                        elif a.kind == "B":
-                            self._backward(a, st, s, inp)
-                        else:
-                            self._weight_grad(a)
-                    events.append(Event(a.kind, a.mb, a.chunk, t0, time.time()))
-                self._action_index = len(acts) + 2
-                self._reap_sends(final=True)
-                recv.join()
-        finally:
-            self._state = {}
-            self._capture = None
-        if mem is not None:
-            self.peak_activation_bytes = mem.peak
-        self.last_events, self.last_wait_s = events, wait_s
-        if train and self.dp is not None:
-            self.dp.finish_grad_sync()
-        comm.all_reduce(loss_sum, self.group)  # only the last stage holds a non-zero sum
-        return loss_sum
-
-    def _forward(self, a: Action, st: int, s: Schedule, inp, tokens, labels, denom, positions, train):
-        if st == 0:
-            x = tokens
-        else:
-            x = inp.requires_grad_(train and inp.is_floating_point())
-        chunk = self.chunks[a.chunk]
-        self._capture = [] if (train and s.split_backward) else None
+    # --- compute actions --------------------------------------------------------------------------
+    def _forward(self, a: Action, inp: torch.Tensor | None) -> None:
+        st, s = self._step, self._step.s
+        stage = s.stage(self.rank, a.chunk)
+        x = st.xs[a.mb] if stage == 0 else inp.requires_grad_(st.train and inp.is_floating_point())
+        self._capture = [] if (st.train and s.split_backward) else None
         with self.forward_ctx():
-            out = chunk(x) if positions is None else chunk(x, positions)
+            out = self.chunks[a.chunk](x) if st.positions is None else self.chunks[a.chunk](x, st.positions)
         captured, self._capture = self._capture, None
-        loss = None
-        if st == s.n_stages - 1:
-            ls = self.loss_fn(out, labels)
-            loss = ls.detach().double()
-            out = ls / denom
+        if stage == s.n_stages - 1:
+            ls = self.loss_fn(out, st.ys[a.mb])
+            st.losses.append(ls.detach().double())
+            out = ls / st.denom
+            if st.extra_loss is not None:
+                out = out + st.extra_loss(st.ys[a.mb])
+            if st.loss_scale != 1.0:
+                out = out * st.loss_scale
         else:
-            self._send(out, "F", a.mb, st + 1, s)
-        if train:
-            self._state[(a.mb, a.chunk)] = {"x": x if st > 0 else None, "out": out, "captured": captured}
-        return loss
+            self._send(out, a)
+        if st.train:
+            st.saved[(a.mb, a.chunk)] = {"x": x if stage > 0 else None, "out": out, "captured": captured}
 
-    def _backward(self, a: Action, st: int, s: Schedule, grad_out) -> None:
-        state = self._state[(a.mb, a.chunk)]
-        out, x = state.pop("out"), state["x"]
+    def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
+        st = self._step
+        saved = st.saved[(a.mb, a.chunk)]
+        out, x = saved.pop("out"), saved["x"]
         grads = None if grad_out is None else [grad_out]
-        if not s.split_backward:
+        if not st.s.split_backward:
             torch.autograd.backward([out], grads)
             gx = x.grad if x is not None else None
-            self._state.pop((a.mb, a.chunk))
+            st.saved.pop((a.mb, a.chunk))
         else:  # input gradient and the gradients at every parameter-owning module's output
-            captured = state["captured"]
+            captured = saved.pop("captured")
             targets = ([x] if x is not None else []) + [y for _, y in captured]
             got = torch.autograd.grad([out], targets, grads, retain_graph=True, allow_unused=True)
             gx = got[0] if x is not None else None
-            state["wgrads"] = list(zip(captured, got[1 if x is not None else 0:]))
-            state.pop("captured")
-        if st > 0:
-            self._send(gx, "B", a.mb, st - 1, s)
+            saved["wgrads"] = list(zip(captured, got[1 if x is not None else 0:]))
+        self._send(gx, a)
 
-    def _weight_grad(self, a: Action) -> None:
-        state = self._state.pop((a.mb, a.chunk))
-        params, grads = [], {}
-        for (mod, y), g in state["wgrads"]:
-            if g is None:
-                continue
-            ps = [q for q in mod.parameters(recurse=False) if q.requires_grad]
-            for q, gq in zip(ps, torch.autograd.grad([y], ps, [g], retain_graph=True, allow_unused=True)):
-                if gq is None:
-                    continue
-                if id(q) in grads:
-                    grads[id(q)] = grads[id(q)] + gq
-                else:
-                    params.append(q)
-                    grads[id(q)] = gq
-        if params:  # one backward per W: data-parallel hooks and end-of-backward flushes fire once
-            torch.autograd.backward([_AccumulateInto.apply([grads[id(q)] for q in params], *params)],
-                                    inputs=params)
+    def _weight_grad(self, a: Action, _inp=None) -> None:
+        accumulate_weight_grads(self._step.saved.pop((a.mb, a.chunk))["wgrads"])
+
+    # --- activation metering, kept for callers of the former flag (``observe.ActivationMemory``) ---
+    @property
+    def track_memory(self) -> bool:
+        return any(isinstance(o, ActivationMemory) for o in self.observers)
+
+    @track_memory.setter
+    def track_memory(self, on: bool) -> None:
+        if on and not self.track_memory:
+            self.observers.append(ActivationMemory())
+        elif not on:
+            self.observers = [o for o in self.observers if not isinstance(o, ActivationMemory)]
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """Peak live activation bytes of the last metered step (0 if never metered)."""
+        return next((o.peak_bytes for o in self.observers if isinstance(o, ActivationMemory)), 0)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
-
-class _AccumulateInto(torch.autograd.Function):
-    """fwd: a 0-d zero that depends on ``params`` (their data is not read; ZeRO-3 may have freed
-    it), bwd: the given gradients for ``params``, which autograd accumulates into ``.grad``."""
-
-    @staticmethod
-    def forward(ctx, grads, *params):
-        ctx.grads = grads
-        return params[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.grads)

@@ -1,4 +1,4 @@
-"""Pipeline schedules as explicit per-rank action lists, and a simulator that checks and times them.
+"""Pipeline schedules as explicit per-rank action lists, each built directly from its formula.
 
 A schedule for ``p`` ranks, ``m`` microbatches and ``v`` model chunks per rank is, for every rank, the
 ordered list of compute actions it runs in one optimizer step:
@@ -8,11 +8,11 @@ ordered list of compute actions it runs in one optimizer step:
 * ``W`` (weight-gradient part of the backward; split schedules only).
 
 Chunk ``c`` of rank ``r`` is virtual stage ``s = c * p + r`` (Megatron's interleaved placement), so
-a microbatch visits ranks 0, 1, ..., p-1, 0, 1, ... in its forward. Point-to-point traffic is not
-listed: it follows from the actions (the output of ``F`` at stage s goes to stage s+1, the input
-gradient of ``B`` at stage s to stage s-1). The runtime posts every receive ahead of time and never
-blocks on a send, so an order is deadlock-free under *any* timing iff it is consistent with the
-dependency graph; ``pp_simulate.simulate`` checks exactly that (and times it).
+a microbatch visits ranks 0, 1, ..., p-1, 0, 1, ... in its forward. Messages follow from the
+actions (``Schedule.message``): the output of ``F`` at stage s goes to stage s+1, the input gradient
+of ``B`` at stage s to stage s-1. The runtime posts every receive ahead of time and never blocks on
+a send, so an order is deadlock-free under *any* timing iff it is consistent with the dependency
+graph; ``simulate.simulate`` checks exactly that (and times it). No builder consults the simulator.
 
 Schedules (any ``m >= 1``; ``m`` smaller than or not a multiple of ``p`` included):
 
@@ -22,8 +22,8 @@ Schedules (any ``m >= 1``; ``m`` smaller than or not a multiple of ``p`` include
   warm-up of ``p-r-1`` forwards, steady one-forward-one-backward, cool-down. Same bubble as GPipe,
   at most ``min(p-r, m)`` microbatches in flight on rank r.
 * Interleaved 1F1B (Narayanan et al. 2021, "Efficient large-scale language model training on GPU
-  clusters using Megatron-LM"): v chunks per rank, microbatches in groups of p; bubble
-  (p-1)/(v*m+p-1) when p divides m.
+  clusters using Megatron-LM"): v chunks per rank, microbatches in groups of p; warm-up of
+  ``(p-r-1)*2 + (v-1)*g`` chunk-forwards; bubble (p-1)/(v*m+p-1) when m >= p.
 * ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): backward split into B (input grad,
   on the critical path) and W (weight grad, deferred to fill bubbles), in-flight limit as 1F1B.
   With equal F/B/W times the bubble is (p-1)/(3m+p-1), a third of 1F1B's.
@@ -70,9 +70,26 @@ class Schedule:
     def n_stages(self) -> int:
         return self.p * self.v
 
-    def formula_bubble(self) -> float:
-        """The textbook bubble fraction of this schedule (equal per-stage work, free p2p)."""
-        return bubble_formula(self.name, self.p, self.m, self.v)
+    def message(self, rank: int, a: Action) -> tuple[str, int, int] | None:
+        """What ``a`` on ``rank`` sends, as (kind, mb, receiving stage): an F off the last stage sends
+        its output ("F", mb, s+1), a B off stage 0 its input gradient ("B", mb, s-1); else None."""
+        st = self.stage(rank, a.chunk)
+        if a.kind == "F" and st < self.n_stages - 1:
+            return ("F", a.mb, st + 1)
+        if a.kind == "B" and st > 0:
+            return ("B", a.mb, st - 1)
+        return None
+
+    def inbound(self, rank: int) -> dict[int, list[tuple[str, int, int]]]:
+        """Per peer rank: the messages it sends to ``rank``, in the order it sends them (the order its
+        receiver must post receives in). Messages a rank sends itself (v > 1, p == 1) never occur."""
+        out: dict[int, list[tuple[str, int, int]]] = {}
+        for q in range(self.p):
+            for a in self.actions[q]:
+                msg = self.message(q, a)
+                if q != rank and msg is not None and self.where(msg[2])[0] == rank:
+                    out.setdefault(q, []).append(msg)
+        return out
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
@@ -93,70 +110,58 @@ def gpipe(p: int, m: int) -> Schedule:
 
 
 def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
-    """``warmup`` forwards, then alternate forward / backward, then the remaining backwards."""
+    """Warm-up: the first ``warmup`` forwards. Steady state: each further forward followed by the
+    oldest pending backward. Cool-down: the backwards left."""
     warmup = min(warmup, len(fwd))
-    order = list(fwd[:warmup])
     steady = len(fwd) - warmup
+    order = list(fwd[:warmup])
     for i in range(steady):
         order += [fwd[warmup + i], bwd[i]]
     return order + list(bwd[steady:])
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-Flush 1F1B: rank r warms up with ``min(p-r-1, m)`` forwards."""
-    acts = []
-    for r in range(p):
-        fwd = [Action("F", j) for j in range(m)]
-        bwd = [Action("B", j) for j in range(m)]
-        acts.append(_one_f_one_b(fwd, bwd, p - r - 1))
-    return Schedule("1f1b", p, m, 1, acts)
+    """PipeDream-Flush 1F1B: rank r warms up with ``min(p-r-1, m)`` forwards (the microbatches in
+    flight below it when its first backward can arrive)."""
+    fwd = [Action("F", j) for j in range(m)]
+    bwd = [Action("B", j) for j in range(m)]
+    return Schedule("1f1b", p, m, 1, [_one_f_one_b(fwd, bwd, p - r - 1) for r in range(p)])
 
 
-def _interleaved_orders(p: int, m: int, v: int) -> tuple[list[Action], list[Action]]:
-    """Megatron's chunk order: microbatches in groups; within a group all chunks in turn, forward
-    chunks ascending, backward chunks descending. Groups hold p microbatches, except that the
-    remainder of m / p joins the last group (a group smaller than p would leave rank 0 waiting
-    for its own chunk-0 outputs to come round the ring); m < p gives one group of m."""
-    sizes = [m] if m < p else [p] * (m // p - 1) + [p + m % p]
-    fwd, bwd, start = [], [], 0
+def interleaved_groups(p: int, m: int) -> list[int]:
+    """Microbatch group sizes: groups of p, the remainder of m / p joining the last group (a group
+    smaller than p would leave rank 0 waiting for its own chunk-0 outputs to come round the ring);
+    m < p gives one group of m."""
+    return [m] if m < p else [p] * (m // p - 1) + [p + m % p]
+
+
+def interleaved(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B with ``v`` chunks per rank (Narayanan et al. 2021, Megatron-LM).
+
+    Chunk order: per group of g microbatches (``interleaved_groups``), forwards run chunk 0 for the
+    group's microbatches, then chunk 1, ..., chunk v-1; backwards the same with chunks descending.
+    Rank r warms up with ``(p-r-1)*2 + (v-1)*g_max`` chunk-forwards (capped at v*m): ``(v-1)*g_max``
+    is the distance, in the forward order, from a chunk-0 forward to the last-chunk forward whose
+    backward comes first, and ``2`` per rank below covers a forward's trip down the ring and its
+    gradient's trip back (Megatron's warm-up, with g_max = p when p divides m). Then 1F1B over
+    chunk-actions. Deadlock-free and with bubble exactly (p-1)/(v*m+p-1) for m >= p (tested for
+    p <= 8, v <= 4, m <= 16). Raises ValueError if ``v < 2``.
+    """
+    if v < 2:
+        raise ValueError(f"interleaved schedule needs pp_virtual_stages >= 2 (got {v})")
+    fwd: list[Action] = []
+    bwd: list[Action] = []
+    start = 0
+    sizes = interleaved_groups(p, m)
     for size in sizes:
         group = range(start, start + size)
         start += size
         for c in range(v):
             fwd += [Action("F", j, c) for j in group]
             bwd += [Action("B", j, v - 1 - c) for j in group]
-    return fwd, bwd
-
-
-def interleaved(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B with ``v`` chunks per rank.
-
-    Rank r warms up with ``(p-r-1)*2 + (v-1)*g`` forwards (Megatron-LM), g the largest group
-    (p when p divides m; the lag between a backward and its forward in the two orders). Should that warm-up ever be too short for some (p, m, v), the warm-up
-    of each stalled rank is lengthened one forward at a time until ``simulate`` finds no deadlock
-    (all forwards first, i.e. interleaved GPipe, is always valid, so this terminates). With
-    m >= p and equal chunk times the bubble is exactly (p-1)/(v*m+p-1) (tested).
-    Raises ValueError if ``v < 2``.
-    """
-    if v < 2:
-        raise ValueError(f"interleaved schedule needs pp_virtual_stages >= 2 (got {v})")
-    from ndtrain.parallel.pp.simulate import DeadlockError, simulate
-
-    fwd, bwd = _interleaved_orders(p, m, v)
-    pos = {(a.mb, a.chunk): i for i, a in enumerate(fwd)}
-    lag = max(pos[(b.mb, b.chunk)] - i for i, b in enumerate(bwd))  # (v-1)*p for groups of p
-    warm = [min(len(fwd), (p - r - 1) * 2 + lag) for r in range(p)]
-    while True:
-        sched = Schedule("interleaved", p, m, v, [_one_f_one_b(fwd, bwd, w) for w in warm])
-        try:
-            simulate(sched)
-            return sched
-        except DeadlockError as e:
-            stuck = [r for r in e.args[1] if warm[r] < len(fwd)]
-            if not stuck:  # pragma: no cover - all-forwards-first cannot deadlock
-                raise
-            for r in stuck:
-                warm[r] += 1
+    lag = (v - 1) * max(sizes)
+    acts = [_one_f_one_b(fwd, bwd, (p - r - 1) * 2 + lag) for r in range(p)]
+    return Schedule("interleaved", p, m, v, acts)
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
@@ -168,17 +173,16 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     are in flight per rank (1F1B's peak). With unit F, B, W times and m >= p the simulated bubble
     is exactly (p-1)/(3m+p-1), a third of 1F1B's (tested).
     """
+    fwd = [Action("F", j) for j in range(m)]
+    bwd = [Action("B", j) for j in range(m)]
     acts = []
     for r in range(p):
-        base = _one_f_one_b([Action("F", j) for j in range(m)], [Action("B", j) for j in range(m)],
-                            p - r - 1)
-        order, n_w = [], 0
-        for a in base:
+        order: list[Action] = []
+        for a in _one_f_one_b(fwd, bwd, p - r - 1):
             order.append(a)
-            if a.kind == "B" and a.mb - r >= 0:
+            if a.kind == "B" and a.mb >= r:
                 order.append(Action("W", a.mb - r))
-                n_w += 1
-        acts.append(order + [Action("W", j) for j in range(n_w, m)])
+        acts.append(order + [Action("W", j) for j in range(max(m - r, 0), m)])
     return Schedule("zero_bubble", p, m, 1, acts, split_backward=True)
 
 

@@ -5,7 +5,8 @@ semantics (receives posted ahead, sends never block) and unit-ish durations, ret
 ``Timeline`` (per-rank ``Event``s) or raising ``DeadlockError``. A schedule that simulates without
 deadlock is consistent with the dependency graph, hence runs without deadlock under any timing.
 ``Timeline.bubble(rank)`` is the rank's idle fraction of the step, the quantity of the textbook
-formulas (``pp_schedules.bubble_formula``); measured timelines (``pp_viz``) use the same class.
+formulas (``schedules.bubble_formula``); measured timelines (``viz``) use the same class. The
+schedule builders never call it: it is the checker the unit tests run over a grid of p, m, v.
 """
 from __future__ import annotations
 
@@ -150,14 +151,11 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float | None = None, t_w: float
 
 def _consumer(s: Schedule, rank: int, a: Action) -> tuple[int, Action] | None:
     """(rank, action) that consumes the message ``a`` sends, or None if it sends nothing."""
-    st = s.stage(rank, a.chunk)
-    if a.kind == "F" and st < s.n_stages - 1:
-        r, c = s.where(st + 1)
-        return r, Action("F", a.mb, c)
-    if a.kind == "B" and st > 0:
-        r, c = s.where(st - 1)
-        return r, Action("B", a.mb, c)
-    return None
+    msg = s.message(rank, a)
+    if msg is None:
+        return None
+    r, c = s.where(msg[2])
+    return r, Action(msg[0], a.mb, c)
 
 
 def peak_in_flight(s: Schedule) -> list[int]:

@@ -3,8 +3,9 @@
 * ``planned_timeline(name, p, m, v)``: the schedule simulated with F = 1, B = 2 (full backward) or
   F = B = W = 1 (split backward) time units per rank's share of the model (1/v of that per chunk),
   free point-to-point;
-* ``gather_measured_timeline(runtime)``: the per-rank action timestamps of the runtime's last step,
-  collected over the ``pp`` group (wall-clock seconds, shifted so the step starts at 0);
+* ``gather_measured_timeline(timer, group)``: the per-rank action timestamps of the last step
+  recorded by an ``observe.ActionTimer`` attached to the runtime, collected over the ``pp`` group
+  (wall-clock seconds, shifted so the step starts at 0);
 * ``render_text(tl)`` / ``render_png(tl, path)``: one row per rank, F / B / W blocks labelled with
   their microbatch, idle time visible ('.' in text, blank in the PNG); with v > 1 chunks, odd chunks
   are lower-case in text and lighter in the PNG;
@@ -37,13 +38,12 @@ def measured_timeline(events: list[list[Event]], name: str, m: int, v: int = 1) 
     return Timeline(len(events), shifted, name, m, v, {"kind": "measured"})
 
 
-def gather_measured_timeline(runtime) -> Timeline:
-    """Collective over the runtime's pp group: the measured timeline of its last ``run`` (all
-    ranks get it). Uses ``comm.all_gather_object`` (counted on the pp axis)."""
-    events = comm.all_gather_object(runtime.last_events, runtime.group)
-    sched = next(iter(runtime._schedules.values()), None)
-    m = max((e.mb for evs in events for e in evs), default=0) + 1
-    return measured_timeline(events, runtime.schedule_name if sched is None else sched.name, m, runtime.v)
+def gather_measured_timeline(timer, group) -> Timeline:
+    """Collective over the ``pp`` AxisGroup ``group``: the measured timeline of the last step timed
+    by ``timer`` (an ``observe.ActionTimer`` attached to the runtime; all ranks get it). Uses
+    ``comm.all_gather_object`` (counted on the pp axis)."""
+    events = comm.all_gather_object(timer.events, group)
+    return measured_timeline(events, timer.name, timer.m, timer.v)
 
 
 def formula(tl: Timeline) -> float:

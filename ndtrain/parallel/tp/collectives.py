@@ -3,6 +3,11 @@ the sequence-parallel all-gather / reduce-scatter pair (Korthikanti et al. 2022)
 
 Each class is named for its forward effect; its docstring says "fwd: X, bwd: Y". Bytes are counted
 on the group's axis by the primitives of ``ndtrain.parallel.comm``.
+
+Which collectives reduce *weight* gradients: only ``CopyWeightToTP`` (norm gains under SP,
+replicated kv weights); it honours ``parallel.grad_reduce_dtype`` like the data-parallel
+reductions do. The others move *activations* or their gradients, which stay in the compute dtype
+(as in Megatron-LM): they are part of the forward / backward computation, not of the gradient sync.
 """
 from __future__ import annotations
 
@@ -15,9 +20,8 @@ from ndtrain.parallel.comm import all_reduce, gather_dim, reduce_scatter_dim
 class CopyToTP(torch.autograd.Function):
     """Megatron's f operator: enter a tensor-parallel region with a replicated input.
 
-    fwd: identity, bwd: all-reduce (sum) over ``group``.
-    Also applied to weights that every rank of ``group`` holds whole but uses on different data
-    (norm gains under sequence parallel, replicated kv heads), so their gradients are summed.
+    fwd: identity, bwd: all-reduce (sum) over ``group``, in the gradient's dtype (an activation
+    gradient; weights use ``CopyWeightToTP``).
     """
 
     @staticmethod
@@ -80,3 +84,30 @@ class ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return gather_dim(g, ctx.dim, ctx.group), None, None
+
+
+def all_reduce_grad(g: torch.Tensor, group: AxisGroup, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """Sum of the weight gradient ``g`` over ``group``, reduced in ``reduce_dtype`` (None: g's own
+    dtype) and returned, as a new tensor, in g's dtype (one rounding after an exact-dtype sum)."""
+    buf = g.to(dtype=reduce_dtype or g.dtype, memory_format=torch.contiguous_format, copy=True)
+    all_reduce(buf, group)
+    return buf.to(g.dtype)
+
+
+class CopyWeightToTP(torch.autograd.Function):
+    """Megatron's f on a weight that every rank of ``group`` holds whole but uses on different
+    data (norm gains under sequence parallel, replicated kv heads): its gradient is summed.
+
+    fwd: identity, bwd: all-reduce (sum) over ``group`` in ``reduce_dtype``
+    (``parallel.grad_reduce_dtype`` under mixed precision; None: the gradient's dtype), cast back
+    to the gradient's dtype. Bytes: 2 (N-1)/N * numel * size of ``reduce_dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, group: AxisGroup, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return all_reduce_grad(g, ctx.group, ctx.reduce_dtype), None, None

@@ -14,6 +14,10 @@ of its padded blocks:
 All-gather and reduce-scatter therefore move ``N * S`` elements: the padding is real traffic, and
 the byte counts of ``ndtrain.parallel.comm`` include it.
 
+Edge cases: a 0-d (scalar) parameter is laid out as one row of one element (its state-dict shape
+stays ``()``); an empty parameter (d0 = 0 or a zero trailing dim) takes no space (s_i = 0); a
+parameter with fewer rows than ranks gives the last ranks no valid rows (``torch.chunk`` does too).
+
 ``pack`` (reduce-scatter input) uses ``torch._chunk_cat``; ``pack_reference`` is its slow twin
 (a loop over ranks) and the tests pin them together.
 """
@@ -28,11 +32,13 @@ class FlatShardLayout:
     """The dim-0 padded layout of parameters with ``shapes`` over ``n`` ranks, seen from ``rank``.
 
     Args:
-        shapes: global shapes; each must have at least one dim (0-d parameters raise ValueError).
+        shapes: global shapes (0-d and empty shapes allowed).
         n: shard count N >= 1.
         rank: this rank's index in [0, N).
-    Attributes: ``rows[i]`` (r_i), ``sizes[i]`` (s_i), ``offsets[i]`` (o_i), ``shard_numel`` (S),
-    ``valid_rows[i]`` (rows of parameter i this rank really holds, 0 .. r_i).
+    Attributes: ``d0[i]`` (rows of parameter i; 1 for a 0-d one), ``cols[i]`` (c_i), ``rows[i]``
+    (r_i), ``sizes[i]`` (s_i), ``offsets[i]`` (o_i), ``shard_numel`` (S), ``valid_rows[i]`` (rows
+    of parameter i this rank really holds, 0 .. r_i).
+    Raises ValueError for ``n`` < 1 or ``rank`` outside [0, n).
     """
 
     def __init__(self, shapes: list[torch.Size], n: int, rank: int):
@@ -40,13 +46,12 @@ class FlatShardLayout:
             raise ValueError(f"rank ({rank}) must be in [0, n={n})")
         self.shapes = [torch.Size(s) for s in shapes]
         self.n, self.rank = n, rank
-        self.rows, self.sizes, self.offsets, self.valid_rows, self.cols = [], [], [], [], []
+        self.d0, self.rows, self.sizes, self.offsets, self.valid_rows, self.cols = [], [], [], [], [], []
         off = 0
         for s in self.shapes:
-            if len(s) == 0:
-                raise ValueError("0-d parameters cannot be sharded along dim 0")
-            d0, c = s[0], math.prod(s[1:])
+            d0, c = (s[0], math.prod(s[1:])) if len(s) else (1, 1)  # a scalar is one row of one
             r = -(-d0 // n)
+            self.d0.append(d0)
             self.rows.append(r)
             self.cols.append(c)
             self.sizes.append(r * c)
@@ -62,7 +67,7 @@ class FlatShardLayout:
 
     def row_range(self, i: int) -> tuple[int, int]:
         """Global rows [lo, hi) of parameter ``i`` held by this rank."""
-        lo = min(self.rank * self.rows[i], self.shapes[i][0])
+        lo = min(self.rank * self.rows[i], self.d0[i])
         return lo, lo + self.valid_rows[i]
 
     def shard_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -80,7 +85,8 @@ class FlatShardLayout:
         out.zero_()
         for i, full in enumerate(fulls):
             lo, hi = self.row_range(i)
-            self.valid_view(out, i).copy_(full[lo:hi])
+            c, o = self.cols[i], self.offsets[i]
+            out[o:o + (hi - lo) * c].copy_(full.reshape(-1)[lo * c:hi * c])
         return out
 
     @torch.no_grad()
@@ -92,8 +98,10 @@ class FlatShardLayout:
         """
         if any(t.dtype != out.dtype for t in tensors):
             return self.pack_reference(tensors, out)
-        views = [t.reshape(t.shape[0], -1) for t in tensors]  # (d0, c) each
-        torch._chunk_cat(views, dim=0, num_chunks=self.n, out=out.view(self.n, -1))
+        # (d0, c) each; empty tensors take no space in the layout (and _chunk_cat rejects them)
+        views = [t.reshape(self.d0[i], self.cols[i]) for i, t in enumerate(tensors) if self.sizes[i]]
+        if views:
+            torch._chunk_cat(views, dim=0, num_chunks=self.n, out=out.view(self.n, -1))
         return out
 
     @torch.no_grad()
@@ -101,7 +109,7 @@ class FlatShardLayout:
         """Slow twin of ``pack``: one copy per (rank, parameter)."""
         grid = out.view(self.n, self.shard_numel)  # (N, S)
         for i, t in enumerate(tensors):
-            t2 = t.reshape(t.shape[0], -1)  # (d0, c)
+            t2 = t.reshape(self.d0[i], self.cols[i])  # (d0, c)
             r, c, o = self.rows[i], self.cols[i], self.offsets[i]
             for k in range(self.n):
                 rows = t2[k * r:(k + 1) * r]  # (<= r, c)
@@ -115,7 +123,7 @@ class FlatShardLayout:
         grid = gathered.view(self.n, self.shard_numel)  # (N, S)
         pieces = torch.split(grid, self.sizes, dim=1)  # (N, s_i) each
         for i, (piece, out) in enumerate(zip(pieces, outs)):
-            d0, r, c = self.shapes[i][0], self.rows[i], self.cols[i]
+            d0, r, c = self.d0[i], self.rows[i], self.cols[i]
             if d0 == self.n * r:
                 out.view(self.n, r * c).copy_(piece)
             else:

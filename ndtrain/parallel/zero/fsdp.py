@@ -35,6 +35,10 @@ fp32 gradient shard, two fp32 Adam moments) plus the gathered units.
 
 Unsharded parameters are placeholders outside a unit's forward / backward; read weights through
 ``model_state_dict()``. A parameter shared by two different units is rejected.
+
+Instrumentation is attached by the caller through ``observers`` (``observe.py``): ``on_gather``
+(prefetched or on-demand all-gather waited on) and ``on_state`` (a unit gathered, a gradient
+arrived, a reduce-scatter started); with no observer the hooks do no extra work.
 """
 from __future__ import annotations
 
@@ -104,18 +108,14 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             raise ValueError(f"parameters in no FSDP unit: {missing}")
         self.entries = [by_name[n] for n in order]
         self._rs_next = 0  # index into self._rs_order of the next reduce-scatter
-        self._inflight: list[Unit] = []
-        self._callback_queued = False
-        self.mem = None  # optional StateMemory sampled inside hooks
-        self.gather_counts = {"prefetched": 0, "on_demand": 0}  # all-gathers waited on, by origin
-        self._hooks = []
+        self._init_reducer()
         for k, (u, si) in enumerate(self._segs):
             seg = u.segments[si]
-            self._hooks.append(seg[0].register_forward_pre_hook(functools.partial(self._pre_forward, k)))
-            self._hooks.append(seg[-1].register_forward_hook(functools.partial(self._post_forward, k)))
+            seg[0].register_forward_pre_hook(functools.partial(self._pre_forward, k))
+            seg[-1].register_forward_hook(functools.partial(self._post_forward, k))
         for u in self.units:
             for p in u.full:
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u)))
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u))
         self._init_dtensor_mesh(mesh)
 
     @contextlib.contextmanager
@@ -130,14 +130,16 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         with untracked():
             src = u.shard if self.compute_dtype == self.master_dtype else u.shard.to(self.compute_dtype)
             buf = torch.empty(u.layout.padded_numel, dtype=self.compute_dtype, device=u.shard.device)
-        u.gather = (comm.all_gather_into(buf, src, self.shard_group, async_op=True), buf, src)
+        work = comm.all_gather_into(buf, src, self.shard_group, async_op=True) if buf.numel() else None
+        u.gather = (work, buf, src)
         u.state = "gathering"
 
     @torch.no_grad()
     def _gather(self, u: Unit) -> None:
         if u.state == "gathered":
             return
-        self.gather_counts["prefetched" if u.state == "gathering" else "on_demand"] += 1
+        if self.observers:
+            self.observers.gather(self, u.state == "gathering")
         self._start_gather(u)
         work, buf, _ = u.gather
         if work is not None:
@@ -146,7 +148,8 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             p.untyped_storage().resize_(p.numel() * p.element_size())
         u.layout.unpack(buf, [p.data for p in u.full])  # .data: no version-counter bump
         u.gather, u.state = None, "gathered"
-        self._sample()
+        if self.observers:
+            self.observers.state(self)
 
     def _reshard(self, u: Unit) -> None:
         if u.state == "gathering":
@@ -180,63 +183,36 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             self._reshard(u)
         return output
 
-    def _queue_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _pre_backward(self, k: int, grad) -> None:
         u = self._segs[k][0]
-        self._queue_callback()
+        self._queue_end_of_backward()
         self._gather(u)
         if k > 0 and self._segs[k - 1][0] is not u:
             self._start_gather(self._segs[k - 1][0])  # backward prefetch
 
     def _on_grad(self, u: Unit, p) -> None:
-        self._queue_callback()
+        self._queue_end_of_backward()
         u.ready += 1
-        self._sample()
+        if self.observers:
+            self.observers.state(self)
         order = self._rs_order
         while self._rs_next < len(order) and order[self._rs_next].ready == len(order[self._rs_next].full):
             self._launch(order[self._rs_next])
             self._rs_next += 1
 
-    # --- gradient reduction -----------------------------------------------------------------
+    # --- gradient reduction (``reduce.py``) ------------------------------------------------------
     def _launch(self, u: Unit) -> None:
-        with untracked():
-            grads = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=u.shard.device)
-                     for p in u.full]
-            full = u.layout.pack(grads, torch.empty(u.layout.padded_numel, dtype=self.reduce_dtype,
-                                                    device=u.shard.device))
-            out = torch.empty(u.layout.shard_numel, dtype=self.reduce_dtype, device=u.shard.device)
-        del grads
-        for p in u.full:
-            p.grad = None
+        full, out = self._pack_grads(u, u.full, u.shard.device)
         self._reshard(u)
-        u.pending = (comm.reduce_scatter_into(out, full, self.shard_group, async_op=True), out, full)
         u.ready = 0
-        self._inflight.append(u)
-        self._sample()
-        while len(self._inflight) > 1:
-            self._complete(self._inflight.pop(0))
-
-    def _complete(self, u: Unit) -> None:
-        work, out, _ = u.pending
-        if work is not None:
-            work.wait()
-        u.pending = None
-        if u.acc is None:
-            u.acc = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
-        else:
-            u.acc.add_(out)
+        self._start_reduce(u, full, out)
 
     def _end_of_backward(self) -> None:
         order = self._rs_order
         while self._rs_next < len(order):  # units some of whose parameters got no gradient
             self._launch(order[self._rs_next])
             self._rs_next += 1
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
+        self._drain()
         for u in self.units:
             if u.state != "sharded":
                 self._reshard(u)
@@ -246,8 +222,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
     def finish_grad_sync(self) -> None:
         """All-reduce the accumulated shards over ``dp_replicate`` (HSDP) and hand them to the
         sharded parameters' ``.grad`` (zeros if no backward ran)."""
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
+        self._drain()
         self._publish_grad_shards(self.units, self.units[0].shard.device)
 
     def _after_load(self) -> None:
@@ -255,10 +230,6 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
             self._reshard(u)
 
     # --- accounting ---------------------------------------------------------------------------
-    def _sample(self) -> None:
-        if self.mem is not None:
-            self.mem.sample(self.memory_tensors())
-
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """params: fp32 shards (the masters); grads: gradient shards; optim: Adam state;
         buffers (transient, about one or two units): gathered parameters, a unit's full gradients
@@ -271,10 +242,5 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         buffers = [t for u in self.units for p in u.full for t in (p, p.grad)]
         for u in self.units:
             buffers += list(u.gather[1:]) if u.gather else []
-            buffers += list(u.pending[1:]) if u.pending else []
+            buffers += [t for _, out, full in u.pending for t in (out, full)]
         return {"params": [u.shard for u in self.units], "grads": grads, "optim": optim, "buffers": buffers}
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

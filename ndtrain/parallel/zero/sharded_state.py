@@ -1,5 +1,6 @@
 """What ZeRO-1/2 and ZeRO-3 share: sharded fp32 master parameters, AdamW over them, global-norm
-clipping of gradient shards, and state dicts that look the same under every layout.
+clipping of gradient shards, and state dicts that look the same under every layout (the gradient
+reduction they share is in ``reduce.py``).
 
 Each trainable parameter of the model becomes a ``ShardEntry``: its padded dim-0 shard (a view into
 a flat master buffer, see ``flat_shard``) wrapped as an ``nn.Parameter`` that the optimizer steps.
@@ -12,7 +13,10 @@ State dicts (the checkpoint contract, ``ndtrain.checkpoint``):
 * model: ``{fqn: tensor}`` with the model's own names and global shapes, in the master dtype
   (fp32 / fp64, never the bf16 compute copy), as DTensors ``Shard(0)`` over ``dp_shard_cp``
   (``(Replicate(), Shard(0))`` over ``dp_replicate x dp_shard_cp`` for HSDP) whose local tensors
-  are views of the live shards, so ``dcp.load`` writes in place;
+  are views of the live shards, so ``dcp.load`` writes in place; a 0-d parameter is presented
+  whole on every rank (broadcast from the shard rank holding it: a 0-d DTensor cannot be sharded);
+  every persistent buffer (e.g. the MoE ``expert_bias``) and frozen parameter, whole and equal on
+  every rank, under its global name, exactly as ``model.state_dict()`` of one process names it;
 * optimizer: ``{"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}``, the
   format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, with the groups
   (decay, no-decay) listing FQNs in the order plain data parallel uses.
@@ -27,7 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ndtrain.optim import build_optimizer, clip_grad_norm
+from ndtrain.parallel import comm
+from ndtrain.parallel.dp.grad_sync import sum_over_axes
 from ndtrain.parallel.zero.flat_shard import FlatShardLayout
+from ndtrain.parallel.zero.reduce import GradShardReducer
 
 
 @dataclass
@@ -57,12 +65,6 @@ class ShardEntry:
         return t[: self.valid_rows]
 
 
-def scalar_step() -> torch.Tensor:
-    """A zero AdamW ``step`` tensor as torch creates it (fp32, fp64 under a fp64 default dtype)."""
-    dt = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(0.0, dtype=dt)
-
-
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -71,12 +73,28 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-class ShardedDataParallelBase:
+def replicated_state(module: nn.Module, sharded_names: set[str]) -> dict[str, torch.Tensor]:
+    """Persistent buffers and parameters not in ``sharded_names`` (frozen ones), under the names
+    ``module.state_dict()`` gives them (every name of a shared module)."""
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for name, t in m._parameters.items():
+            if t is not None and pre + name not in sharded_names:
+                out[pre + name] = t.detach()
+        for name, t in m._buffers.items():
+            if t is not None and name not in m._non_persistent_buffers_set:
+                out[pre + name] = t
+    return out
+
+
+class ShardedDataParallelBase(GradShardReducer):
     """Optimizer / clipping / state-dict half of the data-parallel interface for sharded layouts.
 
     Subclasses set ``self.module``, ``self.entries`` (in ``named_parameters`` order), the groups
     ``self.shard_group`` (``dp_shard_cp``) and ``self.replicate_group`` (``dp_replicate``), call
-    ``_init_dtensor_mesh(mesh)``, and may override ``_after_step`` / ``_after_load``.
+    ``_init_dtensor_mesh(mesh)`` and ``GradShardReducer._init_reducer()``, and may override
+    ``_after_step`` / ``_after_load``.
     """
 
     module: nn.Module
@@ -99,32 +117,14 @@ class ShardedDataParallelBase:
             self._dmesh = mesh.device_mesh[shard_dim]
             self._placements = (Shard(0),)
 
-    def _publish_grad_shards(self, groups, device: torch.device) -> None:
-        """End of backward for sharded layouts (ZeRO-1/2 buckets, ZeRO-3 units): all-reduce each
-        group's accumulated gradient shard ``acc`` over ``dp_replicate`` (HSDP), in
-        ``reduce_dtype``, then hand it to the master parameters as ``.grad`` views. A group that saw
-        no backward gets zeros, so every rank steps the same optimizer state."""
-        from ndtrain.parallel import comm
-
-        works = []
-        for g in groups:
-            if g.acc is None:
-                g.acc = torch.zeros(g.layout.shard_numel, dtype=self.master_dtype, device=device)
-            if self.replicate_group.size > 1:
-                t = g.acc if self.reduce_dtype == self.master_dtype else g.acc.to(self.reduce_dtype)
-                works.append((g, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
-        for g, t, w in works:
-            w.wait()
-            if t is not g.acc:
-                g.acc.copy_(t)
-        for g in groups:
-            for e in g.entries:
-                e.param.grad = g.layout.shard_view(g.acc, e.index)
-            g.acc = None  # owned by the optimizer's .grad now; freed by zero_grad(set_to_none=True)
-
     def _present(self, local: torch.Tensor, shape: torch.Size):
+        """This rank's valid rows ``local`` as the global tensor of ``shape`` (see module docstring)."""
         if self._dmesh is None:
-            return local
+            return local.view(shape)  # one shard: the whole tensor
+        if len(shape) == 0:  # 0-d: whole on every rank, from the shard rank that holds it
+            t = local.reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
+            comm.broadcast(t, self.shard_group, 0)
+            return t.view(())
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, self._dmesh, self._placements, run_check=False,
@@ -138,19 +138,13 @@ class ShardedDataParallelBase:
         if isinstance(src, DTensor):
             return src.to_local()
         lo, hi = e.layout.row_range(e.index)
-        return src[lo:hi]
+        return src.reshape(-1)[lo:hi] if src.dim() == 0 else src[lo:hi]
 
     # --- optimizer -------------------------------------------------------------------------
     def build_optimizer(self, tcfg) -> torch.optim.Optimizer:
         """AdamW (``ndtrain.optim.build_optimizer``) over the master shards, state created eagerly
-        (zeros, step 0: what AdamW's first step would create) so state dicts exist before step 1."""
-        from ndtrain.optim import build_optimizer
-
-        opt = build_optimizer([(e.fqn, e.param) for e in self.entries], tcfg)
-        for e in self.entries:
-            opt.state[e.param] = {"step": scalar_step(),
-                                  "exp_avg": torch.zeros_like(e.param, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(e.param, memory_format=torch.preserve_format)}
+        so state dicts exist before step 1; a step post-hook runs ``_after_step``."""
+        opt = build_optimizer([(e.fqn, e.param) for e in self.entries], tcfg, eager_state=True)
         self.optimizer = opt
         opt.register_step_post_hook(lambda *_: self._after_step())
         return opt
@@ -165,27 +159,34 @@ class ShardedDataParallelBase:
         """Global-norm clipping over the gradient shards: each element is counted once (padding
         excluded by taking only valid rows; shards summed over ``dp_shard_cp`` plus the axes the
         parameter carries; replicas over ``dp_replicate`` hold equal shards and are not summed)."""
-        from ndtrain.optim import clip_grad_norm
-
         items = [(e.valid(e.param.grad), (self.shard_group.name,) + e.axes)
                  for e in self.entries if e.param.grad is not None]
-        return clip_grad_norm(items, max_norm, mesh)
+        return clip_grad_norm(items, max_norm, sum_over_axes(mesh))
 
     # --- state dicts ------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
-        """``{fqn: master weights}`` with global shapes; see the module docstring."""
+        """``{fqn: master weights}`` with global shapes, plus persistent buffers and frozen
+        parameters; the keys of one process's ``model.state_dict()`` (see the module docstring)."""
         out = {}
         for e in self.entries:
             t = self._present(e.valid(e.param.detach()), e.shape)
             out.update({name: t for name in (e.fqn,) + e.aliases})
+        out.update(replicated_state(self.module, set(out)))
         return out
 
     @torch.no_grad()
     def load_model_state_dict(self, sd: dict) -> None:
-        """Copy weights (DTensors of this layout or full tensors) into the master shards."""
+        """Copy weights (DTensors of this layout or full tensors) into the master shards, and
+        buffers / frozen parameters into the module. Raises KeyError for a missing name."""
         for e in self.entries:
             src = self._local_rows(sd[e.fqn], e)
             dst = e.valid(e.param.detach())
+            if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
+                dst.copy_(src)
+        names = {n for e in self.entries for n in (e.fqn,) + e.aliases}
+        for name, dst in replicated_state(self.module, names).items():
+            src = sd[name]
+            src = src.full_tensor() if hasattr(src, "full_tensor") else src
             if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
                 dst.copy_(src)
         self._after_load()

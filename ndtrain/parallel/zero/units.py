@@ -47,7 +47,7 @@ class Unit:
         self.gather = None  # (work, buf (N*S,), src (S,))
         self.ready = 0
         self.acc: torch.Tensor | None = None  # (S,) accumulated gradient shard, master dtype
-        self.pending = None  # (work, out (S,), in (N*S,))
+        self.pending: list[tuple] = []  # reduce-scatters in flight: (work, out (S,), in (N*S,))
 
 
 @torch.no_grad()

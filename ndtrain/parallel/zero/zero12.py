@@ -4,7 +4,8 @@ the model keeps full parameters in the compute dtype (bf16 / fp16 under mixed pr
 
 Per step, over N = |dp_shard_cp| ranks, with Psi parameters padded to Psi_pad (see ``flat_shard``):
 
-* gradients are reduce-scattered in ``reduce_dtype`` bucket by bucket: ZeRO-1 once per step in
+* gradients are reduce-scattered in ``reduce_dtype`` bucket by bucket (buckets and their launch
+  order: ``ndtrain.parallel.dp.buckets``, shared with DDP; the reduction: ``reduce.py``): ZeRO-1 once per step in
   ``finish_grad_sync`` (the full gradient lives until then, as in DDP; ``no_sync`` accumulation is
   local), ZeRO-2 from post-accumulate-grad hooks as soon as a bucket is complete, *every*
   microbatch, freeing the full gradients right away, so a full-size gradient is never kept; the
@@ -27,9 +28,9 @@ import contextlib
 import torch
 from torch import nn
 
-from ndtrain.mem_account import untracked
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
 from ndtrain.parallel import comm
+from ndtrain.parallel.dp.buckets import BucketLauncher, group_into_buckets, unique_named_params
 from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase, ShardEntry
 
@@ -41,17 +42,7 @@ class _Bucket:
         self.params, self.layout, self.master = params, layout, master
         self.entries: list[ShardEntry] = []
         self.acc: torch.Tensor | None = None  # (S,) accumulated reduced gradient, master dtype
-        self.ready: set[int] = set()
         self.pending: list[tuple] = []  # (work, out (S,), in (N*S,))
-
-
-def unique_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    seen, out = set(), []
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 class ZeroDataParallel(ShardedDataParallelBase):
@@ -65,6 +56,8 @@ class ZeroDataParallel(ShardedDataParallelBase):
         compute_dtype: dtype the model's parameters are cast to (None = master dtype).
         reduce_dtype: dtype of gradient reductions (None = master dtype).
     Raises ValueError for another stage or parameters of mixed dtypes.
+    Instrumentation: ``observers`` (``observe.py``) sees ``on_state`` when a gradient arrives and
+    when a bucket's reduce-scatter starts.
     """
 
     def __init__(self, module: nn.Module, mesh, stage: int, bucket_size_bytes: int = 25 * 2**20,
@@ -80,34 +73,13 @@ class ZeroDataParallel(ShardedDataParallelBase):
         self.master_dtype = dtypes.pop()
         self.compute_dtype = compute_dtype or self.master_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
-        n, rank = self.shard_group.size, self.shard_group.rank
-        esize = torch.empty((), dtype=self.reduce_dtype).element_size()
-        groups, current, size = [], [], 0
-        for name, p in reversed(named):  # backward produces gradients roughly in reverse order
-            current.append((name, p))
-            size += p.numel() * esize
-            if size >= bucket_size_bytes:
-                groups.append(current)
-                current, size = [], 0
-        if current:
-            groups.append(current)
         self.buckets: list[_Bucket] = []
         by_name = {}
+        for grp in group_into_buckets(named, bucket_size_bytes, self.reduce_dtype):
+            b = self._shard_bucket(grp)
+            self.buckets.append(b)
+            by_name.update({e.fqn: e for e in b.entries})
         with torch.no_grad():
-            for grp in groups:
-                params = [p for _, p in grp]
-                layout = FlatShardLayout([p.shape for p in params], n, rank)
-                master = layout.shard_from_full(
-                    [p.detach() for p in params],
-                    torch.empty(layout.shard_numel, dtype=self.master_dtype, device=params[0].device))
-                b = _Bucket(params, layout, master)
-                for i, (name, p) in enumerate(grp):
-                    sp = nn.Parameter(layout.shard_view(master, i))
-                    setattr(sp, SHARD_AXES_ATTR, shard_axes(p))
-                    e = ShardEntry(name, p.shape, layout, i, sp, shard_axes(p))
-                    b.entries.append(e)
-                    by_name[name] = e
-                self.buckets.append(b)
             for _, p in named:
                 if p.dtype != self.compute_dtype:
                     p.data = p.data.to(self.compute_dtype)
@@ -116,16 +88,27 @@ class ZeroDataParallel(ShardedDataParallelBase):
         for name, p in module.named_parameters(remove_duplicate=False):  # tied weights' other names
             if id(p) in first and first[id(p)] != name:
                 by_name[first[id(p)]].aliases += (name,)
-        self._where = {id(p): (bi, pi) for bi, b in enumerate(self.buckets) for pi, p in enumerate(b.params)}
-        self._next_launch = 0
-        self._inflight: list[_Bucket] = []
-        self._callback_queued = False
-        self.mem = None  # optional StateMemory sampled inside hooks
-        self._hooks = []
+        self._launcher = BucketLauncher([b.params for b in self.buckets], self._launch)
+        self._init_reducer()
         if stage == 2:
             for _, p in named:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_dtensor_mesh(mesh)
+
+    @torch.no_grad()
+    def _shard_bucket(self, grp: list[tuple[str, nn.Parameter]]) -> _Bucket:
+        """This rank's master shards of a bucket's parameters, one ``ShardEntry`` each."""
+        params = [p for _, p in grp]
+        n, rank = self.shard_group.size, self.shard_group.rank
+        layout = FlatShardLayout([p.shape for p in params], n, rank)
+        master = layout.shard_from_full([p.detach() for p in params], torch.empty(
+            layout.shard_numel, dtype=self.master_dtype, device=params[0].device))
+        b = _Bucket(params, layout, master)
+        for i, (name, p) in enumerate(grp):
+            sp = nn.Parameter(layout.shard_view(master, i))
+            setattr(sp, SHARD_AXES_ATTR, shard_axes(p))
+            b.entries.append(ShardEntry(name, p.shape, layout, i, sp, shard_axes(p)))
+        return b
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -134,67 +117,29 @@ class ZeroDataParallel(ShardedDataParallelBase):
         gradient), so this is a no-op for it too."""
         yield
 
-    # --- gradient reduction --------------------------------------------------------------------
+    # --- gradient reduction (``reduce.py``) ------------------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._callback_queued:  # launch leftovers (unused parameters) at the end of backward
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bi, pi = self._where[id(p)]
-        self.buckets[bi].ready.add(pi)
-        self._sample()
-        while self._next_launch < len(self.buckets):  # strictly in index order on every rank
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            self._launch(b)
-            self._next_launch += 1
+        self._queue_end_of_backward()  # launches leftovers (unused parameters)
+        if self.observers:
+            self.observers.state(self)
+        self._launcher.mark_ready(p)
 
-    def _launch(self, b: _Bucket) -> None:
-        with untracked():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            full = b.layout.pack(grads, torch.empty(b.layout.padded_numel, dtype=self.reduce_dtype,
-                                                    device=b.master.device))
-            out = torch.empty(b.layout.shard_numel, dtype=self.reduce_dtype, device=b.master.device)
-        for p in b.params:
-            p.grad = None
-        del grads
-        work = comm.reduce_scatter_into(out, full, self.shard_group, async_op=True)
-        b.pending.append((work, out, full))
-        b.ready.clear()
-        self._inflight.append(b)
-        self._sample()
-        while len(self._inflight) > 1:  # at most two buckets in flight: bounded buffer memory
-            self._complete(self._inflight.pop(0))
-
-    def _complete(self, b: _Bucket) -> None:
-        work, out, _ = b.pending.pop(0)
-        if work is not None:
-            work.wait()
-        if b.acc is None:
-            b.acc = out if out.dtype == self.master_dtype else out.to(self.master_dtype)
-        else:
-            b.acc.add_(out)
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._complete(self._inflight.pop(0))
+    def _launch(self, i: int) -> None:
+        b = self.buckets[i]
+        full, out = self._pack_grads(b, b.params, b.master.device)
+        self._start_reduce(b, full, out)
 
     def _end_of_backward(self) -> None:
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+        self._launcher.launch_rest()
         self._drain()
-        self._next_launch = 0
         self._callback_queued = False
 
     def finish_grad_sync(self) -> None:
         """Reduce what is left (ZeRO-1: everything), all-reduce over ``dp_replicate``, and hand
         the gradient shards to the master parameters (``entry.param.grad``)."""
-        if self.stage == 1 or self._next_launch:
-            for b in self.buckets[self._next_launch:]:
-                self._launch(b)
+        if self.stage == 1 or self._launcher.started:
+            self._launcher.launch_rest()
         self._drain()
-        self._next_launch = 0
         self._publish_grad_shards(self.buckets, self.buckets[0].master.device)
 
     # --- parameters --------------------------------------------------------------------------
@@ -205,17 +150,14 @@ class ZeroDataParallel(ShardedDataParallelBase):
         for b in self.buckets:
             src = b.master if self.compute_dtype == self.master_dtype else b.master.to(self.compute_dtype)
             buf = torch.empty(b.layout.padded_numel, dtype=self.compute_dtype, device=b.master.device)
-            launched.append((b, buf, src, comm.all_gather_into(buf, src, self.shard_group, async_op=True)))
-        for b, buf, _, work in launched:
+            work = comm.all_gather_into(buf, src, self.shard_group, async_op=True) if buf.numel() else None
+            launched.append((b, buf, work))
+        for b, buf, work in launched:
             if work is not None:
                 work.wait()
             b.layout.unpack(buf, [p.data for p in b.params])
 
     _after_load = _after_step
-
-    def _sample(self) -> None:
-        if self.mem is not None:
-            self.mem.sample(self.memory_tensors())
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held per category (``ndtrain.mem_account``): model params (compute dtype),
@@ -230,8 +172,3 @@ class ZeroDataParallel(ShardedDataParallelBase):
                       if isinstance(t, torch.Tensor)]
         buffers = [t for b in self.buckets for (_, o, f) in b.pending for t in (o, f)]
         return {"params": params, "grads": grads, "optim": optim, "buffers": buffers}
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

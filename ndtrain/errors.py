@@ -1,0 +1,17 @@
+"""The project's error types, in a module with no imports so every layer can raise them.
+
+``ConfigError`` lives here (re-exported by ``ndtrain.config``) so that ``ndtrain.validate``,
+``ndtrain.mesh`` and the per-axis ``rules`` modules can raise it without importing ``ndtrain.config``,
+which itself runs validation: no import cycle between config, validate and mesh.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the rule that failed."""
+
+
+def require(ok: bool, msg: str) -> None:
+    """Raise ``ConfigError(msg)`` unless ``ok``: the one-line form every layout rule uses."""
+    if not ok:
+        raise ConfigError(msg)

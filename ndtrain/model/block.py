@@ -1,0 +1,40 @@
+"""One decoder block: pre-norm attention (MHA / GQA / MLA) and pre-norm FFN (dense or MoE).
+
+Llama (Touvron et al. 2023) layout; MLA and MoE from DeepSeek-V2/V3.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.config import ModelConfig
+from ndtrain.model.attention import Attention, KVCacheLike
+from ndtrain.model.mla import MLAttention
+from ndtrain.model.mlp import FeedForward
+from ndtrain.model.moe import MoE
+from ndtrain.model.norm import RMSNorm
+
+
+class TransformerBlock(nn.Module):
+    """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
+
+    ``attention`` is ``Attention`` (MHA / GQA) or ``MLAttention`` (``cfg.attention == "mla"``);
+    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``).
+
+    Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: str, layer_index: int | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        index = int(layer_id) if layer_index is None else layer_index
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = (MLAttention(cfg, layer_id) if cfg.attention == "mla"
+                          else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id))
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)  # (B, T, C)
+        return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)

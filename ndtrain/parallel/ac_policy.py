@@ -1,0 +1,48 @@
+"""The activation-checkpointing policy string (``training.activation_checkpoint``), parsed once.
+
+Pure Python (no torch), so validation (``ndtrain.parallel.rules``), the planner
+(``ndtrain.planner.layout``) and the mechanism (``ndtrain.parallel.activation_ckpt``) share this
+one parser. Policies: ``none | full | every:C | sqrt | selective`` (see ``activation_ckpt``; Chen et
+al. 2016 for segments, Korthikanti et al. 2022 for selective recompute).
+"""
+from __future__ import annotations
+
+import math
+
+POLICIES = "none|full|every:C|sqrt|selective"
+
+
+def parse_policy(policy: str, n_layers: int = 1) -> tuple[str, int]:
+    """``policy`` -> (kind, blocks per segment): ("none", 0), ("segment", C) or ("selective", 1).
+
+    ``full`` is ("segment", 1); ``sqrt`` is ("segment", round(sqrt(n_layers))), at least 1.
+    Raises ValueError for an unknown policy or ``every:C`` with C < 1.
+    """
+    if policy == "none":
+        return "none", 0
+    if policy == "full":
+        return "segment", 1
+    if policy == "sqrt":
+        return "segment", max(1, round(math.sqrt(n_layers)))
+    if policy == "selective":
+        return "selective", 1
+    if policy.startswith("every:") and policy[6:].isdigit() and int(policy[6:]) >= 1:
+        return "segment", int(policy[6:])
+    raise ValueError(f"activation_checkpoint {policy!r} must be {POLICIES}")
+
+
+def is_valid_policy(policy: str) -> bool:
+    """True when ``parse_policy`` accepts ``policy``."""
+    try:
+        parse_policy(policy)
+    except ValueError:
+        return False
+    return True
+
+
+def every_blocks(policy: str, n_layers: int) -> int:
+    """The C of the two-level ``every:C`` policy (``sqrt``: round(sqrt(L))); 0 for ``none``,
+    ``full`` (one-level: each block its own segment) and ``selective``. Raises ValueError like
+    ``parse_policy``."""
+    kind, c = parse_policy(policy, n_layers)
+    return c if kind == "segment" and policy != "full" else 0

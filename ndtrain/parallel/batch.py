@@ -1,0 +1,44 @@
+"""The per-batch hooks of a layout: cutting a rank's batch (context parallel) and the loss
+(tensor parallel: vocab-parallel cross-entropy). Built by ``ndtrain.parallel.parallelize``."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.mesh import Mesh
+from ndtrain.parallel.cp.rules import resolve_layout
+
+
+class BatchPlan:
+    """Per-batch hooks of the layout, used by the trainer.
+
+    ``shard(inputs, labels)``: (B, T) -> this rank's (B, T_local) inputs, labels and (T_local,)
+    RoPE positions (None when the model's default ``arange(T)`` is right). Labels are already
+    shifted, so cutting after the shift keeps every (input, label) pair together.
+    ``loss_sum(logits, labels)``: sum of token cross-entropies over valid labels (0-d tensor);
+    logits (B, T, V), or (B, T, Vp / tp) under tensor parallel (vocab-parallel, never gathered).
+    """
+
+    def __init__(self, mesh: Mesh, cfg, ignore_index: int = -100):
+        p = cfg.parallel
+        self.cp, self.tp = mesh.group("cp"), mesh.group("tp")
+        self.layout = resolve_layout(p.cp_impl, p.cp_layout)
+        self.full_positions = p.sequence_parallel
+        self.vocab_size, self.ignore_index = cfg.model.vocab_size, ignore_index
+
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
+        if self.cp.size > 1:
+            from ndtrain.parallel.cp.context_parallel import shard_batch
+
+            return shard_batch(inputs, labels, self.cp, self.layout)
+        positions = torch.arange(inputs.shape[1], device=inputs.device) if self.full_positions else None
+        return inputs, labels, positions
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:
+            from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp,
+                                                self.vocab_size, self.ignore_index).sum()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index,
+                               reduction="sum")

@@ -1,0 +1,63 @@
+"""The expert-parallel experts module (GShard, Lepikhin 2020): ``apply_ep`` installs it in place of a
+MoE layer's ``GroupedExperts``, so ``print(model)`` shows which experts a rank holds.
+
+It is a ``GroupedExperts`` holding only this rank's E/ep experts (parameters ``w1`` / ``w3`` /
+``w2`` under the same names, so state-dict keys do not change) whose ``forward`` takes the tokens
+of *all* E experts, as ``MoE.run_experts`` hands them over, and runs the dispatch / local experts /
+combine of ``ndtrain.parallel.ep.expert_parallel`` (module docstring there).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.model.moe import GroupedExperts
+from ndtrain.optim import SHARD_AXES_ATTR
+from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """Experts ``[r E/ep, (r+1) E/ep)`` of a ``GroupedExperts`` on ep rank r, cut from ``full``
+    (whose own weights are left untouched). Parameters are tagged ``ndtrain_shard_axes = ("ep",)``.
+
+    ``forward(xs, counts)``: xs (M, C) this rank's routed tokens sorted by global expert id,
+    counts (E,) int64 per global expert -> (M, C) the experts' outputs in the same order. Every
+    rank must call it (the all-to-alls are collectives), also with M = 0.
+    Raises ValueError if E is not divisible by ep.
+    """
+
+    def __init__(self, full: GroupedExperts, group: AxisGroup):
+        n_experts = full.w1.shape[0]
+        if n_experts % group.size:
+            raise ValueError(f"moe_experts ({n_experts}) is not divisible by ep ({group.size})")
+        el = n_experts // group.size
+        with torch.device("meta"):  # placeholders only: replaced by the slices below
+            super().__init__(el, full.w1.shape[2], full.w1.shape[1])
+        self.impl, self.group, self.n_experts = full.impl, group, n_experts
+        lo = group.rank * el
+        for w in EXPERT_WEIGHTS:
+            local = nn.Parameter(getattr(full, w).detach()[lo:lo + el].clone())  # (E/ep, ., .)
+            setattr(local, SHARD_AXES_ATTR, ("ep",))
+            setattr(self, w, local)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep = self.group.size
+        el = counts.numel() // ep
+        send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
+        recv = torch.empty_like(send)  # (ep, E/ep): row s = rows source s sends to my experts
+        all_to_all_v(recv, send, [1] * ep, [1] * ep, self.group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        xr = AllToAllV.apply(xs, out_splits, in_splits, self.group)  # (R, C), (source, expert) order
+        seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
+        perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
+        y = super().forward(xr[perm], recv.sum(0))  # (R, C)
+        y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
+        return AllToAllV.apply(y, in_splits, out_splits, self.group)  # (M, C)
+
+    def extra_repr(self) -> str:
+        el, r = self.w1.shape[0], self.group.rank
+        return (f"experts [{r * el}, {(r + 1) * el}) of {self.n_experts} on ep{self.group.size} rank {r}, "
+                f"hidden={self.w1.shape[1]}, dim={self.w1.shape[2]}, dispatch / combine: all-to-all")

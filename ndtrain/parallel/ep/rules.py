@@ -1,0 +1,22 @@
+"""Layout rules of expert parallel (GShard / Switch; ranks borrowed from dp_shard x cp).
+
+Called by ``ndtrain.validate``, ``ndtrain.mesh.ParallelDims`` and the planner's feasibility
+check; raises ``ConfigError`` naming the rule. Pure Python.
+"""
+from __future__ import annotations
+
+from ndtrain.errors import require
+
+
+def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0) -> None:
+    """``ep`` divides the experts (E) and the dp_shard x cp block it borrows its ranks from
+    (``dp_shard`` None = not known yet, e.g. -1 before the world size is); needs an MoE model;
+    expert parallel with ZeRO is not implemented."""
+    require(ep >= 1, f"parallel.ep ({ep}) must be >= 1")
+    if dp_shard is not None:
+        require((dp_shard * cp) % ep == 0, f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
+    if ep == 1:
+        return
+    require(moe_experts > 0, f"parallel.ep ({ep}) > 1 needs an MoE model (model.moe_experts > 0)")
+    require(moe_experts % ep == 0, f"moe_experts ({moe_experts}) is not divisible by ep ({ep})")
+    require(zero_stage == 0, f"parallel.ep ({ep}) > 1 with zero_stage ({zero_stage}) > 0 is not implemented")

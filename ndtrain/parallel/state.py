@@ -1,0 +1,55 @@
+"""The checkpoint adapter of a layout: every tensor whole, under its single-process global name.
+
+``CheckpointAdapter.state(optimizer)`` is what a checkpoint stores: ``{"model": {fqn: tensor},
+"optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": {fqn: {...}}}}``,
+where each tensor is either a plain whole tensor or a DTensor of global shape (ZeRO-3 / FSDP
+shards: DCP writes each shard once and reassembles them on load). The per-axis adapters run in
+a fixed order, because each finds its tensors by name:
+
+  save: data-parallel wrapper's state dicts -> tp gather (by the stage's own names, so the last
+        stage's ``output.weight`` finds its vocabulary split) -> pp rename (tied head under
+        ``tok_embeddings.weight``, groups keyed by name)
+  load: the inverse, pp first, then tp scatter, then the wrapper's ``load_*_state_dict``.
+
+Renaming before the gather (the bug of issue 11 item 3) saved one tp rank's slice of the tied
+head's moments under the embedding's name.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import Mesh
+from ndtrain.parallel.api import GradSync
+from ndtrain.parallel.pp.state import flatten_param_groups, unflatten_param_groups
+from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
+
+
+class CheckpointAdapter:
+    """Save / load views of one rank's model and optimizer (see the module docstring).
+
+    Args: the rank's parallelized ``model`` (or pipeline stage), its ``grad_sync`` and the ``mesh``.
+    Every method is collective over tp (and over data parallel for DTensor entries).
+    """
+
+    def __init__(self, model: nn.Module, grad_sync: GradSync, mesh: Mesh):
+        self.model, self.grad_sync, self.mesh = model, grad_sync, mesh
+
+    def state(self, optimizer: torch.optim.Optimizer) -> dict:
+        gs = self.grad_sync
+        sd = {"model": gs.model_state_dict(), "optim": gs.optim_state_dict(optimizer)}
+        sd = gather_tp_state(sd, self.model, self.mesh)
+        return {**sd, "optim": flatten_param_groups(sd["optim"], self.model)}
+
+    def load(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """``state``: a tree shaped like ``state(optimizer)`` (e.g. filled in place by DCP)."""
+        template = self.grad_sync.optim_state_dict(optimizer)
+        state = {**state, "optim": unflatten_param_groups(state["optim"], template, self.model)}
+        state = scatter_tp_state(state, self.model, self.mesh)
+        self.grad_sync.load_model_state_dict(state["model"])
+        self.grad_sync.load_optim_state_dict(optimizer, state["optim"])
+
+    def load_model(self, model_state: dict) -> None:
+        """Weights only (a fine-tune's start): ``model_state`` shaped like ``state()["model"]``."""
+        state = scatter_tp_state({"model": model_state}, self.model, self.mesh)
+        self.grad_sync.load_model_state_dict(state["model"])

@@ -1,0 +1,211 @@
+"""Tensor / sequence parallel layers (Megatron-LM, Shoeybi et al. 2019; sequence parallel,
+Korthikanti et al. 2022): the modules ``apply_tp`` installs in place of a single-device model's
+``nn.Linear`` / ``nn.Embedding`` / norm modules, so ``print(model)`` shows every layer's sharding.
+
+Each replacement owns its parameter under the replaced module's attribute name (``weight``), so
+parameter names and state-dict keys do not change (``layers.0.attention.wq.weight`` stays). Every
+module reads its weight from its own ``_parameters`` at forward time, so data-parallel wrappers
+that swap parameters in place (ZeRO-3 gathers) keep working.
+
+Shapes: activations are (B, T, C); under sequence parallel the residual stream is (B, T/tp, C)
+(split along ``SEQ_DIM``), and a region's input is gathered to (B, T, C).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.parallel.tp.collectives import (
+    CopyToTP,
+    CopyWeightToTP,
+    GatherFromSequence,
+    ReduceFromTP,
+    ReduceScatterToSequence,
+)
+
+SEQ_DIM = 1  # activations are (B, T, C)
+
+
+def _enter(x: torch.Tensor, group: AxisGroup, sp: bool) -> torch.Tensor:
+    """Megatron's f: the replicated (or, with SP, gathered) input of a tensor-parallel region."""
+    return GatherFromSequence.apply(x, group, SEQ_DIM) if sp else CopyToTP.apply(x, group)
+
+
+def _leave(y: torch.Tensor, group: AxisGroup, sp: bool) -> torch.Tensor:
+    """Megatron's g: sum the region's partial outputs (with SP: reduce-scattered along T)."""
+    return ReduceScatterToSequence.apply(y, group, SEQ_DIM) if sp else ReduceFromTP.apply(y, group)
+
+
+def _f_repr(sp: bool) -> str:
+    return "all-gather T" if sp else "copy (bwd all-reduce)"
+
+
+class RegionInput(nn.Module):
+    """Megatron's f at the input of a tensor-parallel region (an attention or MLP half).
+
+    No parameters. ``apply_tp`` registers it as the region's child ``tp_input`` (so the model
+    prints it) and calls it from a forward pre-hook on the region's first positional input, since
+    the region's own ``forward`` is model code that must not know about tp. One f per region, not
+    one per column-parallel linear: wq / wk / wv share one gather (or one backward all-reduce).
+    fwd: identity, or all-gather along T (SP); bwd: all-reduce, or reduce-scatter along T (SP).
+    """
+
+    def __init__(self, group: AxisGroup, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _enter(x, self.group, self.sp)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.group.size}, {_f_repr(self.sp)}"
+
+
+class _LinearShard(nn.Module):
+    """A bias-free linear's local weight (out_local, in_local) and its feature counts."""
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+class ColumnParallelLinear(_LinearShard):
+    """Bias-free linear holding rows ``[r*out/tp, (r+1)*out/tp)`` of the full (out, in) weight.
+
+    x (..., in) -> (..., out_local). The input must already be whole on every tp rank: a region's
+    ``RegionInput`` does that, or this layer itself when ``enter_region`` (the output head, a
+    region of one layer). ``global_out`` is the full output size (vocabulary V for the head, whose
+    weight is padded with zero rows to ``tp * ceil(V / tp)``); it is only shown by ``repr``.
+    """
+
+    def __init__(self, weight: nn.Parameter, group: AxisGroup, global_out: int, sp: bool = False,
+                 enter_region: bool = False):
+        super().__init__()
+        self.weight = weight  # (out_local, in)
+        self.group, self.global_out, self.sp, self.enter_region = group, global_out, sp, enter_region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = _enter(x, self.group, self.sp)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        padded = self.out_features * self.group.size
+        pad = f" (padded from {self.global_out})" if padded != self.global_out else ""
+        s = f"in={self.in_features}, out={padded}/tp{self.group.size}{pad}, sp={self.sp}"
+        return s + (f", input: {_f_repr(self.sp)}" if self.enter_region else "")
+
+
+class RowParallelLinear(_LinearShard):
+    """Bias-free linear holding columns ``[r*in/tp, (r+1)*in/tp)`` of the full (out, in) weight;
+    its output leaves the region (Megatron's g): all-reduce, or with SP reduce-scatter along T.
+
+    x (B, T, in_local) -> (B, T, out), or (B, T/tp, out) with SP.
+    """
+
+    def __init__(self, weight: nn.Parameter, group: AxisGroup, sp: bool = False):
+        super().__init__()
+        self.weight = weight  # (out, in_local)
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _leave(F.linear(x, self.weight), self.group, self.sp)
+
+    def extra_repr(self) -> str:
+        out = "reduce-scatter T" if self.sp else "all-reduce"
+        return (f"in={self.in_features * self.group.size}/tp{self.group.size}, out={self.out_features}, "
+                f"sp={self.sp}, output: {out}")
+
+
+class ReplicatedKVLinear(_LinearShard):
+    """Key or value projection with fewer kv heads than tp ranks (``tp % G == 0``): every rank
+    keeps the whole (G*D, C) weight and projects only kv head ``head``, the one its query heads
+    belong to. The weight passes through ``CopyWeightToTP``, so each kv head's gradient is the sum
+    over the ranks that used it, reduced in ``reduce_dtype``. x (..., C) -> (..., D).
+    """
+
+    def __init__(self, weight: nn.Parameter, head: int, head_dim: int, group: AxisGroup,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = weight  # (G*D, C), whole
+        self.head, self.head_dim, self.group, self.reduce_dtype = head, head_dim, group, reduce_dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = CopyWeightToTP.apply(self.weight, self.group, self.reduce_dtype)
+        return F.linear(x, w[self.head * self.head_dim:(self.head + 1) * self.head_dim])  # (..., D)
+
+    def extra_repr(self) -> str:
+        g = self.weight.shape[0] // self.head_dim
+        return (f"in={self.in_features}, out={self.head_dim} (kv head {self.head} of {g}, whole weight), "
+                f"grad: all-reduce over tp{self.group.size}")
+
+
+class SequenceParallelNorm(nn.Module):
+    """A norm whose gain is replicated over tp but, under SP, applied to this rank's tokens only:
+    the gain passes through ``CopyWeightToTP`` so its gradient is summed over tp (in
+    ``reduce_dtype``). The computation is the wrapped norm's own ``forward`` (run with
+    ``torch.func.functional_call`` on the summed gain), so any norm with a ``weight`` works.
+
+    The wrapped norm is kept unregistered, with a placeholder parameter (a recipe only): this
+    module owns ``weight``, keeping the state-dict key ``<name>.weight``. Shapes: x (..., C) -> (..., C).
+    """
+
+    def __init__(self, norm: nn.Module, group: AxisGroup, reduce_dtype: torch.dtype | None = None):
+        super().__init__()
+        names = [n for n, _ in norm.named_parameters()]
+        if names != ["weight"]:
+            raise NotImplementedError(f"sequence parallel norms need exactly one parameter `weight`, "
+                                      f"{type(norm).__name__} has {names}")
+        self.weight = norm.weight  # (C,)
+        # The wrapped norm keeps a storage-less meta placeholder (its repr shows the shape; the
+        # forward passes this module's weight) rather than a second reference that a data-parallel
+        # wrapper swapping ``self.weight`` would leave stale.
+        norm._parameters["weight"] = nn.Parameter(torch.empty_like(norm.weight, device="meta"),
+                                                  requires_grad=False)
+        self.__dict__["norm"] = norm  # not a child: its parameter lives here, under the same name
+        self.group, self.reduce_dtype = group, reduce_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = CopyWeightToTP.apply(self.weight, self.group, self.reduce_dtype)
+        return functional_call(self.norm, {"weight": w}, (x,))
+
+    def extra_repr(self) -> str:
+        return f"{self.norm!r}, weight grad: all-reduce over tp{self.group.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (vocabulary) are split over ``tp``; ids outside this rank's range give
+    zeros, and the partial rows are summed (``ReduceFromTP``) or, with SP, reduce-scattered along
+    the sequence. Shapes: tokens (B, T) -> (B, T, C), or (B, T/tp, C) with SP.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group: AxisGroup, sp: bool,
+                 vocab_size: int | None = None):
+        super().__init__()
+        self.weight = weight  # (Vp / tp, C), keeps the name ``tok_embeddings.weight``
+        self.vocab_start, self.group, self.sp = vocab_start, group, sp
+        self.vocab_size = vocab_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # (B, T)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _leave(h, self.group, self.sp)
+
+    def extra_repr(self) -> str:
+        rows, tp = self.weight.shape[0], self.group.size
+        v = f", vocab={self.vocab_size}" if self.vocab_size is not None else ""
+        return (f"rows={rows * tp}/tp{tp} [{self.vocab_start}, {self.vocab_start + rows}){v}, "
+                f"dim={self.weight.shape[1]}, sp={self.sp}")

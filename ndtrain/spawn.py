@@ -1,0 +1,219 @@
+"""``spawn``: the one helper that starts local ranks, for the trainer (``ndtrain.launch``), the
+planner's measurements, the tests (``tests/dist_utils.run_ranks``) and the benchmarks.
+
+Each rank is a fresh interpreter (multiprocessing "spawn": no state forked from the launcher, and
+CUDA-safe) with the torchrun-style environment, an optional default process group, and a result
+handed back through a file. Failures come back as one ``SpawnError`` naming the rank to blame,
+with that rank's traceback once, instead of every rank's. Torch is imported only inside ranks that
+use it, so the command line can name ``SpawnError`` without importing torch.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing import get_context
+from multiprocessing.connection import wait
+from pathlib import Path
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed, died or hung. ``rank``: the rank to blame (None when several hung);
+    ``details``: its Python traceback ("" when it died without one)."""
+
+    def __init__(self, message: str, rank: int | None = None, details: str = ""):
+        super().__init__(message)
+        self.rank, self.details = rank, details
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 the OS just found free (another process may take it before rank 0
+    binds it; ``spawn`` retries that case)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, nprocs: int, args: tuple = (), *, backend: str | None = None, threads: int | None = None,
+          timeout_s: float | None = None, env: dict[str, str] | None = None,
+          group_timeout_s: float = 600.0) -> list:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; return the per-rank results.
+
+    Each rank gets ``MASTER_ADDR``/``MASTER_PORT`` (a free loopback port), ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` and ``env`` in its environment; ``threads`` sets its torch / OpenMP thread count.
+    With ``backend`` ("gloo" / "nccl") the helper creates the default process group around ``fn``
+    (collective timeout ``group_timeout_s``) and barriers before tearing it down; without it ``fn``
+    creates its own. ``fn`` and ``args`` must be picklable (``fn`` at module level), as must the
+    results. The ranks ignore SIGINT: a Ctrl-C (KeyboardInterrupt) in the caller stops them all,
+    and a rank whose parent dies exits within a second, so no rank outlives its launcher.
+
+    Raises:
+        SpawnError: a rank raised (the message names the first rank that failed and its error; the
+            traceback is in ``details``), died without a Python error, or ranks were still running
+            after ``timeout_s`` seconds (all are then killed; the message names them).
+    """
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env or {}, group_timeout_s)
+        except SpawnError as e:  # the free port was taken before rank 0 bound it: pick another
+            if attempt == 2 or "address already in use" not in e.details.lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env, group_timeout_s) -> list:
+    ctx = get_context("spawn")
+    base = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs))
+    if threads:
+        base["OMP_NUM_THREADS"] = str(threads)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="ndtrain-ranks-") as out_dir:
+        try:
+            for rank in range(nprocs):
+                procs.append(ctx.Process(target=_rank_entry, name=f"ndtrain-rank{rank}", args=(
+                    rank, nprocs, out_dir, fn, args, backend, threads, group_timeout_s, os.getpid())))
+                with _environ(dict(base, RANK=str(rank), LOCAL_RANK=str(rank))), _sigint_ignored():
+                    procs[-1].start()  # the child inherits this environment and the ignored SIGINT
+            _wait(procs, out_dir, timeout_s)
+        except BaseException as e:  # a failed / hung rank, Ctrl-C: no rank may outlive this call
+            _stop(procs)
+            if isinstance(e, SpawnError) and e.rank is not None:
+                raise _blame(procs, out_dir, e.rank) from None
+            raise
+        return [_read(out_dir, r)[1] for r in range(nprocs)]
+
+
+def _rank_entry(rank, world, out_dir, fn, args, backend, threads, group_timeout_s, parent_pid):
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        if backend:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=group_timeout_s))
+        result = fn(rank, world, *args)
+        if backend:
+            dist.barrier()  # no rank tears the group down while another still communicates
+        payload = pickle.dumps(("ok", result))
+    except Exception:  # noqa: BLE001 - handed to the launcher, which reports the first failing rank once
+        _write(out_dir, rank, pickle.dumps(("error", traceback.format_exc(), time.time())))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no group teardown: it can block on peers that are gone; the OS frees it all
+    _write(out_dir, rank, payload)
+    dist = sys.modules.get("torch.distributed")  # fn may have created the group itself
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _write(out_dir: str, rank: int, payload: bytes) -> None:
+    tmp = Path(out_dir) / f"rank{rank}.tmp"
+    tmp.write_bytes(payload)
+    tmp.rename(Path(out_dir) / f"rank{rank}.pkl")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Watchdog thread of a rank: exit at once if the launcher died (SIGKILL, crash), so no rank
+    keeps training on its own."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+@contextmanager
+def _environ(updates: dict[str, str]):
+    old = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _sigint_ignored():
+    """Ranks start with SIGINT ignored (Python keeps an inherited SIG_IGN): a Ctrl-C reaches the
+    whole terminal process group, and only the launcher should react to it, by stopping the ranks."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _wait(procs, out_dir: str, timeout_s: float | None) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    alive = dict(enumerate(procs))
+    while alive:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            hung = ", ".join(map(str, alive))
+            raise SpawnError(f"rank(s) {hung} of {len(procs)} did not finish within {timeout_s:.0f} s "
+                             f"(hung?); all ranks were stopped")
+        wait([p.sentinel for p in alive.values()], timeout=left)
+        for r, p in list(alive.items()):
+            if p.exitcode is not None:
+                del alive[r]
+                if p.exitcode != 0:
+                    raise SpawnError(f"rank {r} failed", rank=r)
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+    procs = [p for p in procs if p.pid is not None]  # started ones
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _read(out_dir: str, rank: int):
+    path = Path(out_dir) / f"rank{rank}.pkl"
+    if not path.exists():
+        raise SpawnError(f"rank {rank} exited without a result", rank=rank)
+    return pickle.loads(path.read_bytes())
+
+
+def _blame(procs, out_dir: str, first: int) -> SpawnError:
+    """The rank whose Python error came first (the others usually fail because it left their
+    collectives), else ``first``, the rank seen dying first, by its exit code or signal."""
+    n, errors = len(procs), []
+    for r in range(n):
+        path = Path(out_dir) / f"rank{r}.pkl"
+        if path.exists():
+            status, *rest = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append((rest[1], r, rest[0]))
+    if errors:
+        _, r, tb = min(errors)
+        last = tb.strip().splitlines()[-1]
+        return SpawnError(f"rank {r} of {n} failed: {last}", rank=r, details=tb)
+    code = procs[first].exitcode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return SpawnError(f"rank {first} of {n} was killed by {name}{hint}", rank=first)
+    return SpawnError(f"rank {first} of {n} exited with code {code} without a Python error", rank=first)

@@ -1,0 +1,200 @@
+"""One rank's training state: ``Trainer(cfg, mesh, device)``, ``step(inputs, labels)``, ``eval_loss``.
+
+Loss convention (token-weighted): the loss of a step is the sum of the per-token cross-entropies over
+all valid labels (label != -100) of the *global* batch, divided by the number of valid labels of the
+global batch. Each microbatch backpropagates ``sum_ce / n_valid_global``; data-parallel gradients are
+summed. Splitting a batch into microbatches or across ranks therefore gives the single-process
+gradient exactly, even when ranks hold very different numbers of valid tokens, and a last
+microbatch shorter than the others is just a microbatch with fewer tokens. MoE auxiliary losses and
+MTP losses are added the same way (``ndtrain.train_extras``).
+
+Everything layout-dependent comes from ``ndtrain.parallel.parallelize`` as one ``ParallelPlan``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ndtrain.config import Config
+from ndtrain.mem_account import MemorySampler, StateMemory, state_tensors
+from ndtrain.mesh import Mesh
+from ndtrain.optim import build_scheduler
+from ndtrain.parallel import comm
+from ndtrain.parallel.dp.grad_sync import max_over_mesh
+from ndtrain.parallel.parallelize import parallelize, param_dtype
+from ndtrain.parallel.pp.observe import RuntimeObserver
+from ndtrain.precision import build_loss_scaler, compute_dtype
+from ndtrain.train_extras import ExtraLosses
+
+IGNORE_INDEX = -100
+
+
+class _StateSampler(RuntimeObserver):
+    """Samples the rank's state bytes (parameters, gradients, optimizer state) after every backward
+    action of the step, where gradients of one more microbatch have just been accumulated."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_action_end(self, a) -> None:
+        if a.kind in ("B", "W"):
+            tr = self.trainer
+            tr.mem.sample(state_tensors(tr.model, tr.optimizer, tr.dp))
+
+
+class Trainer:
+    """One rank's training state. ``step(inputs, labels)`` runs one optimizer step on its local batch.
+
+    Args:
+        cfg: validated config.
+        mesh: the layout (``ParallelDims(...).build_mesh()``); all ones works in a plain process.
+        device: this rank's device.
+    Attributes: ``plan`` (the ``ParallelPlan``), and for convenience its ``model``, ``dp`` (the
+    ``GradSync``) and ``pipeline``; ``optimizer``, ``scheduler``, ``scaler`` (fp16), ``step_count``.
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        t = cfg.training
+        self.param_dtype = param_dtype(cfg)
+        self.autocast_dtype = compute_dtype(t.dtype)  # bf16 / fp16 autocast, None = off
+        self.autocast = self.autocast_dtype is not None
+        self.scaler = build_loss_scaler(t)  # fp16 dynamic loss scaling (ndtrain.precision)
+        self.mem = StateMemory()  # per-rank bytes held (ndtrain.mem_account)
+        self.measure_memory = False  # also meter activations / in-hook peaks on the next step
+        self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
+        self.plan = parallelize(None, mesh, cfg, device)
+        self.model, self.dp, self.pipeline = self.plan.model, self.plan.grad_sync, self.plan.pipeline
+        # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train_extras); None if dense
+        self.extras = (ExtraLosses(cfg, self.model, mesh, device)
+                       if cfg.model.is_moe or cfg.model.mtp_depth else None)
+        self.optimizer = self.dp.build_optimizer(t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.step_count = 0
+        self.local_batch = t.global_batch_size // mesh.dims.dp
+        self.pipeline.runtime.observers.append(_StateSampler(self))
+        self.micro_batch = t.micro_batch_size or self.local_batch
+
+    def _forward_ctx(self):
+        return (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
+                else contextlib.nullcontext())
+
+    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,)."""
+        with self._forward_ctx():
+            logits = self.model(inputs, positions)  # (B, T, V), or (B, T, V / tp) under tp
+        if logits.dtype != self.param_dtype:
+            logits = logits.to(self.param_dtype)
+        return self.plan.loss_sum(logits, labels)
+
+    def _agree_on_batch(self, labels: torch.Tensor) -> float:
+        """Valid labels of the global batch, after checking that every dp x cp rank holds the same
+        number of sequences -- in the same all-reduce (sum of B and of B^2: they are all equal iff
+        n * sum(B^2) == sum(B)^2), before any forward. Uneven local batches would desynchronise the
+        per-microbatch collectives of ZeRO-2/3 (a size mismatch or a hang), so every rank raises
+        the same ValueError instead. Raises ValueError also for an empty batch (on every rank)."""
+        group = self.mesh.group("dp_cp")
+        b = float(labels.shape[0])
+        stats = torch.tensor([float((labels != IGNORE_INDEX).sum()), b, b * b], dtype=torch.float64,
+                             device=self.device)
+        comm.all_reduce(stats, group)
+        n_valid, total, total_sq = stats.tolist()
+        if group.size * total_sq != total * total:
+            raise ValueError(f"local batch sizes differ across the {group.size} data-parallel x cp ranks "
+                             f"({total:.0f} sequences in all, mean {total / group.size:g}): every rank must "
+                             f"hold the same number of sequences (global_batch_size / dp)")
+        if total == 0:
+            raise ValueError("empty batch: every rank holds 0 sequences")
+        return n_valid
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64; any
+        B_local >= 1, the same on every data-parallel rank (else ValueError on every rank).
+
+        Returns ``loss`` (global token-weighted mean), ``grad_norm`` (before clipping), ``lr``,
+        ``n_tokens`` (valid labels in the global batch); MoE / MTP models add ``aux_loss``,
+        ``mtp_loss``, ``moe_load_max_mean``, ``moe_dropped_frac``... (``ExtraLosses.end_step``).
+        """
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, positions = self.plan.shard(inputs, labels)  # this cp rank's tokens
+        n_valid = self._agree_on_batch(labels)
+        if self.extras is not None:
+            self.extras.begin_step(inputs, labels)
+        self.mem.reset()
+        if hasattr(self.dp, "observers"):  # sample inside the sharded data-parallel hooks too
+            self.dp.observers["memory"] = MemorySampler(self.mem) if self.measure_memory else None
+        runtime = self.pipeline.runtime
+        runtime.track_memory = self.measure_memory
+        if self.mesh.dims.pp == 1:  # one stage: microbatches of micro_batch rows, the last may be short
+            self.pipeline.m = -(-inputs.shape[0] // self.micro_batch)
+        loss_sum = self.pipeline.forward_backward(
+            inputs, labels, max(n_valid, 1.0), positions,
+            extra_loss=self.extras.micro_loss if self.extras is not None else None,
+            loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
+        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
+        out = self._update(self.pipeline.clip_grad_norm)
+        out.update(self.mem.report())
+        if self.measure_memory:  # live activation storages of the whole step on this stage
+            self.activation_peak_bytes = runtime.peak_activation_bytes
+        out["mem_activations_peak_bytes"] = self.activation_peak_bytes
+        return self._finish(out, loss_sum, n_valid)
+
+    def _update(self, clip_fn) -> dict:
+        """fp16 unscale (an overflow on any rank skips the step everywhere), clip, optimizer and
+        LR step, zero the gradients. Returns ``grad_norm``, ``lr`` and the loss-scale entries."""
+        ok = True
+        if self.scaler is not None:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            ok = self.scaler.unscale_and_check(grads, max_over_mesh(self.mesh))
+            self.scaler.update(ok)
+        grad_norm = clip_fn(self.cfg.training.grad_clip) if ok else float("nan")
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+        # the state peak: parameters, gradients and optimizer state all live
+        self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"grad_norm": grad_norm, "lr": lr}
+        if self.scaler is not None:
+            out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
+        return out
+
+    def _finish(self, out: dict, loss_sum: torch.Tensor, n_valid: float) -> dict:
+        comm.all_reduce(loss_sum, self.mesh.group("dp_cp"))
+        self.step_count += 1
+        out.update({"loss": loss_sum.item() / max(n_valid, 1.0), "n_tokens": n_valid})
+        if self.extras is not None:  # aux / MTP losses, expert loads; aux-loss-free bias update
+            out.update(self.extras.end_step())
+        return out
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        """Token-weighted mean loss over ``batches`` of (inputs, labels) local to this rank."""
+        self.model.eval()
+        tot = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, labels in batches:
+            inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
+            if self.mesh.dims.pp > 1:  # the last stage's loss, summed over pp (all ranks agree)
+                tot[0] += self.pipeline.eval_loss_sum(inputs, labels, positions)
+            else:
+                tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
+            tot[1] += (labels != IGNORE_INDEX).sum()
+        self.model.train()
+        comm.all_reduce(tot, self.mesh.group("dp_cp"))
+        return (tot[0] / tot[1].clamp(min=1)).item()
+
+    def tensor_state(self) -> dict:
+        """``{"model", "optim"}``: every tensor whole (or a DTensor of global shape) under its
+        single-process name (``ndtrain.parallel.state``). Collective."""
+        return self.plan.state.state(self.optimizer)
+
+    def load_tensor_state(self, state: dict) -> None:
+        """Load a tree shaped like ``tensor_state()`` (model and optimizer). Collective."""
+        self.plan.state.load(state, self.optimizer)
+
+    def load_model_state(self, model_state: dict) -> None:
+        """Weights only, shaped like ``tensor_state()["model"]`` (optimizer untouched). Collective."""
+        self.plan.state.load_model(model_state)

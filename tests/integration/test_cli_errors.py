@@ -1,0 +1,141 @@
+"""``ndtrain train`` fails with one clear line (exit code 2) before any process starts, for setups
+that used to print a traceback from every worker; refuses a model / data change on resume without
+touching the run's config.yaml; and a SIGINT to the launcher alone stops every worker quietly."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import is_alive, live_descendants
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _corpus(tmp_path: Path) -> Path:
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "ndtrain").rglob("*.py")))[:60000]
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def _data_args(tmp_path: Path) -> list[str]:
+    return [f"--data.source={_corpus(tmp_path)}", "--data.tokenizer=bytes",
+            f"--data.cache_dir={tmp_path / 'cache'}"]
+
+
+def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ndtrain.cli", "train", *args], check=False, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and proc.stdout == "", out
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), out
+
+
+def test_unwritable_run_dir(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    proc = _train("--config", "debug", "--nproc", "2", f"--run-dir={tmp_path / 'file' / 'run'}")
+    _assert_one_line_error(proc, r"ndtrain: invalid config: --run-dir .*/file/run: .*/file is not a directory")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  dim: 64\n  n_heads: 4\n  n_layers: [2\ntraining:\n  steps: 3\n")
+    proc = _train("--config", str(bad), "--nproc", "2", f"--run-dir={tmp_path / 'run'}")
+    _assert_one_line_error(proc, rf"ndtrain: invalid config: {re.escape(str(bad))}:[45]: YAML syntax error: .+")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_nccl_without_cuda(tmp_path):
+    proc = _train("--config", "debug", "--nproc", "2", "--parallel.backend=nccl", f"--run-dir={tmp_path / 'run'}")
+    _assert_one_line_error(proc, r"ndtrain: invalid config: parallel.backend=nccl needs CUDA GPUs, .+")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["load_from", "init_weights_from"])
+def test_missing_checkpoint_path(tmp_path, key):
+    from ndtrain.config import CheckpointConfig
+
+    if not hasattr(CheckpointConfig(), key):
+        pytest.skip(f"checkpoint.{key} is not a config key here")
+    missing = tmp_path / "no-such-checkpoint"
+    proc = _train("--config", "debug", "--nproc", "2", f"--checkpoint.{key}={missing}",
+                  f"--run-dir={tmp_path / 'run'}")
+    _assert_one_line_error(proc, rf"ndtrain: invalid config: checkpoint.{key}: {re.escape(str(missing))} "
+                                 r"does not exist")
+
+
+@pytest.mark.slow  # three runs of the CLI: ~20 s on an idle 2-core machine
+def test_changed_model_on_resume_is_refused_and_config_kept(tmp_path):
+    run = tmp_path / "run"
+    common = ["--config", "debug", "--nproc", "1", f"--run-dir={run}", *_data_args(tmp_path),
+              "--training.steps=2", "--checkpoint.every=2", "--training.eval_every=0",
+              "--training.sample_tokens=4"]
+    first = _train(*common)
+    assert first.returncode == 0, first.stdout + first.stderr
+    saved = (run / "config.yaml").read_text()
+    proc = _train(*common, "--model.dim=32", "--data.seq_len=16")
+    _assert_one_line_error(proc, r"ndtrain: invalid config: --run-dir .* holds checkpoints of another model / "
+                                 r"data; changed: model.dim \(64 -> 32\), data.seq_len \(32 -> 16\)\. .+")
+    assert (run / "config.yaml").read_text() == saved
+    # training keys may change: the same run resumes
+    more = _train(*common[:-3], "--training.steps=3", "--training.eval_every=0", "--training.sample_tokens=4")
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "resumed from" in more.stdout
+
+
+def _kill_left(pids: set[int], grace_s: float) -> list[int]:
+    """Wait up to ``grace_s`` for ``pids`` to exit; SIGKILL and return those still alive."""
+    deadline = time.monotonic() + grace_s
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if is_alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_sigint_to_launcher_stops_all_workers(tmp_path):
+    """Before: a SIGINT to the launcher alone printed a traceback and left both ranks training."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+         f"--run-dir={tmp_path / 'run'}", *_data_args(tmp_path), "--training.steps=1000000",
+         "--logging.log_every=1", "--training.eval_every=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        out = []
+        while time.monotonic() < deadline:  # rank 0 prints its first metrics line once both train
+            line = proc.stdout.readline()
+            out.append(line)
+            if not line or line.startswith("step"):
+                break
+        assert line.startswith("step"), "".join(out) + proc.stderr.read()
+        workers = live_descendants(proc.pid)
+        assert len(workers) >= 2, workers  # the two ranks (and multiprocessing's resource tracker)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        time.sleep(0.1)
+        left_running = _kill_left(workers, grace_s=10)  # a failing test must not leave ranks training
+    assert not left_running, f"workers {left_running} still ran 10 s after the launcher exited"
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stdout + stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "ndtrain: interrupted; all ranks stopped", stderr
