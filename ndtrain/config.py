@@ -9,7 +9,6 @@ layouts are rejected before any process starts; each error names the rule that f
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -315,7 +314,3 @@ def save_config(cfg: Config, path: Path) -> None:
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Cross-field checks (``ndtrain.validate``); raises ConfigError naming the failed rule."""
     _validate(cfg, world_size)
-
-
-def dump_json(cfg: Config) -> str:
-    return json.dumps(cfg.to_dict(), indent=2)

@@ -82,7 +82,8 @@ def _validate_axes(cfg, world_size: int | None) -> None:
     tp_rules.check(p.tp, m.n_heads, m.kv_heads, m.ffn_dim, p.sequence_parallel, moe=m.is_moe,
                    mla=m.attention == "mla", mtp=m.mtp_depth > 0)
     cp_rules.check(p.cp, T, p.cp_impl, p.cp_layout, m.n_heads, p.tp, p.sequence_parallel,
-                   mla=m.attention == "mla", mtp=m.mtp_depth > 0, seq_aux_loss=m.moe_seq_aux_loss_coef > 0)
+                   mla=m.attention == "mla", mtp=m.mtp_depth > 0, seq_aux_loss=m.moe_seq_aux_loss_coef > 0,
+                   capacity=m.is_moe and m.moe_capacity_factor > 0)
     pp_rules.check(p.pp, m.n_layers, p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches,
                    t.activation_checkpoint, moe=m.is_moe, mtp=m.mtp_depth > 0)
     ep_rules.check(p.ep, m.moe_experts, zero_stage=p.zero_stage)

@@ -118,7 +118,7 @@ class MoE(nn.Module):
         self.shared = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_ffn_dim)
                        if cfg.moe_shared_experts else None)
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
-        self.load_reducer = None  # set by parallel code: sums a (E,) count tensor over dp_cp
+        self.load_reducer = None  # set by parallel code: sums a (E,) count tensor over the aux-loss scope's ranks
         self.stats = moe_balance.LoadStats(cfg.moe_experts)
         self.aux_sum: torch.Tensor | None = None  # weighted aux-loss token sum of the last forward
 

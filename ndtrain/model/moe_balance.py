@@ -17,9 +17,10 @@ divides the weighted sum by the global number of routed tokens (global batch x T
 then independent of how microbatches are spread over ranks whenever the statistics scope is:
 
 * sequence-wise loss and z-loss: per sequence / per token, so always partition-independent;
-* Switch loss, ``moe_aux_scope = "microbatch"`` (default): ``f`` and ``P`` over one rank's
-  microbatch; the step's value is the token-weighted mean of the microbatch losses. It depends on
-  the microbatch partition of the global batch (dp degree x micro_batch_size), not on ep;
+* Switch loss, ``moe_aux_scope = "microbatch"`` (default): ``f`` and ``P`` over one microbatch;
+  the step's value is the token-weighted mean of the microbatch losses. It depends on the
+  microbatch partition of the global batch (dp degree x micro_batch_size), not on ep or cp: under
+  context parallel the (E,) counts are summed over the cp ranks that share the microbatch;
 * Switch loss, ``moe_aux_scope = "global"``: ``f`` counted over the same microbatch index on all
   ``dp_cp`` ranks (an all-reduce of the (E,) counts, installed by ``ndtrain.parallel.ep.expert_parallel``;
   Megatron's "global" load balancing). With one microbatch per rank this is the global batch.
@@ -80,8 +81,8 @@ def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
     terms: dict[str, torch.Tensor] = {}
     if c.moe_aux_loss_coef > 0:
         cnt = counts
-        if c.moe_aux_scope == "global" and moe.load_reducer is not None:
-            cnt = moe.load_reducer(counts.clone())  # (E,) summed over dp_cp
+        if moe.load_reducer is not None:  # (E,) summed over the scope's ranks (set by parallel code)
+            cnt = moe.load_reducer(counts.clone())
         f = (cnt / cnt.sum().clamp(min=1)).to(probs.dtype)  # (E,) fraction of assignments
         terms["switch"] = (c.moe_aux_loss_coef, e * (f * probs.sum(0)).sum())
     if c.moe_seq_aux_loss_coef > 0:

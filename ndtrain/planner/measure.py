@@ -13,7 +13,6 @@ this machine use measured numbers. Only this module imports torch; the rest of t
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import replace
 
@@ -127,18 +126,6 @@ def _time_all_reduce(world: int, sizes, reps: int, backend: str, timeout_s: floa
     per_rank = spawn(_collective_worker, world, (list(sizes), reps, backend), backend=backend, threads=1,
                      timeout_s=timeout_s)
     return per_rank[0], backend
-
-
-def measure_baseline_rss(imports: str = "torch, ndtrain.train") -> float:
-    """Max RSS (bytes) of a fresh interpreter that only imports ``imports``: the part of a CPU
-    run's measured peak memory that is not model state or activations."""
-    import subprocess
-
-    code = (f"import {imports}, resource; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def measured_accelerator(matmul: dict, comm: dict | None = None, base: str = "cpu") -> Accelerator:

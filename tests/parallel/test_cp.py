@@ -20,7 +20,7 @@ from ndtrain.parallel.cp.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from ndtrain.parallel.cp.ulysses import check_ulysses_heads
+from ndtrain.parallel.cp.rules import check_heads as check_ulysses_heads
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import assert_bytes, assert_parity, run_layout, tiny_cfg
 from tests.parallel.test_tp import FakeMesh
@@ -59,7 +59,7 @@ def test_config_rejects_bad_cp_layouts(over, match):
 
 
 def test_ulysses_head_rule_and_layout_resolution():
-    with pytest.raises(ValueError, match=r"query heads on this rank \(6\) are not divisible by cp \(4\)"):
+    with pytest.raises(ValueError, match=r"heads per tp rank \(n_heads / tp = 6\) are not divisible by cp \(4\)"):
         check_ulysses_heads(6, 4)
     assert resolve_layout("ring", "auto") == "load_balanced"
     assert resolve_layout("ulysses", "auto") == "contiguous"

@@ -20,7 +20,8 @@ from ndtrain import checkpoint as ckpt
 from ndtrain.config import ConfigError, ParallelConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
 from ndtrain.model import build_model
-from ndtrain.parallel.tp.tensor_parallel import apply_tp, check_tp_heads, padded_vocab
+from ndtrain.parallel.tp.rules import check_heads as check_tp_heads
+from ndtrain.parallel.tp.tensor_parallel import apply_tp, padded_vocab
 from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 from ndtrain.train import Trainer
 from tests.dist_utils import run_ranks

@@ -94,10 +94,16 @@ def test_unwritable_run_dir(tmp_path):
     assert not (tmp_path / "new").exists()  # the check leaves nothing behind
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_run_dir(tmp_path):
+def test_read_only_run_dir(tmp_path, monkeypatch):
+    """A folder the probe file cannot be created in. root may write into a 0o500 folder, so as root
+    the refusal a read-only mount would give is injected at the probe (the same OSError path)."""
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
+    if os.geteuid() == 0:
+        def refuse(*_a, **_k):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr("ndtrain.preflight.tempfile.TemporaryFile", refuse)
     with pytest.raises(ConfigError, match=r"cannot write in .*ro \(Permission denied\)"):
         check_run_dir_writable(ro / "run")
 

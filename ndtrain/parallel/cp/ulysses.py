@@ -18,15 +18,9 @@ import torch
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel.cp.collectives import AllToAll
+from ndtrain.parallel.cp.rules import check_heads
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q / k / v are (B, H, T, D)
-
-
-def check_ulysses_heads(n_heads: int, cp: int) -> None:
-    """Raise ValueError naming the rule when query heads cannot be split over ``cp`` ranks."""
-    if n_heads % cp:
-        raise ValueError(f"Ulysses context parallel: query heads on this rank ({n_heads}) are not "
-                         f"divisible by cp ({cp})")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
@@ -35,7 +29,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     ``inner`` on (B, H/cp, T, D) -> (B, H, Tl, D). Raises ValueError when H % cp != 0."""
     n = group.size
     h, g = q.shape[HEAD_DIM], k.shape[HEAD_DIM]
-    check_ulysses_heads(h, n)
+    check_heads(h, n)
     if g % n:  # give every rank whole kv groups: broadcast kv heads to the query heads
         k, v = k.repeat_interleave(h // g, dim=HEAD_DIM), v.repeat_interleave(h // g, dim=HEAD_DIM)
     q = AllToAll.apply(q, group, HEAD_DIM, SEQ_DIM)  # (B, H/cp, T, D)

@@ -47,6 +47,7 @@ from ndtrain.parallel import comm
 from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
 from ndtrain.parallel.ep.layers import EXPERT_WEIGHTS, ExpertParallelExperts
+from ndtrain.parallel.ep.rules import check_experts
 
 
 def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor:
@@ -55,14 +56,19 @@ def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor
 
 
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
-    """Shard every MoE layer's experts over ``ep`` (in place) and install the global-scope load
-    reducer when ``moe_aux_scope == "global"``. Returns the names of the expert parameters.
+    """Shard every MoE layer's experts over ``ep`` (in place) and install the load reducer of the
+    Switch loss's statistics scope (dp x cp for "global", cp for "microbatch"). Returns the names
+    of the expert parameters.
 
     Raises ValueError if E is not divisible by ep.
     """
     ep = mesh.group("ep")
-    if cfg.model.moe_aux_scope == "global" and cfg.model.moe_aux_loss_coef > 0 and mesh.dims.dp_cp > 1:
-        reducer = functools.partial(_global_load_reducer, mesh.group("dp_cp"))
+    # The Switch loss counts expert loads over its scope's tokens: "global" sums them over every
+    # dp x cp rank; "microbatch" over the cp ranks, which hold the shards of one microbatch's
+    # sequences (so a cp run counts the same tokens as the single process).
+    scope_axis = "dp_cp" if cfg.model.moe_aux_scope == "global" else "cp"
+    if cfg.model.moe_aux_loss_coef > 0 and mesh.group(scope_axis).size > 1:
+        reducer = functools.partial(_global_load_reducer, mesh.group(scope_axis))
         for moe in moe_layers(model):
             moe.load_reducer = reducer
     if ep.size == 1:
@@ -71,8 +77,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     for name, moe in list(model.named_modules()):  # a snapshot: the loop replaces submodules
         if not isinstance(moe, MoE):
             continue
-        if moe.n_experts % ep.size:
-            raise ValueError(f"moe_experts ({moe.n_experts}) is not divisible by ep ({ep.size})")
+        check_experts(moe.n_experts, ep.size)
         moe.experts = ExpertParallelExperts(moe.experts, ep)
         names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names

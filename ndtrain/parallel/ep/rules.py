@@ -18,5 +18,10 @@ def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, z
     if ep == 1:
         return
     require(moe_experts > 0, f"parallel.ep ({ep}) > 1 needs an MoE model (model.moe_experts > 0)")
-    require(moe_experts % ep == 0, f"moe_experts ({moe_experts}) is not divisible by ep ({ep})")
+    check_experts(moe_experts, ep)
     require(zero_stage == 0, f"parallel.ep ({ep}) > 1 with zero_stage ({zero_stage}) > 0 is not implemented")
+
+
+def check_experts(moe_experts: int, ep: int) -> None:
+    """Each ep rank holds whole experts: E splits evenly over ``ep``."""
+    require(moe_experts % ep == 0, f"moe_experts ({moe_experts}) is not divisible by ep ({ep})")

@@ -53,7 +53,22 @@ class ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class GatherFromSequence(torch.autograd.Function):
+class _SequenceReshard(torch.autograd.Function):
+    """All-gather or reduce-scatter along ``dim``, whose adjoint is the other one; the two
+    sequence-parallel operators below are its two directions."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.gather = group, dim, gather
+        return gather_dim(x, dim, group) if gather else reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out = reduce_scatter_dim(g, ctx.dim, ctx.group) if ctx.gather else gather_dim(g, ctx.dim, ctx.group)
+        return out, None, None, None
+
+
+class GatherFromSequence:
     """Sequence-sharded -> full sequence before a tensor-parallel region (Korthikanti 2022, g-bar).
 
     fwd: all-gather along ``dim``, bwd: reduce-scatter along ``dim`` (the region's partial input
@@ -61,29 +76,19 @@ class GatherFromSequence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None
+    def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        return _SequenceReshard.apply(x, group, dim, True)
 
 
-class ReduceScatterToSequence(torch.autograd.Function):
+class ReduceScatterToSequence:
     """Partial sums of a tensor-parallel region -> summed, sequence-sharded (Korthikanti 2022).
 
     fwd: reduce-scatter along ``dim``, bwd: all-gather along ``dim``.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return gather_dim(g, ctx.dim, ctx.group), None, None
+    def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        return _SequenceReshard.apply(x, group, dim, False)
 
 
 def all_reduce_grad(g: torch.Tensor, group: AxisGroup, reduce_dtype: torch.dtype | None) -> torch.Tensor:

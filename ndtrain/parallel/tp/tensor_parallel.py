@@ -43,20 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
+from ndtrain.parallel.tp import rules
 from ndtrain.parallel.tp.layers import SEQ_DIM, VocabParallelEmbedding
 from ndtrain.parallel.tp.plan import TP_SHARD_ATTR, TPContext, apply_plan, llama_tp_plan, padded_vocab
 
-__all__ = ["SEQ_DIM", "TP_SHARD_ATTR", "VocabParallelEmbedding", "apply_tp", "check_tp_heads", "padded_vocab",
+__all__ = ["SEQ_DIM", "TP_SHARD_ATTR", "VocabParallelEmbedding", "apply_tp", "padded_vocab",
            "tp_full_tensor", "tp_local_slice", "tp_specs"]
-
-
-def check_tp_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
-    """Raise ValueError (naming the rule) unless heads can be split over ``tp`` ranks."""
-    if n_heads % tp:
-        raise ValueError(f"n_heads ({n_heads}) is not divisible by tp ({tp})")
-    if n_kv_heads % tp and tp % n_kv_heads:
-        raise ValueError(f"n_kv_heads ({n_kv_heads}) and tp ({tp}): one must divide the other "
-                         "(kv heads are split when G % tp == 0, replicated when tp % G == 0)")
 
 
 def tp_specs(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -107,9 +99,8 @@ def _check_blocks(model: nn.Module, tp: int) -> None:
             raise NotImplementedError(f"tensor parallel supports Attention + FeedForward blocks, not "
                                       f"{type(att).__name__} + {type(ffn).__name__}")
         d = att.head_dim
-        check_tp_heads(att.wq.weight.shape[0] // d, att.wk.weight.shape[0] // d, tp)
-        if ffn.w1.weight.shape[0] % tp:
-            raise ValueError(f"ffn hidden ({ffn.w1.weight.shape[0]}) is not divisible by tp ({tp})")
+        rules.check_heads(att.wq.weight.shape[0] // d, att.wk.weight.shape[0] // d, tp)
+        rules.check_ffn(ffn.w1.weight.shape[0], tp)
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
