@@ -84,7 +84,7 @@ def _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env, group_timeou
                     procs[-1].start()  # the child inherits this environment and the ignored SIGINT
             _wait(procs, out_dir, timeout_s)
         except BaseException as e:  # a failed / hung rank, Ctrl-C: no rank may outlive this call
-            _stop(procs)
+            stop_processes(procs)
             if isinstance(e, SpawnError) and e.rank is not None:
                 raise _blame(procs, out_dir, e.rank) from None
             raise
@@ -177,7 +177,9 @@ def _wait(procs, out_dir: str, timeout_s: float | None) -> None:
                     raise SpawnError(f"rank {r} failed", rank=r)
 
 
-def _stop(procs, grace_s: float = 5.0) -> None:
+def stop_processes(procs, grace_s: float = 5.0) -> None:
+    """Terminate the started processes that are still alive, wait up to ``grace_s`` seconds in all,
+    then kill what is left."""
     procs = [p for p in procs if p.pid is not None]  # started ones
     for p in procs:
         if p.is_alive():

@@ -20,7 +20,6 @@ import gc
 import json
 import math
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -28,13 +27,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ndtrain.spawn import free_port, stop_processes
 from ndtrain.sweep import TOLERANCE, Combo, build_config, reference, train_steps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write(path: Path, obj) -> None:
@@ -181,17 +175,14 @@ def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=pri
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         while todo:
-            dicts, port = [c.to_dict() for c in todo], _free_port()
+            dicts, port = [c.to_dict() for c in todo], free_port()
             args = (world, port, tmp, gen, dicts, timeout_s, os.getpid())
             procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
             for p in procs:
                 p.start()
             done, state = _watch(procs, Path(tmp), gen, todo, timeout_s, results, log)
-            for p in procs:  # a finished group exits by itself; a hung or broken one is killed
-                p.join(timeout=5.0 if state != "timeout" else 0.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            # a finished group is exiting by itself; a hung or broken one is killed at once
+            stop_processes(procs, grace_s=5.0 if state != "timeout" else 0.0)
             if state in ("timeout", "crash"):
                 reported = [r for r in range(world) if (Path(tmp) / f"g{gen}_c{done}_r{r}.json").exists()]
                 detail = (f"no progress in {timeout_s:.0f} s" if state == "timeout" else
