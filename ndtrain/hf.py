@@ -4,6 +4,9 @@ Weights map one to one by name (table ``_LAYER_MAP``). Both sides use the rotate
 (see ``ndtrain.model.rope``), so q / k projections are copied without permutation. Config export
 writes both the transformers 4 keys (``rope_theta``, ``rope_scaling``) and the transformers 5 key
 (``rope_parameters``); import accepts either. Llama 3.1 RoPE scaling maps to ``rope_type: llama3``.
+Fields a config.json omits take ``transformers.LlamaConfig``'s defaults (``hf_common.with_family_defaults``;
+without transformers a missing numeric field raises ValueError). Mixtral / DeepSeek-V3 folders are
+imported by ``ndtrain.hf_moe`` and MoE / MLA models exported by ``ndtrain.hf_moe_export``.
 """
 from __future__ import annotations
 
@@ -14,8 +17,17 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import model_from_state_dict, read_safetensors, rope_params
+from ndtrain.hf_common import (
+    model_from_state_dict,
+    read_safetensors,
+    require,
+    rope_config,
+    rope_params,
+    with_family_defaults,
+    write_hf_folder,
+)
 from ndtrain.hf_moe import load_hf_moe_checkpoint
+from ndtrain.hf_moe_export import config_to_hf_moe, is_hf_moe_exportable, state_dict_to_hf_moe
 from ndtrain.model import Transformer
 
 # ndtrain block-relative name -> HF name within "model.layers.{i}."
@@ -35,13 +47,17 @@ _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """``ModelConfig`` from a Llama config.json dict.
+    """``ModelConfig`` from a Llama config.json dict; omitted fields take ``transformers.LlamaConfig``'s
+    defaults (without transformers a missing numeric field raises ValueError).
 
     Raises ValueError for features this model does not implement (biases, a non-SiLU activation,
     a head_dim other than hidden_size / num_attention_heads, RoPE scaling other than llama3).
     """
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"model_type {hf.get('model_type')!r} is not 'llama'")
+    hf = with_family_defaults(hf)
+    require(hf, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("attention / MLP biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -53,10 +69,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     cfg = ModelConfig(
         name="llama", vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=hf.get("initializer_range", 0.02))
+        norm_eps=hf["rms_norm_eps"], rope_theta=theta, max_seq_len=hf["max_position_embeddings"],
+        tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=hf.get("initializer_range", 0.02))
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "llama3":
@@ -76,14 +90,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                    "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
                    "original_max_position_embeddings": cfg.rope_original_max_seq_len}
-    rope_parameters = dict(scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope_parameters,
+        **rope_config(cfg, scaling),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "initializer_range": cfg.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -134,13 +147,12 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path) -> None:
     """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` to ``folder``
-    (created if needed), loadable by ``LlamaForCausalLM.from_pretrained``."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(model.state_dict(), cfg).items()}
+    (created if needed), loadable by ``AutoModelForCausalLM.from_pretrained``: Llama for a dense MHA
+    model, Mixtral / DeepSeek-V3 for an MoE / MLA one (``ndtrain.hf_moe_export``; ValueError if it
+    fits neither)."""
+    sd = model.state_dict()
     dtype = next(iter(sd.values())).dtype
-    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}, indent=2))
+    if is_hf_moe_exportable(cfg):
+        write_hf_folder(folder, state_dict_to_hf_moe(sd, cfg), config_to_hf_moe(cfg, dtype))
+    else:
+        write_hf_folder(folder, state_dict_to_hf(sd, cfg), config_to_hf(cfg, dtype))

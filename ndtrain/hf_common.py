@@ -1,5 +1,6 @@
-"""What the Hugging Face importers share: RoPE fields of a config.json, safetensors reading, and
-building a ``Transformer`` from a state dict."""
+"""What the Hugging Face importers / exporters share: a config.json's missing fields filled from
+its family's ``transformers`` config class, RoPE fields, safetensors reading / writing, and building
+a ``Transformer`` from a state dict."""
 from __future__ import annotations
 
 import json
@@ -11,13 +12,63 @@ import torch
 from ndtrain.config import ModelConfig
 from ndtrain.model import Transformer
 
+# model_type -> the transformers config class whose defaults fill fields a config.json omits
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "deepseek_v3": "DeepseekV3Config"}
+
+
+def with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` plus, for every key it omits, the value ``transformers.<Family>Config(**hf)`` gives it
+    (``MixtralConfig().rope_theta`` etc., read from the class: no table here), so an import sees what
+    ``from_pretrained`` would, including values the class derives from others. Keys ``hf`` has win.
+
+    Fallback, when ``transformers`` is not installed or lacks the family's class: nothing is filled
+    in; the importer then raises ValueError naming each numeric field the config.json lacks (see
+    ``require``), never substituting another family's value. Absent feature flags (biases, sliding
+    window, head_dim, RoPE scaling; hidden_act = silu) still read as "off", which every family's class
+    default agrees with. Raises ValueError when the class itself rejects ``hf``.
+    """
+    name = CONFIG_CLASSES.get(hf.get("model_type", "llama"))
+    try:
+        import transformers
+
+        cls = getattr(transformers, name) if name else None
+    except (ImportError, AttributeError):
+        cls = None
+    if cls is None:
+        return dict(hf)
+    try:
+        full = cls(**hf).to_dict()
+    except Exception as e:  # the class validates its fields; report it as an unsupported config
+        raise ValueError(f"transformers.{name} rejects this config.json: {e}") from e
+    return {**full, **hf}
+
+
+def require(hf: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Raise ValueError naming the ``keys`` missing from ``hf`` (only possible without transformers;
+    see ``with_family_defaults``)."""
+    missing = [k for k in keys if k not in hf]
+    if missing:
+        name = CONFIG_CLASSES.get(hf.get("model_type", "llama"), "its config class")
+        raise ValueError(f"config.json lacks {missing}; install transformers to take the defaults of "
+                         f"transformers.{name}, or write them into config.json")
+
 
 def rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a transformers 4 or 5 config dict."""
+    """(rope_theta, scaling dict or None) from a transformers 4 or 5 config dict. Raises ValueError
+    if neither ``rope_parameters.rope_theta`` nor ``rope_theta`` is present."""
     params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        require(hf, ("rope_theta",))
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     return float(theta), scaling
+
+
+def rope_config(cfg: ModelConfig, scaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """RoPE keys of an exported config.json: transformers 4 (``rope_theta``, ``rope_scaling``) and 5
+    (``rope_parameters``)."""
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "rope_parameters": dict(scaling or {"rope_type": "default"}, rope_theta=cfg.rope_theta)}
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -48,3 +99,16 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], device=
     model.load_state_dict(sd, strict=True)
     model.init_rope()
     return model
+
+
+def write_hf_folder(folder: str | Path, hf_sd: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> None:
+    """Write ``model.safetensors`` (tensors moved to CPU, contiguous), ``config.json`` and
+    ``generation_config.json`` to ``folder`` (created if needed)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}, indent=2))

@@ -1,7 +1,10 @@
 """Hugging Face MoE checkpoint import: Mixtral (``MixtralForCausalLM``) and DeepSeek-V3
 (``DeepseekV3ForCausalLM``: MoE + MLA), config.json + safetensors -> ``Transformer``.
 
-``ndtrain.hf.load_hf_checkpoint`` dispatches here for ``model_type`` mixtral / deepseek_v3.
+``ndtrain.hf.load_hf_checkpoint`` dispatches here for ``model_type`` mixtral / deepseek_v3; the
+inverse (export) is ``ndtrain.hf_moe_export``. Fields a config.json omits take the defaults of
+``transformers.MixtralConfig`` / ``DeepseekV3Config`` (``hf_common.with_family_defaults``; without
+transformers a missing numeric field raises ValueError instead of borrowing another family's value).
 
 Mapping notes:
 
@@ -29,7 +32,13 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import model_from_state_dict, read_safetensors, rope_params
+from ndtrain.hf_common import (
+    model_from_state_dict,
+    read_safetensors,
+    require,
+    rope_params,
+    with_family_defaults,
+)
 from ndtrain.model import Transformer
 
 MOE_MODEL_TYPES = ("mixtral", "deepseek_v3")
@@ -37,6 +46,16 @@ _ATTN = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
 _MLA = {"q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
         "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
 _SWIGLU = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+
+
+_NEEDED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
+           "max_position_embeddings", "tie_word_embeddings", "intermediate_size", "num_experts_per_tok")
+_NEEDED_BY_KIND = {
+    "mixtral": ("num_key_value_heads", "num_local_experts"),
+    "deepseek_v3": ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "norm_topk_prob",
+                    "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank",
+                    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"),
+}
 
 
 def _common(hf: dict[str, Any]) -> dict[str, Any]:
@@ -48,17 +67,23 @@ def _common(hf: dict[str, Any]) -> dict[str, Any]:
     if scaling is not None:
         raise ValueError(f"RoPE scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported "
                          "for MoE imports")
+    extra = {"init_std": hf["initializer_range"]} if "initializer_range" in hf else {}
     return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                n_heads=hf["num_attention_heads"], norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
-                max_seq_len=hf.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                init_std=hf.get("initializer_range", 0.02))
+                n_heads=hf["num_attention_heads"], norm_eps=hf["rms_norm_eps"], rope_theta=theta,
+                max_seq_len=hf["max_position_embeddings"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+                **extra)
 
 
 def config_from_hf_moe(hf: dict[str, Any]) -> ModelConfig:
-    """``ModelConfig`` from a Mixtral or DeepSeek-V3 config.json dict. Raises ValueError for other
+    """``ModelConfig`` from a Mixtral or DeepSeek-V3 config.json dict; fields it omits take the
+    defaults of ``transformers.MixtralConfig`` / ``DeepseekV3Config`` (``with_family_defaults``;
+    without transformers a missing numeric field raises ValueError). Raises ValueError for other
     model types or unsupported features (see module docstring)."""
     kind = hf.get("model_type")
+    if kind not in MOE_MODEL_TYPES:
+        raise ValueError(f"model_type {kind!r} is not one of {MOE_MODEL_TYPES}")
+    hf = with_family_defaults(hf)
+    require(hf, _NEEDED + _NEEDED_BY_KIND[kind])
     base = _common(hf)
     if kind == "mixtral":
         if hf.get("sliding_window") is not None:
@@ -66,29 +91,32 @@ def config_from_hf_moe(hf: dict[str, Any]) -> ModelConfig:
         dim, heads = hf["hidden_size"], hf["num_attention_heads"]
         if hf.get("head_dim") not in (None, dim // heads):
             raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
-        return ModelConfig(name="mixtral", **base, n_kv_heads=hf.get("num_key_value_heads") or heads,
+        return ModelConfig(name="mixtral", **base, n_kv_heads=hf["num_key_value_heads"] or heads,
                            ffn_hidden=hf["intermediate_size"], moe_experts=hf["num_local_experts"],
                            moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden=hf["intermediate_size"],
                            moe_score="softmax", moe_renormalize=True)
-    if kind == "deepseek_v3":
-        return ModelConfig(
-            name="deepseek_v3", **base, ffn_hidden=hf["intermediate_size"],
-            moe_experts=hf["n_routed_experts"], moe_top_k=hf["num_experts_per_tok"],
-            moe_shared_experts=hf.get("n_shared_experts") or 0, moe_ffn_hidden=hf["moe_intermediate_size"],
-            moe_score="sigmoid", moe_renormalize=bool(hf.get("norm_topk_prob", True)),
-            moe_route_scale=float(hf.get("routed_scaling_factor", 1.0)),
-            moe_n_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
-            moe_layer_start=hf.get("first_k_dense_replace") or 0, attention="mla",
-            mla_q_rank=hf.get("q_lora_rank") or 0, mla_kv_rank=hf["kv_lora_rank"],
-            mla_rope_dim=hf["qk_rope_head_dim"], mla_nope_dim=hf["qk_nope_head_dim"], mla_v_dim=hf["v_head_dim"])
-    raise ValueError(f"model_type {kind!r} is not one of {MOE_MODEL_TYPES}")
+    return ModelConfig(
+        name="deepseek_v3", **base, ffn_hidden=hf["intermediate_size"],
+        moe_experts=hf["n_routed_experts"], moe_top_k=hf["num_experts_per_tok"],
+        moe_shared_experts=hf["n_shared_experts"] or 0, moe_ffn_hidden=hf["moe_intermediate_size"],
+        moe_score="sigmoid", moe_renormalize=bool(hf["norm_topk_prob"]),
+        moe_route_scale=float(hf["routed_scaling_factor"]),
+        moe_n_groups=hf["n_group"] or 1, moe_topk_groups=hf["topk_group"] or 1,
+        moe_layer_start=hf["first_k_dense_replace"] or 0, attention="mla",
+        mla_q_rank=hf["q_lora_rank"] or 0, mla_kv_rank=hf["kv_lora_rank"],
+        mla_rope_dim=hf["qk_rope_head_dim"], mla_nope_dim=hf["qk_nope_head_dim"], mla_v_dim=hf["v_head_dim"])
 
 
-def _deinterleave(w: torch.Tensor, start: int, width: int, period: int) -> torch.Tensor:
-    """Permute, in every block of ``period`` rows, rows [start, start+width) to evens then odds."""
+def _deinterleave(w: torch.Tensor, start: int, width: int, period: int,
+                  inverse: bool = False) -> torch.Tensor:
+    """Permute, in every block of ``period`` rows, rows [start, start+width) to evens then odds
+    (``inverse``: back from evens-then-odds to interleaved pairs, as export writes them)."""
     perm = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)]) + start  # (width,)
     rows = w.view(-1, period, *w.shape[1:]).clone()  # (blocks, period, ...)
-    rows[:, start:start + width] = rows[:, perm]
+    if inverse:
+        rows[:, perm] = rows[:, start:start + width].clone()
+    else:
+        rows[:, start:start + width] = rows[:, perm]
     return rows.view_as(w)
 
 
@@ -155,7 +183,7 @@ def load_hf_moe_checkpoint(folder: str | Path, device: torch.device | str = "cpu
     """Read a Mixtral / DeepSeek-V3 checkpoint folder into a ``Transformer`` (``dtype`` parameters;
     router and expert biases follow ``dtype`` too). Raises FileNotFoundError, ValueError, KeyError."""
     folder = Path(folder)
-    hf = json.loads((folder / "config.json").read_text())
+    hf = with_family_defaults(json.loads((folder / "config.json").read_text()))
     cfg = config_from_hf_moe(hf)
     sd = state_dict_from_hf_moe(read_safetensors(folder), cfg, bool(hf.get("rope_interleave", True)))
     return cfg, model_from_state_dict(cfg, sd, device, dtype)
