@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
-from ndtrain.planner.hardware import HARDWARE, Cluster, get_accelerator
-from ndtrain.planner.layout import Workload, parse_layout
+from ndtrain.planner.hardware import HARDWARE, OVERRIDES, Cluster, apply_overrides, get_accelerator
+from ndtrain.planner.layout import Workload, layout_assumptions, parse_layout
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,6 +32,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="ndtrain preset name / YAML path, or a Hugging Face config.json")
     p.add_argument("--hardware", default="H100", help=f"accelerator: {', '.join(HARDWARE)}")
+    p.add_argument("--hardware-override", default="",
+                   help='replace datasheet fields, e.g. "memory_gb=96,peak_tflops=989,inter_node_gbps=100" '
+                        f"(keys: {', '.join(OVERRIDES)})")
     p.add_argument("--gpus", type=int, default=0, help="accelerators in total")
     p.add_argument("--nodes", type=int, default=0, help="alternative to --gpus: nodes x gpus-per-node")
     p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's (8 for GPUs)")
@@ -85,6 +88,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return _fail("--model is required")
     try:
         acc = acc or get_accelerator(args.hardware)
+        if args.hardware_override:
+            acc = apply_overrides(acc, args.hardware_override)
         spec, preset_seq = load_model_spec(args.model)
     except ValueError as e:
         return _fail(str(e))
@@ -108,6 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
             layout = parse_layout(args.layout)
         except ValueError as e:
             return _fail(str(e))
+        for note in layout_assumptions(args.layout, layout):
+            print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
         plans = [evaluate(spec, cluster, w, layout)]
         rec = plans[0] if plans[0].fits else None
         everything = plans
@@ -118,8 +125,16 @@ def run_plan(args: argparse.Namespace) -> int:
         if rec is not None and rec not in plans:
             plans = [rec] + plans
     reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
+    if not everything:  # say which constraint failed instead of "nothing fits in memory"
+        from ndtrain.planner.diagnose import diagnose
+
+        reasons = diagnose(spec, cluster, w)
+        if args.json:
+            print("\n".join(reasons), file=sys.stderr)
     if rec is not None and args.layout:
         reasons = explain(rec, [], spec, cluster, w)[:3]
+    if cluster.precision_note():
+        print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
     _print_plans(args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
     if args.report:
         from ndtrain.planner.report import write_report
@@ -154,7 +169,7 @@ def _print_plans(args, plans, rec, reasons, spec, where: str, seq: int, batch: i
     elif plans and plans[0].errors:
         print("\ninvalid layout: " + "; ".join(plans[0].errors))
     else:
-        print("\nno layout fits in memory")
+        print("\nno layout proposed:\n" + "\n".join(reasons))
 
 
 def _preset_batch_tokens(model: str, seq: int) -> int:

@@ -104,6 +104,18 @@ def parse_layout(text: str) -> Layout:
     return Layout(**kw)
 
 
+def layout_assumptions(text: str, layout: Layout) -> list[str]:
+    """What a ``--layout`` string left to defaults that changes the answer, stated: a data-parallel
+    layout without ``zero_stage`` is planned as ndtrain's default, zero_stage=0 (plain DDP)."""
+    keys = {item.split("=", 1)[0].strip() for item in text.split(",") if "=" in item}
+    if keys & {"zero_stage", "zero"} or layout.dp_shard * layout.cp == 1:
+        return []
+    n = "the rest" if layout.dp_shard < 0 else f"dp_shard x cp = {layout.dp_shard * layout.cp}"
+    msg = (f"zero_stage not given: assuming zero_stage=0 (ndtrain's default, plain DDP: weights, "
+           f"gradients and optimizer state replicated over {n} ranks); give zero_stage=1, 2 or 3 to shard them")
+    return [msg]
+
+
 @dataclass(frozen=True)
 class Workload:
     """What is trained: ``seq_len`` tokens per sequence T, ``global_batch_tokens`` per optimizer

@@ -149,6 +149,9 @@ def _stage_params(spec, stage_layers: tuple, stage: int) -> dict:
     if stage == len(stage_layers) - 1:  # final norm + head (a tied head is a copy when pp > 1)
         tied_here = spec.tie_embeddings and len(stage_layers) == 1
         dense += spec.dim + (0 if tied_here else spec.vocab_size * spec.dim)
+        mtp_expert = spec.mtp_depth * spec.n_experts * spec.expert_params if spec.last_layer_is_moe else 0
+        dense += spec.mtp_params() - mtp_expert  # MTP modules sit after the last block
+        expert += mtp_expert
     return {"dense": dense, "expert": expert, "moe_layers": moe, "dense_layers": dense_layers}
 
 

@@ -14,6 +14,10 @@ B; identical to ``ndtrain.metrics.flops_per_token``)::
 N counts every parameter a token's matmuls touch (routed experts: only the top-k), including the
 output head and norms, excluding the input embedding (a lookup). The attention term counts all
 T x T query-key pairs (causal masking is not subtracted). Recompute is not counted (that is HFU).
+MTP modules (DeepSeek-V3 multi-token prediction, ``mtp_depth``) add their projection (C, 2C), three
+norms, one block like the last layer and one more pass through the shared output head, and L + depth
+attention layers. Parameter counts equal those of ``ndtrain.model.Transformer`` for every preset
+(tests/unit/test_planner_v2.py builds each on the meta device).
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class ModelSpec:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek-V3 multi-token prediction modules (ndtrain presets only; HF configs: 0)
+    mtp_depth: int = 0
 
     # ---- structure ---------------------------------------------------------------------------
     @property
@@ -70,13 +76,12 @@ class ModelSpec:
     # ---- parameters (counts, not bytes) --------------------------------------------------------
     @property
     def attn_params(self) -> int:
-        """One layer's attention projections (+ its RMSNorm)."""
+        """One layer's attention projections (+ its RMSNorm; MLA: + the q / kv latent norms)."""
         h, a, D = self.dim, self.n_heads, self.head_dim
-        if self.kv_lora_rank:  # MLA: low-rank q / kv with a decoupled RoPE key
-            rope, v = self.qk_rope_head_dim, self.v_head_dim or D
-            q = (h * self.q_lora_rank + self.q_lora_rank * a * (D + rope)) if self.q_lora_rank \
-                else h * a * (D + rope)
-            kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank * a * (D + v)
+        if self.kv_lora_rank:  # MLA: low-rank q / kv with a decoupled RoPE key (ndtrain/model/mla.py)
+            rope, v, qr, kr = self.qk_rope_head_dim, self.v_head_dim or D, self.q_lora_rank, self.kv_lora_rank
+            q = (h * qr + qr + qr * a * (D + rope)) if qr else h * a * (D + rope)
+            kv = h * (kr + rope) + kr + kr * a * (D + v)
             return q + kv + a * v * h + h
         return h * a * D + 2 * h * self.n_kv_heads * D + a * D * h + h
 
@@ -105,22 +110,40 @@ class ModelSpec:
         return self.vocab_size * self.dim + self.dim
 
     @property
+    def last_layer_is_moe(self) -> bool:
+        i = self.n_layers - 1
+        return self.is_moe and i >= self.first_dense_layers and (i - self.first_dense_layers) % self.moe_layer_freq == 0
+
+    def mtp_params(self, active: bool = False) -> int:
+        """All MTP modules (ndtrain/model/mtp.py): per depth hnorm, enorm, norm (3C), proj (2C x C) and
+        one block like the last layer (MoE: all experts, or the top-k when ``active``); they share the
+        model's embedding and output head, which are not counted here."""
+        if not self.mtp_depth:
+            return 0
+        return self.mtp_depth * (3 * self.dim + 2 * self.dim * self.dim
+                                 + self.layer_params(self.last_layer_is_moe, active))
+
+    @property
     def params_total(self) -> int:
+        """Distinct parameters, = ``sum(p.numel())`` of ``ndtrain.model.Transformer`` for presets."""
         layers = self.n_layers * self.attn_params + self.n_dense_layers * self.dense_mlp_params
         layers += self.n_moe_layers * (self.n_experts * self.expert_params + self.moe_shared_params)
         head = self.dim if self.tie_embeddings else self.head_params
-        return layers + self.embedding_params + head
+        return layers + self.embedding_params + head + self.mtp_params()
 
     @property
     def params_active(self) -> int:
-        """Parameters one token touches (top-k routed experts only)."""
-        return self.params_total - self.n_moe_layers * (self.n_experts - self.top_k) * self.expert_params
+        """Parameters one token touches (top-k routed experts only, MTP modules included)."""
+        trunk = self.params_total - self.mtp_params()
+        trunk -= self.n_moe_layers * (self.n_experts - self.top_k) * self.expert_params
+        return trunk + self.mtp_params(active=True)
 
     @property
     def params_nonembed_active(self) -> int:
         """N of the FLOPs convention: active parameters minus the input embedding, head included."""
         n = self.params_active - self.embedding_params
-        return n + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+        n += self.vocab_size * self.dim if self.tie_embeddings else 0
+        return n + self.mtp_depth * self.vocab_size * self.dim  # each MTP depth runs the head again
 
     def layer_params(self, moe: bool, active: bool = False) -> int:
         """One block's parameters (MoE: all experts, or only the top-k when ``active``)."""
@@ -138,10 +161,15 @@ class ModelSpec:
         return 6.0 * self.params_nonembed_active + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        """12 * L * H * D * T: QK^T and AV over all T x T pairs, fwd + bwd (PaLM appendix B)."""
+        """12 * (L + MTP depth) * H * D * T: QK^T and AV over all T x T pairs, fwd + bwd (PaLM
+        appendix B); FLOPs per token."""
+        return (self.n_layers + self.mtp_depth) * self.attention_flops_per_layer(seq_len)
+
+    def attention_flops_per_layer(self, seq_len: int) -> float:
+        """6 * H * (d_qk + d_v) * T FLOPs per token for one attention layer (= 12 H D T for MHA)."""
         d_qk = self.head_dim + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
         d_v = (self.v_head_dim or self.head_dim) if self.kv_lora_rank else self.head_dim
-        return 6.0 * self.n_layers * self.n_heads * (d_qk + d_v) * seq_len
+        return 6.0 * self.n_heads * (d_qk + d_v) * seq_len
 
 
 @lru_cache(maxsize=256)
@@ -156,15 +184,15 @@ def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int
 
 def from_model_config(m, name: str = "") -> ModelSpec:
     """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
-    ``mla_*`` fields; MTP modules are not modelled)."""
-    moe = dict(n_experts=m.moe_experts, top_k=m.moe_top_k, moe_ffn_hidden=m.expert_ffn_dim,
-               n_shared_experts=m.moe_shared_experts, shared_ffn_hidden=m.expert_ffn_dim,
-               first_dense_layers=m.moe_layer_start, moe_layer_freq=m.moe_layer_interleave) if m.is_moe else {}
-    mla = dict(q_lora_rank=m.mla_q_rank, kv_lora_rank=m.mla_kv_rank, qk_rope_head_dim=m.mla_rope_dim,
-               v_head_dim=m.mla_v_dim or m.head_dim) if m.attention == "mla" else {}
+    ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
+    moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
+           "n_shared_experts": m.moe_shared_experts, "shared_ffn_hidden": m.expert_ffn_dim,
+           "first_dense_layers": m.moe_layer_start, "moe_layer_freq": m.moe_layer_interleave} if m.is_moe else {}
+    mla = {"q_lora_rank": m.mla_q_rank, "kv_lora_rank": m.mla_kv_rank, "qk_rope_head_dim": m.mla_rope_dim,
+           "v_head_dim": m.mla_v_dim or m.head_dim} if m.attention == "mla" else {}
     head_dim = (m.mla_nope_dim or m.head_dim) if mla else m.head_dim
     return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
-                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla)
+                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth)
 
 
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:

@@ -1,7 +1,8 @@
 """Evaluate a layout (memory + step time -> MFU, tokens/s, days, cost) and search over layouts.
 
 The search enumerates factorizations ``pp x dp_replicate x dp_shard x cp x tp`` of the GPU count
-(tp and cp powers of two, tp within a node; ep for MoE models), ZeRO stages, checkpointing
+(tp and pp any divisor the model's shapes allow, tp within a node; cp powers of two; ep
+for MoE models), ZeRO stages, checkpointing
 policies, microbatch sizes and pipeline schedules; drops layouts that break a divisibility rule or
 do not fit in memory; ranks the rest by predicted MFU. For each mesh and microbatch it only keeps
 the least recompute that fits per ZeRO stage (more recompute never runs faster), which keeps a
@@ -30,8 +31,9 @@ class Plan:
     memory: MemoryEstimate
     step: StepEstimate | None = None
     errors: list = field(default_factory=list)
-    mfu: float = 0.0
+    mfu: float = 0.0  # vs the bf16 dense peak under float8, else vs the dtype's peak
     hfu: float = 0.0
+    mfu_vs_dtype_peak: float = 0.0  # vs the compute dtype's dense peak (= mfu unless float8)
     tokens_per_s: float = 0.0
     training_days: float = 0.0
     gpu_hours: float = 0.0
@@ -53,7 +55,7 @@ class Plan:
             "links": {k: (st.links.get(v) if st else None) for k, v in link_of.items()
                       if st and v in st.links},
             "microbatches": st.microbatches if st else None,
-            "mfu": self.mfu, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu, "mfu_vs_dtype_peak": self.mfu_vs_dtype_peak, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
             "training_days": self.training_days, "gpu_hours": self.gpu_hours, "cost": self.cost,
             "bottleneck": self.bottleneck,
         }
@@ -86,9 +88,10 @@ def _add_time(plan: Plan, spec, cluster: Cluster, w: Workload) -> None:
     rc = recompute_fraction(lay.ac, spec.n_layers) * flops / 3
     if lay.ac == "selective":
         rc += spec.attention_flops_per_token(w.seq_len) * tokens / 3
-    denom = cluster.gpus * cluster.peak_flops_per_s * st.step_time_s
+    denom = cluster.gpus * cluster.mfu_peak_flops_per_s * st.step_time_s
     plan.step = st
     plan.mfu, plan.hfu = flops / denom, (flops + rc) / denom
+    plan.mfu_vs_dtype_peak = flops / (cluster.gpus * cluster.peak_flops_per_s * st.step_time_s)
     plan.tokens_per_s = tokens / st.step_time_s
     plan.training_days = w.train_tokens / plan.tokens_per_s / 86400
     plan.gpu_hours = plan.training_days * 24 * cluster.gpus
@@ -119,26 +122,38 @@ def _pow2_divisors(n: int, limit: int) -> list[int]:
     return out
 
 
+def divisors(n: int, limit: int) -> list[int]:
+    """Every divisor of ``n`` up to ``limit``, ascending (not only powers of two: TP12, PP6)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def tp_degrees(spec, cluster: Cluster) -> list[int]:
+    """TP degrees within one node that split the query heads, the kv heads (split or replicated)
+    and the SwiGLU hidden evenly (``parallel/tp/rules.py``; the vocabulary needs no rule: the head
+    is padded to tp * ceil(V / tp) rows, ``parallel/tp/layers.py``)."""
+    return [t for t in divisors(cluster.gpus, cluster.gpus_per_node)
+            if spec.n_heads % t == 0 and (spec.n_kv_heads % t == 0 or t % spec.n_kv_heads == 0)
+            and spec.ffn_hidden % t == 0]
+
+
 def candidate_layouts(spec, cluster: Cluster, w: Workload) -> list[Layout]:
-    """Meshes x schedules x microbatch sizes the search considers (ZeRO / AC chosen later)."""
+    """Meshes x schedules x microbatch sizes the search considers (ZeRO / AC chosen later): tp and
+    pp any divisor the model's shapes allow (``tp_degrees``; pp up to the layer count, at most 128),
+    cp a power of two for T >= 16K, ep a divisor of the expert count up to 64."""
     n, gpn = cluster.gpus, cluster.gpus_per_node
     seqs = w.global_batch_seqs
     out = []
-    for tp in _pow2_divisors(n, gpn):
-        if spec.n_heads % tp or spec.ffn_hidden % tp:
-            continue
+    for tp in tp_degrees(spec, cluster):
         max_cp = max(1, w.seq_len // 8192) if w.seq_len >= 16384 else 1
         for cp in _pow2_divisors(n // tp, max_cp):
-            for pp in [d for d in range(1, min(spec.n_layers, 128) + 1) if (n // (tp * cp)) % d == 0]:
-                if pp > 1 and pp & (pp - 1):
-                    continue
+            for pp in divisors(n // (tp * cp), min(spec.n_layers, 128)):
                 dp = n // (tp * cp * pp)
                 if seqs % dp:
                     continue
                 for rep in sorted({1, dp, max(1, dp * tp * cp // gpn) if dp * tp * cp > gpn else 1}):
                     if dp % rep:
                         continue
-                    eps = [1] if not spec.is_moe else [e for e in _pow2_divisors(n, 64)
+                    eps = [1] if not spec.is_moe else [e for e in divisors(n, 64)
                                                        if (dp // rep * cp) % e == 0
                                                        and spec.n_experts % e == 0]
                     for ep in eps:

@@ -5,7 +5,9 @@ tokens / tp forward and twice that backward; FlashAttention executes the causal 
 T x T pairs, forward 2 matmuls, backward 5 (it recomputes QK^T: Dao 2023). Dense work runs at
 ``COMPUTE_EFFICIENCY`` x peak (one global constant, see hardware.py), attention at that rate times
 the accelerator's published FlashAttention / GEMM throughput ratio. Recompute adds the forward of
-the checkpointed blocks (selective: the attention core).
+the checkpointed blocks (selective: the attention core). Under ``dtype=float8`` only the blocks'
+linear layers run at the FP8 peak; attention and the output head run at the bf16 peak
+(``Cluster.precision_note``).
 
 Overlap assumptions (stated, the same for every case):
   * TP / SP collectives: forward ones are exposed (they sit between dependent GEMMs); backward ones
@@ -51,21 +53,24 @@ def stage_layout(spec, lay: Layout, w: Workload | None = None, attention_ratio: 
         return [spec.n_layers]
     layer = 6.0 * spec.layer_params(spec.is_moe, active=True)
     if w is not None:  # executed attention (causal half, fwd 1 + bwd 2.5) at its relative speed
-        layer += spec.attention_flops_per_token(w.seq_len) / spec.n_layers / 6.0 * 3.5 / attention_ratio
+        layer += spec.attention_flops_per_layer(w.seq_len) / 6.0 * 3.5 / attention_ratio
     return partition_layers(spec.n_layers, lay.pp, head_cost=6.0 * spec.vocab_size * spec.dim / layer)
 
 
 def _stage_flops(spec, w: Workload, lay: Layout, prm: dict, n_layers: int, last: bool) -> dict:
-    """Forward FLOPs per microbatch per rank of one stage: dense matmuls and executed attention."""
+    """Forward FLOPs per microbatch per rank of one stage: dense matmuls (``lin``: the blocks' linear
+    layers, ``head``: the output head passes) and executed attention."""
     tokens = lay.microbatch * w.seq_len / lay.cp
     n_moe = prm["moe_layers"]
     active = (n_layers - n_moe) * spec.layer_params(False) + n_moe * spec.layer_params(True, active=True)
-    if last:
-        active += spec.vocab_size * spec.dim
+    if last:  # head, and the MTP modules (each: a block, its projection and the head again)
+        active += (1 + spec.mtp_depth) * spec.vocab_size * spec.dim + spec.mtp_params(active=True)
+    head = (1 + spec.mtp_depth) * spec.vocab_size * spec.dim if last else 0
     dense = 2.0 * active * tokens / lay.tp
-    per_layer_attn = spec.attention_flops_per_token(w.seq_len) / spec.n_layers / 6.0  # causal half of fwd
-    attn = n_layers * per_layer_attn * tokens / lay.tp
-    return {"dense": dense, "attn": attn, "attn_layer": per_layer_attn * tokens / lay.tp}
+    per_layer_attn = spec.attention_flops_per_layer(w.seq_len) / 6.0  # causal half of fwd
+    attn = (n_layers + (spec.mtp_depth if last else 0)) * per_layer_attn * tokens / lay.tp
+    return {"dense": dense, "lin": dense - 2.0 * head * tokens / lay.tp, "head": 2.0 * head * tokens / lay.tp,
+            "attn": attn, "attn_layer": per_layer_attn * tokens / lay.tp}
 
 
 def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> StepEstimate:
@@ -73,13 +78,18 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     ratio = cluster.accelerator.attention_gemm_ratio
     stages = stage_layout(spec, lay, w, ratio)
     m = microbatches(lay, w)
-    peak = cluster.peak_flops_per_s * COMPUTE_EFFICIENCY
-    peak_attn = peak * ratio
+    peak = cluster.peak_flops_per_s * COMPUTE_EFFICIENCY  # block linears (FP8 under float8)
+    peak_hi = cluster.mfu_peak_flops_per_s * COMPUTE_EFFICIENCY  # head (and attention): 16-bit
+    peak_attn = peak_hi * ratio
+
+    def t_dense(fl):
+        return fl["lin"] / peak + fl["head"] / peak_hi
+
     best = None  # the slowest stage sets the pipeline's pace
     for s in sorted({0, len(stages) - 1, max(range(len(stages)), key=lambda i: stages[i])}):
         prm = stage_params(spec, stages, s)
         fl = _stage_flops(spec, w, lay, prm, stages[s], s == len(stages) - 1)
-        t = fl["dense"] / peak + fl["attn"] / peak_attn
+        t = t_dense(fl) + fl["attn"] / peak_attn
         if best is None or t > best[0]:
             best = (t, s, prm, fl)
     _, s, prm, fl = best
@@ -89,8 +99,8 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     c = estimate_axis_comm(spec, cluster, w, lay, local)
 
     t_attn_layer = fl["attn_layer"] / peak_attn
-    t_fwd_c = fl["dense"] / peak + fl["attn"] / peak_attn
-    t_bwd_c = 2 * fl["dense"] / peak + 2.5 * fl["attn"] / peak_attn
+    t_fwd_c = t_dense(fl) + fl["attn"] / peak_attn
+    t_bwd_c = 2 * t_dense(fl) + 2.5 * fl["attn"] / peak_attn
     rc_frac = recompute_fraction(lay.ac, spec.n_layers)
     t_rc = rc_frac * t_fwd_c + (fl["attn"] / peak_attn if lay.ac == "selective" else 0.0)
     t_bwd_layer = t_bwd_c / max(n_layers, 1)
