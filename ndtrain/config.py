@@ -246,6 +246,9 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
 
 def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
     flat = {}
+    if tree is not None and not isinstance(tree, dict):
+        raise ConfigError(f"a config file must be a mapping of sections (model:, training:, ...), "
+                          f"not a {type(tree).__name__}")
     for section, values in (tree or {}).items():
         if not isinstance(values, dict):
             raise ConfigError(f"config section {section!r} must be a mapping")

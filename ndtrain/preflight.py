@@ -62,11 +62,21 @@ def check_backend(cfg: Config, world: int) -> None:
 
 def check_checkpoint_paths(cfg: Config) -> None:
     """``checkpoint.load_from`` and ``checkpoint.init_weights_from`` (where the config has it), when
-    set, must exist: every rank would otherwise fail on it after start-up."""
+    set, must exist and be a checkpoint folder (``meta.json``) or, for ``init_weights_from``, a
+    Hugging Face folder (``config.json``): every rank would otherwise fail on it after start-up."""
     for key in ("load_from", "init_weights_from"):
         src = getattr(cfg.checkpoint, key, "")
-        if src and not Path(src).exists():
+        if not src:
+            continue
+        path = Path(src)
+        if not path.exists():
             raise ConfigError(f"checkpoint.{key}: {src} does not exist")
+        hf_ok = key == "init_weights_from" and (path / "config.json").is_file()
+        if not ((path / "meta.json").is_file() or hf_ok):
+            what = "an ndtrain checkpoint folder (checkpoints/step_XXXXXXXX, with meta.json)"
+            if key == "init_weights_from":
+                what += " or a Hugging Face folder (with config.json)"
+            raise ConfigError(f"checkpoint.{key}: {src} is not {what}")
 
 
 def check_run_dir_writable(run_dir: Path) -> None:

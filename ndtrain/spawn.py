@@ -107,7 +107,9 @@ def _rank_entry(rank, world, out_dir, fn, args, backend, threads, group_timeout_
         if backend:
             dist.barrier()  # no rank tears the group down while another still communicates
         payload = pickle.dumps(("ok", result))
-    except Exception:  # noqa: BLE001 - handed to the launcher, which reports the first failing rank once
+    # BaseException: torch.distributed.checkpoint raises CheckpointException, which is not an
+    # Exception; it too must reach the launcher as this rank's error, not as a bare exit code.
+    except BaseException:  # noqa: BLE001 - handed to the launcher, which reports the first failing rank once
         _write(out_dir, rank, pickle.dumps(("error", traceback.format_exc(), time.time())))
         sys.stdout.flush()
         sys.stderr.flush()

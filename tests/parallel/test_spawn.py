@@ -75,6 +75,23 @@ def test_failing_rank_is_named_with_its_traceback_and_the_others_stopped():
         run_ranks(_rank1_raises, 2, timeout_s=300)
 
 
+class _NotAnException(BaseException):
+    """Like torch.distributed.checkpoint's CheckpointException: derives from BaseException only."""
+
+
+def _rank0_raises_base_exception(rank: int, world: int):
+    if rank == 0:
+        raise _NotAnException("saved [512, 64] vs current [512, 128]")
+
+
+def test_base_exception_in_a_rank_is_reported_with_its_traceback():
+    with pytest.raises(SpawnError) as info:
+        spawn(_rank0_raises_base_exception, 2, timeout_s=120)
+    e = info.value
+    assert e.rank == 0 and "_NotAnException: saved [512, 64] vs current [512, 128]" in str(e)
+    assert "Traceback" in e.details and "without a Python error" not in str(e)
+
+
 def test_hung_rank_is_named_and_killed(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(SpawnError, match=r"^rank\(s\) 0 of 2 did not finish within 20 s \(hung\?\)"):

@@ -127,6 +127,35 @@ def test_nccl_and_cuda_need_cuda():
     check_backend(load_config("debug", {"parallel.backend": "gloo"}), 2)
 
 
+def test_existing_path_that_is_not_a_checkpoint(tmp_path):
+    """A path that exists but is not a checkpoint (a file, a run directory, a checkpoints/ folder)
+    is one line before launch; a step folder (meta.json) or, for init_weights_from, a Hugging Face
+    folder (config.json) passes."""
+    (tmp_path / "file").write_text("x")
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    for src in (tmp_path / "file", tmp_path / "run", step.parent):
+        for key in ("load_from", "init_weights_from"):
+            cfg = load_config("debug", {f"checkpoint.{key}": str(src)})
+            with pytest.raises(ConfigError, match=rf"^checkpoint.{key}: .* is not an ndtrain checkpoint folder"):
+                check_checkpoint_paths(cfg)
+    (step / "meta.json").write_text("{}")
+    check_checkpoint_paths(load_config("debug", {"checkpoint.load_from": str(step)}))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    check_checkpoint_paths(load_config("debug", {"checkpoint.init_weights_from": str(hf)}))
+    with pytest.raises(ConfigError, match="is not an ndtrain checkpoint folder"):
+        check_checkpoint_paths(load_config("debug", {"checkpoint.load_from": str(hf)}))
+
+
+def test_yaml_whose_top_level_is_not_a_mapping(tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        load_config(str(bad))
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  dim: 64\n  n_layers: [2\ntraining:\n  steps: 3\n")
