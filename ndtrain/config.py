@@ -9,199 +9,26 @@ layouts are rejected before any process starts; each error names the rule that f
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ndtrain.config_schema import (  # noqa: F401  (re-exported: the public config types)
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
 from ndtrain.errors import ConfigError
 from ndtrain.validate import validate as _validate
 
 # Presets ship inside the package (wheel package data); the repo's top-level configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-
-
-@dataclass
-class ModelConfig:
-    name: str = "llama"  # family, informational
-    vocab_size: int = 4096  # rows of the embedding; a tokenizer must fit in it
-    dim: int = 256  # model width C
-    n_layers: int = 4  # decoder blocks L
-    n_heads: int = 8  # query heads H
-    n_kv_heads: int = 0  # kv heads G (0 = n_heads, i.e. MHA); grouped-query attention when < H
-    ffn_hidden: int = 0  # SwiGLU hidden size; 0 = Llama rule from multiple_of / ffn_dim_multiplier
-    multiple_of: int = 256  # Llama rule: hidden rounded up to a multiple of this
-    ffn_dim_multiplier: float = 1.0  # Llama rule: scales 8/3 * dim before rounding
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    rope_theta: float = 500000.0  # RoPE base
-    rope_scaling: bool = False  # Llama 3.1 frequency scaling of RoPE
-    rope_scaling_factor: float = 8.0  # Llama 3.1: factor
-    rope_low_freq_factor: float = 1.0  # Llama 3.1: low_freq_factor
-    rope_high_freq_factor: float = 4.0  # Llama 3.1: high_freq_factor
-    rope_original_max_seq_len: int = 8192  # Llama 3.1: original_max_position_embeddings
-    max_seq_len: int = 2048  # longest position the RoPE table covers
-    tie_embeddings: bool = False  # output head shares the token embedding
-    init_std: float = 0.02  # std of the normal init of linear / embedding weights
-    # --- Mixture of Experts (ndtrain.model.moe); moe_experts == 0 keeps every layer dense ---
-    moe_experts: int = 0  # routed experts E per MoE layer (0 = dense model)
-    moe_top_k: int = 2  # routed experts per token, 1..8
-    moe_shared_experts: int = 0  # always-on experts per MoE layer, each moe_ffn_hidden wide (DeepSeekMoE)
-    moe_ffn_hidden: int = 0  # SwiGLU hidden of one expert (0 = ffn_dim; smaller = fine-grained experts)
-    moe_score: str = "softmax"  # softmax | sigmoid: router score function (sigmoid: DeepSeek-V3)
-    moe_renormalize: bool = True  # rescale the selected top-k scores to sum to 1
-    moe_route_scale: float = 1.0  # multiplies the routed weights (DeepSeek-V3 routed_scaling_factor)
-    moe_n_groups: int = 1  # group-limited routing: experts split into groups (DeepSeek-V3 n_group)
-    moe_topk_groups: int = 1  # ... and tokens pick experts only within their best groups (topk_group)
-    moe_capacity_factor: float = 0.0  # expert capacity = ceil(cf * tokens * k / E) per microbatch (0 = dropless)
-    moe_aux_loss_coef: float = 0.0  # Switch Transformer load-balancing loss weight (Fedus 2021)
-    moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight
-    moe_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE, Zoph 2022)
-    moe_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per optimizer step (0 = off)
-    moe_aux_scope: str = "microbatch"  # microbatch | global: over which tokens Switch-loss loads are counted
-    moe_layer_start: int = 0  # layers before this stay dense (DeepSeek first_k_dense_replace)
-    moe_layer_interleave: int = 1  # from moe_layer_start, every k-th layer is MoE
-    # --- attention kind; "mha" covers MHA / GQA / MQA via n_kv_heads ---
-    attention: str = "mha"  # mha | mla (DeepSeek-V2 Multi-head Latent Attention)
-    mla_q_rank: int = 0  # MLA query latent rank (0 = full-rank query projection)
-    mla_kv_rank: int = 0  # MLA key/value latent rank d_c (what the KV cache stores per token)
-    mla_rope_dim: int = 0  # MLA decoupled RoPE dims per head (the shared RoPE key is cached too)
-    mla_nope_dim: int = 0  # MLA non-RoPE query/key dims per head (0 = head_dim)
-    mla_v_dim: int = 0  # MLA value dims per head (0 = head_dim)
-    # --- multi-token prediction (DeepSeek-V3) ---
-    mtp_depth: int = 0  # D extra sequential modules, module k predicts token t+k+1 (0 = off)
-    mtp_loss_weight: float = 0.3  # lambda: loss += lambda * mean over depths of the MTP losses
-
-    @property
-    def is_moe(self) -> bool:
-        return self.moe_experts > 0
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """True if decoder block ``layer`` (0-based) has an MoE feed-forward."""
-        return (self.is_moe and layer >= self.moe_layer_start
-                and (layer - self.moe_layer_start) % self.moe_layer_interleave == 0)
-
-    @property
-    def expert_ffn_dim(self) -> int:
-        return self.moe_ffn_hidden or self.ffn_dim
-
-    @property
-    def rope_dim(self) -> int:
-        """Dims per head that RoPE rotates: head_dim, or MLA's decoupled slice."""
-        return self.mla_rope_dim if self.attention == "mla" else self.head_dim
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-
-@dataclass
-class DataConfig:
-    source: str = "stdlib"  # "stdlib" (this interpreter's standard library) or a path / glob / comma list
-    text_field: str = "text"  # JSONL / parquet column holding the text
-    tokenizer: str = "bpe"  # "bpe" (trained on the corpus, cached), "bytes", or a tokenizer.json path
-    seq_len: int = 256  # tokens per sequence T (inputs; labels are shifted by one)
-    val_fraction: float = 0.02  # share of the token stream held out for validation
-    max_corpus_bytes: int = 0  # cap on text read from the source (0 = no cap)
-    cache_dir: str = ""  # where tokenizers and token shards are cached ("" = ~/.cache/ndtrain)
-    eos_id: int = -1  # EOS id for a tokenizer.json with no known EOS token (-1 = none: error)
-
-
-@dataclass
-class TrainingConfig:
-    steps: int = 100  # optimizer steps (the LR schedule spans these)
-    stop_at_step: int = 0  # end this job early at this step, schedule unchanged (0 = run to steps)
-    seed: int = 0  # seeds the weights, the data order and dropout
-    dtype: str = "float32"  # float64 | float32 | bfloat16 | float16 (autocast over fp32 master weights)
-    loss_scale_init: float = 65536.0  # float16: initial dynamic loss scale
-    loss_scale_growth_interval: int = 2000  # float16: finite steps in a row before the scale doubles
-    device: str = "auto"  # auto | cpu | cuda
-    global_batch_size: int = 8  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 0  # sequences per microbatch per rank (0 = the whole local batch)
-    lr: float = 3e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # final learning rate as a fraction of lr
-    warmup_steps: int = 10  # linear warmup length
-    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
-    decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
-    weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms / biases)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
-    activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
-    eval_every: int = 0  # steps between validation passes (0 = only at the end)
-    eval_batches: int = 4  # global batches per validation pass
-    sample_every: int = 0  # steps between generated samples (0 = only at the end)
-    sample_tokens: int = 64  # tokens generated per sample
-    sample_prompt: str = "def "  # prompt of the printed sample
-    sample_temperature: float = 0.8  # 0 = greedy
-    sample_top_k: int = 40  # 0 = no top-k filter
-
-
-@dataclass
-class ParallelConfig:
-    dp_replicate: int = 1  # replicas (HSDP outer axis)
-    dp_shard: int = -1  # shards (-1 takes the ranks left over)
-    cp: int = 1  # context parallel degree
-    tp: int = 1  # tensor parallel degree
-    pp: int = 1  # pipeline parallel degree
-    ep: int = 1  # expert parallel degree (borrows ranks from dp_shard x cp)
-    zero_stage: int = 0  # 0 = plain data parallel (DDP), 1, 2, 3 (sharded over dp_shard x cp)
-    reshard_after_forward: bool = True  # zero_stage 3: free gathered params after each unit's forward
-    keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
-    sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
-    cp_impl: str = "ring"  # ring | ulysses
-    cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
-    pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
-    pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
-    bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
-    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: dtype of gradient reductions
-    backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # steps between saves (0 = never)
-    keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
-    resume: bool = True  # resume from the newest complete checkpoint in the run directory (wins over load_from)
-    load_from: str = ""  # resume another run's checkpoint (any layout) when this run has none of its own
-    init_weights_from: str = ""  # fine-tune: weights only (ndtrain checkpoint of any layout or HF folder), step 0
-
-
-@dataclass
-class LoggingConfig:
-    log_every: int = 10  # steps between metrics lines
-    plot: bool = True  # write loss / val loss / MFU plot at the end
-    peak_flops_per_s: float = 0.0  # override the accelerator peak used for MFU (0 = table / bench)
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
 def _coerce(value: Any, current: Any, key: str) -> Any:
