@@ -1,6 +1,6 @@
 """Planner vs real ``ndtrain train`` runs on this machine: per-rank memory and step time.
 
-    python bench/planner_calibration.py [--steps 12] [--layouts single,ddp2,zero1x2,zero3x2,ac_full]
+    python bench/planner_calibration.py [--steps 12] [--rounds 2] [--layouts single,ddp2,tp2,pp2_1f1b,...]
 
 A small Llama (dim 384, 6 layers, 6 heads / 2 kv heads, SwiGLU 1024, vocab 512 untied, T = 256,
 9.8M parameters, fp32) on this interpreter's standard library (byte tokenizer), 8 sequences per
@@ -16,13 +16,16 @@ layout, in one command:
    max RSS is the live peak plus the baseline: the CPU analogue of CUDA's allocated memory);
 4. the planner's predictions (``planner.calibrate.compare_with_runs``).
 
-Gloo's alpha / beta are measured once (``measure_collectives``). Prints the table and writes
+Gloo's alpha / beta are measured once (``measure_collectives``), and the cost of a blocking
+collective between computing ranks (``measure_sync_latency``), which the step-time models use as
+alpha for every layout. Prints the table and writes
 ``bench/results/planner_calibration.json``. Measured step time = median of steps 3.. (step 1 runs
 the memory meters, step 2 warms up).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from ndtrain.config import load_config
 from ndtrain.planner.calibrate import compare_with_runs, format_comparison, load_run, predict_memory
-from ndtrain.planner.measure import measure_collectives, measure_matmul_flops
+from ndtrain.planner.eager_axes_time import rate_spec
+from ndtrain.planner.measure import measure_collectives, measure_matmul_flops, measure_sync_latency
 from ndtrain.planner.measure_eager import measure_eager_rates, measure_trainer_baseline_rss
 from ndtrain.planner.model_spec import from_model_config
 
@@ -54,6 +58,13 @@ LAYOUTS = {  # name: (processes, overrides)
     "zero1x2": (2, {"parallel.zero_stage": 1}),
     "zero3x2": (2, {"parallel.zero_stage": 3}),
     "ac_full": (1, {"training.activation_checkpoint": "full"}),
+    "tp2": (2, {"parallel.tp": 2}),
+    "cp2": (2, {"parallel.cp": 2}),
+    "pp2_gpipe": (2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
+    "pp2_1f1b": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+    "pp2_interleaved": (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual_stages": 2}),
+    "pp2_zero_bubble": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}),
+    "ep2": (2, {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_hidden": 512}),
 }
 
 
@@ -88,16 +99,18 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env_rss = dict(env, MALLOC_MMAP_THRESHOLD_="131072")
     base_cfg = load_config("debug", {k: v for k, v in MODEL.items()}, world_size=1)
-    spec = from_model_config(base_cfg.model)
     from ndtrain.data import prepare_data
 
     prepare_data(base_cfg.data, base_cfg.model.vocab_size)  # cached before any timing
     comm = measure_collectives(world=2, sizes=(2**16, 2**20, 2**22, 2**24), reps=5)
+    sync = measure_sync_latency(world=2)
+    comm.update(sync_alpha_s=sync["alpha_s"], sync_per_collective_s=sync["per_collective_s"])
     import torch
 
     torch.set_num_threads(1)  # the ranks' threads
     mm = measure_matmul_flops(sizes=(512, 1024), seconds=0.3)
-    print(f"gloo: alpha {comm['alpha_s'] * 1e6:.0f} us, beta {comm['beta_bytes_per_s'] / 1e9:.2f} GB/s; "
+    print(f"gloo: alpha {comm['alpha_s'] * 1e6:.0f} us (idle), {comm['sync_alpha_s'] * 1e6:.0f} us (between "
+          f"computing ranks), beta {comm['beta_bytes_per_s'] / 1e9:.2f} GB/s; "
           f"square matmul (1 thread) {mm['peak'] / 1e9:.0f} GFLOP/s", flush=True)
     worlds, bases, rates, info = {}, {}, {}, {n: {"runs": [], "rates": []} for n in names}
     for name in names:  # the baseline once per layout
@@ -109,9 +122,13 @@ def main(argv=None) -> int:
             nproc, extra = LAYOUTS[name]
             mb, T = MODEL["training.micro_batch_size"], MODEL["data.seq_len"]
             run = root / f"{name}-r{rnd}"
-            before = measure_eager_rates(spec, mb, T, 1, nproc)
+            lcfg = load_config("debug", {**MODEL, **extra}, world_size=nproc)
+            rspec = rate_spec(from_model_config(lcfg.model), lcfg)  # one rank's local shapes
+            cp = lcfg.parallel.cp
+            moe = dataclasses.asdict(lcfg.model) if lcfg.model.moe_experts else None
+            before = measure_eager_rates(rspec, mb, T // cp, 1, nproc, cp=cp, moe_model=moe)
             wall = _train(run, nproc, extra, args.steps, env)
-            after = measure_eager_rates(spec, mb, T, 1, nproc)
+            after = measure_eager_rates(rspec, mb, T // cp, 1, nproc, cp=cp, moe_model=moe)
             runs_here = [run]
             if rnd == 0:  # RSS with glibc returning freed blocks (short run)
                 runs_here.append(root / f"{name}-rss")

@@ -9,6 +9,7 @@ layouts are rejected before any process starts; each error names the rule that f
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,23 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         section, key = parts
         sec = getattr(cfg, section, None)
         if sec is None or not dataclasses.is_dataclass(sec):
-            raise ConfigError(f"unknown config section {section!r} (in {dotted!r})")
-        if key not in {f.name for f in fields(sec)}:
-            raise ConfigError(f"unknown config key {dotted!r}")
+            sections = [f.name for f in fields(cfg)]
+            raise ConfigError(f"unknown config section {section!r} (in {dotted!r})"
+                              f"{did_you_mean(section, sections, dotted.replace(section, '{}', 1))}")
+        names = [f.name for f in fields(sec)]
+        if key not in names:
+            raise ConfigError(f"unknown config key {dotted!r}"
+                              f"{did_you_mean(key, names, section + '.{}')}; "
+                              "`ndtrain config keys` lists every key")
         setattr(sec, key, _coerce(value, getattr(sec, key), dotted))
     return cfg
+
+
+def did_you_mean(word: str, choices: list[str], template: str = "{}") -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` (difflib ratio >= 0.6), else ``""``.
+    ``template`` formats the suggestion (e.g. ``"training.{}"`` to show the whole key)."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {template.format(close[0])!r}?)" if close else ""
 
 
 def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +105,8 @@ def resolve_preset(preset: str) -> Path:
     if named.exists():
         return named
     known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"config {preset!r} is neither a file nor a preset; presets: {', '.join(known)}")
+    raise ConfigError(f"config {preset!r} is neither a file nor a preset{did_you_mean(path.stem, known)}; "
+                      f"presets: {', '.join(known)}")
 
 
 def parse_cli_overrides(args: list[str]) -> dict[str, str]:

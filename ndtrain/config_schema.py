@@ -61,6 +61,20 @@ class ModelConfig:
     # --- multi-token prediction (DeepSeek-V3) ---
     mtp_depth: int = 0  # D extra sequential modules, module k predicts token t+k+1 (0 = off)
     mtp_loss_weight: float = 0.3  # lambda: loss += lambda * mean over depths of the MTP losses
+    # --- token mixer per layer (ndtrain.mixer_spec, docs/attention_alternatives.md) ---
+    layer_pattern: str = ""  # letters repeated over layers: A attention, L linear, M mamba2, G gated_deltanet, S sliding_window, D dsa; or a comma list of names ("" = all A)
+    linear_chunk_size: int = 64  # tokens per chunk of the chunked linear-mixer form (training / prefill)
+    linear_heads: int = 0  # gated_deltanet key (q / k) heads (0 = n_heads)
+    linear_key_head_dim: int = 0  # gated_deltanet key head dim K (0 = head_dim)
+    linear_value_heads: int = 0  # gated_deltanet value heads, a multiple of linear_heads (0 = linear_heads)
+    linear_value_head_dim: int = 0  # gated_deltanet value head dim V (0 = linear_key_head_dim)
+    linear_conv_kernel: int = 4  # short causal depthwise convolution width (mamba2, gated_deltanet)
+    mamba_state_dim: int = 16  # mamba2 SSM state size N per head
+    mamba_head_dim: int = 0  # mamba2 head dim P (0 = head_dim)
+    mamba_expand: int = 2  # mamba2 inner width = mamba_expand * dim
+    swa_window: int = 0  # sliding_window: each query sees itself and the previous swa_window - 1 tokens
+    dsa_top_k: int = 0  # dsa: keys each query attends to (chosen by the indexer)
+    dsa_index_heads: int = 4  # dsa: indexer heads (head dim = head_dim)
 
     @property
     def is_moe(self) -> bool:
@@ -125,11 +139,12 @@ class TrainingConfig:
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
     decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not applied to norms / biases)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
     activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
+    kernels: str = "eager"  # eager | triton | auto: op implementations (ndtrain.ops.select; auto = triton with CUDA)
     eval_every: int = 0  # steps between validation passes (0 = only at the end)
     eval_batches: int = 4  # global batches per validation pass
     sample_every: int = 0  # steps between generated samples (0 = only at the end)
@@ -137,6 +152,14 @@ class TrainingConfig:
     sample_prompt: str = "def "  # prompt of the printed sample
     sample_temperature: float = 0.8  # 0 = greedy
     sample_top_k: int = 40  # 0 = no top-k filter
+    # --- bad steps and rollback (ndtrain.fault.bad_steps, docs/fault_tolerance.md) ---
+    max_bad_steps: int = 5  # consecutive non-finite steps (skipped on every rank) before a rollback to the last checkpoint
+    spike_zscore: float = 0.0  # roll back when the loss z-score over the last spike_window steps exceeds this (0 = off)
+    spike_window: int = 50  # steps of loss history the spike z-score uses
+    # --- DiLoCo / local SGD over dp_replicate (Douillard et al. 2023; ndtrain.parallel.dp.diloco) ---
+    local_sgd_steps: int = 0  # H: inner steps per outer step (0 = off: synchronous data parallel)
+    outer_lr: float = 0.7  # outer SGD learning rate on the averaged parameter delta
+    outer_momentum: float = 0.9  # outer Nesterov momentum (0 = plain SGD)
 
 
 @dataclass
@@ -159,6 +182,8 @@ class ParallelConfig:
     bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
     grad_reduce_dtype: str = "float32"  # float32 | bfloat16: dtype of gradient reductions
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
+    collective_timeout_s: float = 600.0  # a collective / p2p not done in this time fails naming rank, axis and op
+    flight_recorder_entries: int = 256  # last collectives each rank keeps for RUN_DIR/flight_recorder/ (0 = off)
 
 
 @dataclass
@@ -168,13 +193,16 @@ class CheckpointConfig:
     resume: bool = True  # resume from the newest complete checkpoint in the run directory (wins over load_from)
     load_from: str = ""  # resume another run's checkpoint (any layout) when this run has none of its own
     init_weights_from: str = ""  # fine-tune: weights only (ndtrain checkpoint of any layout or HF folder), step 0
+    async_save: bool = False  # DCP async_save: the loop waits only for the copy to host memory (events.jsonl: block_s)
 
 
 @dataclass
 class LoggingConfig:
     log_every: int = 10  # steps between metrics lines
-    plot: bool = True  # write loss / val loss / MFU plot at the end
+    plot: bool = True  # write RUN_DIR/loss.png (loss, val loss, LR, MFU) at the end
     peak_flops_per_s: float = 0.0  # override the accelerator peak used for MFU (0 = table / bench)
+    progress: str = "auto"  # auto | rich | plain (auto: rich live bar on a terminal; plain lines off a TTY or under CI)
+    tensorboard: bool = False  # also write every metric to RUN_DIR/tensorboard (needs the tensorboard package)
 
 
 @dataclass

@@ -9,6 +9,8 @@ and then decodes one token per forward.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -29,6 +31,9 @@ class KVCache:
         self.length = 0  # tokens cached so far (all layers)
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        # fixed-size states of recurrent mixers (and DSA indexer keys) by layer id, written by the
+        # mixers themselves (ndtrain.model.mixers); a state is valid for the first ``length`` tokens
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
 
     def update(self, layer_id: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k (B, G, T, D), v (B, G, T, D_v) at positions [length, length + T) of ``layer_id``.
@@ -58,17 +63,24 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.states.clear()
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
     """Pick next tokens from logits (B, V): argmax when ``temperature == 0``, else sample from
-    softmax(logits / temperature) restricted to the ``top_k`` largest (0 = no restriction).
+    softmax(logits / temperature) restricted to the ``top_k`` largest (0 = no restriction), then to
+    the nucleus: the fewest most likely tokens whose probabilities sum to >= ``top_p`` (Holtzman
+    2020, "The Curious Case of Neural Text Degeneration"; 1.0 = no restriction; the most likely
+    token is always kept).
 
-    Returns (B,) int64 on the logits' device. Raises ValueError for a negative temperature / top_k.
+    Returns (B,) int64 on the logits' device. Raises ValueError for a negative temperature / top_k
+    or a top_p outside (0, 1].
     """
     if temperature < 0 or top_k < 0:
         raise ValueError(f"temperature ({temperature}) and top_k ({top_k}) must be >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature  # (B, V)
@@ -76,29 +88,30 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (B, V)
+    if top_p < 1:
+        probs = _nucleus(probs, top_p)
     if generator is not None:
         probs = probs.to(generator.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
 
 
-@torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
-    """Extend ``prompt`` by ``max_new_tokens`` tokens.
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` (B, V) with everything outside the top-p nucleus zeroed (not renormalised:
+    ``multinomial`` takes weights)."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (B, V)
+    # a token is dropped when the tokens ranked above it already reach top_p
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # (B, V)
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
-    Args:
-        model: a full ``Transformer`` (embedding and output head present), or a wrapper holding
-            it as ``.module``.
-        prompt: (T0,) int64 token ids, T0 >= 1.
-        temperature, top_k: see ``sample_next`` (greedy by default).
-        generator: optional ``torch.Generator`` for reproducible sampling.
-        use_cache: False recomputes the full sequence every step (the reference the cache is
-            tested against).
 
-    Returns: (T0 + max_new_tokens,) int64 on the prompt's device: the prompt, then the new tokens.
-    Raises ValueError if the prompt is not 1-D and non-empty or T0 + max_new_tokens exceeds
-    ``model.cfg.max_seq_len``. The model's train / eval mode is restored afterwards.
-    """
+def stream_tokens(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
+                  top_p: float = 1.0, stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` new token ids after ``prompt``, one per decode step, as soon as
+    each is chosen (what a console streams). A token in ``stop_ids`` is yielded, then decoding stops.
+    Arguments and errors as ``generate``; the model is in eval mode while the iterator runs and
+    its train / eval mode is restored when it ends or is closed."""
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(f"prompt must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
     inner = getattr(model, "module", model)  # a DDP-style wrapper keeps the Transformer in .module
@@ -106,18 +119,75 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temper
     if total > inner.cfg.max_seq_len:
         raise ValueError(f"prompt ({prompt.numel()}) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_seq_len ({inner.cfg.max_seq_len})")
+    return _stream(model, inner, prompt, max_new_tokens, (temperature, top_k, top_p), generator,
+                   use_cache, set(stop_ids))
+
+
+def _stream(model, inner, prompt, max_new_tokens, sampling, generator, use_cache, stop):
     was_training = model.training
     model.eval()
     device = inner.rope_cos.device
     seq = prompt.to(device).view(1, -1)  # (1, T0)
-    cache = KVCache(1, total) if use_cache else None
+    cache = KVCache(1, prompt.numel() + max_new_tokens) if use_cache else None
     step_in = seq
     try:
-        for _ in range(max_new_tokens):
-            logits = model(step_in if use_cache else seq, kv_cache=cache)  # (1, T, V)
-            nxt = sample_next(logits[:, -1], temperature, top_k, generator)  # (1,)
-            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)  # (1, T + 1)
-            step_in = nxt.view(1, 1)
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = model(step_in if use_cache else seq, kv_cache=cache)  # (1, T, V)
+                nxt = sample_next(logits[:, -1], sampling[0], sampling[1], generator, sampling[2])  # (1,)
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)  # (1, T + 1)
+                step_in = nxt.view(1, 1)
+                yield int(nxt)
+                if int(nxt) in stop:
+                    return
     finally:
         model.train(was_training)
-    return seq.view(-1).to(prompt.device)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, generator: torch.Generator | None = None, use_cache: bool = True,
+             top_p: float = 1.0, stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """Extend ``prompt`` by ``max_new_tokens`` tokens (fewer when one of ``stop_ids`` comes first).
+
+    Args:
+        model: a full ``Transformer`` (embedding and output head present), or a wrapper holding
+            it as ``.module``.
+        prompt: (T0,) int64 token ids, T0 >= 1.
+        temperature, top_k, top_p: see ``sample_next`` (greedy by default).
+        generator: optional ``torch.Generator`` for reproducible sampling.
+        use_cache: False recomputes the full sequence every step (the reference the cache is
+            tested against).
+        stop_ids: token ids that end generation (kept in the output), e.g. the EOS id.
+
+    Returns: (T0 + n_new,) int64 on the prompt's device: the prompt, then the new tokens.
+    Raises ValueError if the prompt is not 1-D and non-empty or T0 + max_new_tokens exceeds
+    ``model.cfg.max_seq_len``. The model's train / eval mode is restored afterwards.
+    """
+    new = list(stream_tokens(model, prompt, max_new_tokens, temperature, top_k, generator, use_cache,
+                             top_p, stop_ids))
+    return torch.cat([prompt.view(-1), torch.tensor(new, dtype=torch.long, device=prompt.device)])
+
+
+class TextStream:
+    """Incremental detokenisation for streaming: ``push(token_id)`` returns the text that became
+    final with this token. A byte-level token may end inside a multi-byte character, whose
+    incomplete decode ends in U+FFFD; such a tail is held back until a later token completes it
+    (``flush`` returns whatever is left at the end)."""
+
+    def __init__(self, decode, prefix_ids: list[int] | None = None):
+        self.decode, self.ids = decode, list(prefix_ids or [])
+        self.emitted = len(decode(self.ids)) if self.ids else 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        out, self.emitted = text[self.emitted:], len(text)
+        return out
+
+    def flush(self) -> str:
+        text = self.decode(self.ids)
+        out, self.emitted = text[self.emitted:], len(text)
+        return out

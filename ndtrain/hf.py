@@ -18,6 +18,7 @@ import torch
 
 from ndtrain.config import ModelConfig
 from ndtrain.hf_common import (
+    DEFAULT_SHARD_BYTES,
     model_from_state_dict,
     read_safetensors,
     require,
@@ -145,14 +146,31 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
     return cfg, model_from_state_dict(cfg, state_dict_from_hf(read_safetensors(folder), cfg), device, dtype)
 
 
-def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path) -> None:
-    """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` to ``folder``
-    (created if needed), loadable by ``AutoModelForCausalLM.from_pretrained``: Llama for a dense MHA
-    model, Mixtral / DeepSeek-V3 for an MoE / MLA one (``ndtrain.hf_moe_export``; ValueError if it
-    fits neither)."""
+def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path, tokenizer=None,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write a ``save_pretrained``-style folder loadable by ``AutoModelForCausalLM.from_pretrained``:
+    safetensors (sharded past ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and,
+    given an ndtrain ``tokenizer``, its files for ``AutoTokenizer.from_pretrained`` (and its EOS id
+    in both configs). Llama for a dense MHA / GQA model, Mixtral / DeepSeek-V3 for an MoE / MLA one
+    (``ndtrain.hf_moe_export``); ValueError if it fits none of them (e.g. a ``model.layer_pattern``
+    with linear / Mamba-2 / Gated DeltaNet / window / sparse mixers: no exported family has them)."""
+    from ndtrain.mixer_spec import non_softmax_mixers
+
+    others = non_softmax_mixers(cfg)
+    if others:
+        raise ValueError(f"Hugging Face export covers softmax-attention models (Llama, Mixtral, "
+                         f"DeepSeek-V3); this model's layer_pattern {cfg.layer_pattern!r} uses "
+                         f"{', '.join(others)}")
     sd = model.state_dict()
     dtype = next(iter(sd.values())).dtype
     if is_hf_moe_exportable(cfg):
-        write_hf_folder(folder, state_dict_to_hf_moe(sd, cfg), config_to_hf_moe(cfg, dtype))
+        hf_sd, hf_cfg = state_dict_to_hf_moe(sd, cfg), config_to_hf_moe(cfg, dtype)
     else:
-        write_hf_folder(folder, state_dict_to_hf(sd, cfg), config_to_hf(cfg, dtype))
+        hf_sd, hf_cfg = state_dict_to_hf(sd, cfg), config_to_hf(cfg, dtype)
+    eos = None
+    if tokenizer is not None:
+        from ndtrain.data.tokenizer import save_tokenizer_files
+
+        save_tokenizer_files(tokenizer, folder, cfg.max_seq_len)
+        eos = tokenizer.eos_id
+    write_hf_folder(folder, hf_sd, hf_cfg, max_shard_bytes, eos)

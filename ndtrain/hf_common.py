@@ -101,14 +101,51 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], device=
     return model
 
 
-def write_hf_folder(folder: str | Path, hf_sd: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> None:
-    """Write ``model.safetensors`` (tensors moved to CPU, contiguous), ``config.json`` and
-    ``generation_config.json`` to ``folder`` (created if needed)."""
+DEFAULT_SHARD_BYTES = 5 * 2**30  # save_pretrained's default max_shard_size ("5GB")
+
+
+def shard_plan(hf_sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per safetensors file: in name order, a new file when the next tensor would push
+    the current one past ``max_shard_bytes`` (a tensor larger than that gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(hf_sd):
+        n = hf_sd[name].numel() * hf_sd[name].element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_hf_folder(folder: str | Path, hf_sd: dict[str, torch.Tensor], hf_config: dict[str, Any],
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, eos_id: int | None = None) -> None:
+    """Write the weights (tensors moved to CPU, contiguous) as ``model.safetensors``, or as
+    ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when they
+    exceed ``max_shard_bytes`` (``save_pretrained``'s layout), ``config.json`` and
+    ``generation_config.json`` (greedy; with ``eos_id`` also its EOS / pad ids, written into
+    config.json too) to ``folder`` (created if needed)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    for old in list(folder.glob("model*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
+        old.unlink()  # a previous export's shards would otherwise be read with these
     sd = {k: v.detach().to("cpu").contiguous() for k, v in hf_sd.items()}
-    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    plan = shard_plan(sd, max_shard_bytes)
+    names = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    for file, keys in zip(names, plan):
+        save_file({k: sd[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+                 "weight_map": {k: f for f, keys in zip(names, plan) for k in keys}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    gen: dict[str, Any] = {"do_sample": False}
+    if eos_id is not None:
+        ids = {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id}
+        hf_config = {**hf_config, **ids}
+        gen.update(ids)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))

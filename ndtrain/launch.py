@@ -13,6 +13,7 @@ helper of the package, tests and benchmarks.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,6 +31,14 @@ def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def _group_timeout(cfg: Config) -> timedelta:
+    """The process group's own timeout: longer than ``parallel.collective_timeout_s``, so the timed
+    wait of ``ndtrain.parallel.comm`` fires first with an error naming rank, axis and op; it still
+    bounds the collectives that bypass that wrapper. Never below torch's 30 min default, which
+    covers a long first data preparation while the other ranks wait at a barrier."""
+    return timedelta(seconds=max(1800.0, cfg.parallel.collective_timeout_s + 60.0))
+
+
 def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str) -> None:
     from ndtrain.train import run
 
@@ -37,7 +46,7 @@ def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group(backend_for(cfg), rank=rank, world_size=world,
+        dist.init_process_group(backend_for(cfg), rank=rank, world_size=world, timeout=_group_timeout(cfg),
                                 device_id=device if device.type == "cuda" else None)
     try:
         run(cfg, Path(run_dir), Path(data_path), device)
@@ -69,24 +78,43 @@ def _announce(on: bool, run_dir: Path) -> None:
         print(f"run dir: {run_dir}", flush=True)
 
 
-def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False) -> None:
-    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
-    ``announce`` prints the run directory once the checks passed.
+def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:
+    """True (and one line, printed if ``announce``) when the run directory's newest checkpoint
+    already reached this job's end (``ndtrain.run_dir.finished_message``): no process starts."""
+    from ndtrain.rerun import finished_message
 
-    Raises ConfigError (before any rank starts) for an invalid layout, an unusable run directory,
-    backend, checkpoint path or data, or a model / data change against the run directory's
-    checkpoints (``ndtrain.preflight``); SpawnError when a local rank fails.
+    msg = finished_message(cfg, Path(run_dir))
+    if msg and announce:
+        print(msg, flush=True)
+    return msg is not None
+
+
+def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False,
+           max_restarts: int = 0) -> None:
+    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
+    ``announce`` prints the run directory once the checks passed; ``max_restarts`` restarts all
+    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag).
+
+    Returns at once, starting nothing, when the run directory already reached this job's end
+    (one line; ``ndtrain.rerun``). Raises ConfigError (before any rank starts) for an invalid
+    layout, an unusable run directory, backend, checkpoint path or data, a checkpoint past
+    ``training.steps``, or a model / data change against the run directory's checkpoints (``ndtrain.preflight``); SpawnError when a local rank fails.
     """
     under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if max_restarts:
+            raise ConfigError("--max-restarts restarts local ranks; under torchrun use torchrun's --max-restarts")
         validate(cfg, world)
         preflight(cfg, Path(run_dir), world)
+        if _already_finished(cfg, run_dir, announce):
+            return
         _announce(announce, run_dir)
         device = device_for_rank(local_rank, cfg.training.device)
         if world > 1:
-            dist.init_process_group(backend_for(cfg), device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend_for(cfg), timeout=_group_timeout(cfg),
+                                    device_id=device if device.type == "cuda" else None)
         # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
         if local_rank == 0:
             data_path = prepare_checked(cfg)
@@ -94,8 +122,10 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
             dist.barrier()
         if local_rank != 0:
             data_path = prepare_checked(cfg)
+        from ndtrain.fault.supervisor import note_torchrun_restart
         from ndtrain.train import run
 
+        note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
         try:
             run(cfg, run_dir, data_path, device)
         finally:
@@ -105,13 +135,20 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
     nproc = 1 if nproc is None else nproc
     if nproc < 1:
         raise ConfigError(f"--nproc ({nproc}) must be >= 1")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
     validate(cfg, nproc)
     preflight(cfg, Path(run_dir), nproc)
+    if _already_finished(cfg, run_dir, announce):
+        return
     _announce(announce, run_dir)
     data_path = prepare_checked(cfg)
-    if nproc == 1:
+    if nproc == 1 and not max_restarts:
         from ndtrain.train import run
 
         run(cfg, run_dir, data_path)
         return
-    spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)), threads=_threads_per_rank(nproc))
+    from ndtrain.fault.supervisor import supervise
+
+    supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
+                            threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))

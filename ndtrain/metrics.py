@@ -1,5 +1,7 @@
 """FLOPs per token, MFU / HFU, peak memory, and the metrics log (console line + JSONL + plot).
 
+Every ``metrics.jsonl`` row carries ``step`` and ``time`` (Unix seconds when it was logged).
+
 MFU convention (PaLM, Chowdhery et al. 2022, appendix B; the practice torchtitan and Megatron log):
 
     model FLOPs per token = 6 * N + 12 * L * H * D * T
@@ -17,6 +19,7 @@ short matmul benchmark at start-up for the run's dtype, cached per CPU model / t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -26,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ndtrain import mixer_spec
 from ndtrain.config import ModelConfig
+from ndtrain.parallel.ac_policy import parse_policy
 
 # Dense peak FLOP/s per device from vendor datasheets (SXM / OAM parts; no 2:4 sparsity).
 PEAK_FLOPS = {
@@ -49,7 +54,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     routed experts (not all E); MLA contributes its low-rank projections and latent norms; MTP
     modules add their projection, block, norms and one more pass through the output head. The
     attention term per layer is ``6 * H * (d_qk + d_v) * T`` (= 12 H D T for MHA; MLA has
-    d_qk = nope + rope, d_v = v dims).
+    d_qk = nope + rope, d_v = v dims); layers with another token mixer (``model.layer_pattern``)
+    count that mixer's parameters and sequence term instead (``ndtrain.mixer_spec``: no T term for
+    linear mixers, min(w, T) for sliding windows, top-k plus the indexer for DSA).
     """
     d, L, h = cfg.dim, cfg.n_layers, cfg.n_heads
     if cfg.attention == "mla":
@@ -73,7 +80,67 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     head = cfg.vocab_size * d
     n_nonembed = sum(layer(i) for i in range(L)) + d + head  # + final norm + output head
     n_nonembed += cfg.mtp_depth * (layer(L - 1) + 2 * d * d + 3 * d + head)  # MTP: block, proj, norms, head
-    return 6.0 * n_nonembed + 6.0 * (L + cfg.mtp_depth) * h * (d_qk + d_v) * seq_len
+    # per-layer token mixers (layer_pattern): their parameters and sequence term (ndtrain.mixer_spec)
+    n_nonembed += mixer_spec.param_delta(cfg, attn)
+    mixing = mixer_spec.seq_flops_total(cfg, seq_len, d_qk, d_v)
+    return 6.0 * n_nonembed + mixing + 6.0 * cfg.mtp_depth * h * (d_qk + d_v) * seq_len
+
+
+def _block_forward_flops(cfg: ModelConfig, seq_len: int) -> list[tuple[float, float, float]]:
+    """Per decoder block: (forward FLOPs, its last matmul's FLOPs, its attention core's FLOPs) per
+    token, the forward being a third of the block's term in ``flops_per_token``."""
+    base = dataclasses.replace(cfg, mtp_depth=0)
+    hd = cfg.head_dim
+    d_qk = (cfg.mla_nope_dim or hd) + cfg.mla_rope_dim if cfg.attention == "mla" else hd
+    d_v = (cfg.mla_v_dim or hd) if cfg.attention == "mla" else hd
+    core = 2.0 * cfg.n_heads * (d_qk + d_v) * seq_len  # softmax attention's QK^T and AV, all T keys (PaLM)
+    kinds = mixer_spec.layer_mixers(cfg.layer_pattern, cfg.n_layers)
+    out, prev = [], flops_per_token(dataclasses.replace(base, n_layers=0), seq_len)
+    for i in range(cfg.n_layers):  # a prefix of i + 1 layers keeps the pattern (partial periods count)
+        cur = flops_per_token(dataclasses.replace(base, n_layers=i + 1), seq_len)
+        width = cfg.expert_ffn_dim * (cfg.moe_top_k + cfg.moe_shared_experts) if cfg.is_moe_layer(i) else cfg.ffn_dim
+        out.append(((cur - prev) / 3.0, 2.0 * cfg.dim * width,  # last matmul: the down projection(s)
+                    core if kinds[i] == "attention" else 0.0))
+        prev = cur
+    return out
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
+    """Forward FLOPs per token that activation checkpointing ``policy`` recomputes in the backward,
+    following what ``ndtrain.parallel.activation_ckpt`` does:
+
+    * per-block regions (``full``, and the inner level of ``every:C`` / ``sqrt``) replay their block
+      up to its last saved tensor: torch's non-reentrant checkpoint stops early there, so the last
+      matmul (the feed-forward down projection, whose output nothing in the block saves) is skipped;
+    * a segment region of C > 1 blocks replays blocks 1 .. C-1 whole and stops at block C's input;
+    * ``selective`` saves every matmul output and recomputes the softmax-attention core (SDPA is
+      not a matmul op) plus elementwise ops, which FLOP counts leave out; other token mixers
+      (``model.layer_pattern``) are built from matmuls, whose saved outputs are not recomputed, so
+      their layers add nothing here.
+
+    Raises ValueError for an unknown policy.
+    """
+    kind, c = parse_policy(policy, cfg.n_layers)
+    if kind == "none":
+        return 0.0
+    blocks = _block_forward_flops(cfg, seq_len)
+    if kind == "selective":
+        return sum(core for _, _, core in blocks)
+    extra = 0.0
+    for i in range(0, len(blocks), c):
+        seg = blocks[i:i + c]
+        extra += sum(f - last for f, last, _ in seg)
+        if len(seg) > 1:
+            extra += sum(f for f, _, _ in seg[:-1])
+    return extra
+
+
+def hfu_factor(cfg: ModelConfig, seq_len: int, policy: str) -> float:
+    """HFU / MFU: (model FLOPs + recomputed forward FLOPs) / model FLOPs per token (>= 1).
+
+    Hardware FLOPs utilisation counts the FLOPs the device really runs, including activation
+    recomputation (Korthikanti et al. 2022, section 6; Chowdhery et al. 2022, appendix B)."""
+    return 1.0 + recompute_flops_per_token(cfg, seq_len, policy) / flops_per_token(cfg, seq_len)
 
 
 def gpu_peak_flops(name: str, dtype: str) -> float:
@@ -152,11 +219,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Appends one JSON object per logged step to ``RUN_DIR/metrics.jsonl`` and prints a line."""
 
-    def __init__(self, run_dir: Path, enabled: bool, keep_through_step: int = 0):
+    def __init__(self, run_dir: Path, enabled: bool, keep_through_step: int = 0, echo=None):
         """Rows of an earlier job in the same run directory with ``step > keep_through_step`` are
         dropped (they are being redone: after a resume from that step, or a fresh start at 0), so the
-        file always holds one row per logged step. The dropped rows go to ``metrics.prev.jsonl``."""
+        file always holds one row per logged step. The dropped rows go to ``metrics.prev.jsonl``.
+        ``echo(row)`` shows each row (default: print ``format_line``; the trainer passes its
+        ``ndtrain.console.RunConsole.row``)."""
         self.enabled = enabled
+        self.echo = echo or (lambda row: print(format_line(row), flush=True))
         self.path = Path(run_dir) / "metrics.jsonl"
         self.rows: list[dict] = []
         if enabled and self.path.exists():
@@ -168,12 +238,14 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, row: dict) -> None:
+        """Append ``row`` with a ``time`` field (Unix seconds, when it was logged) and echo it."""
         if not self.enabled:
             return
+        row.setdefault("time", round(time.time(), 3))
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(format_line(row), flush=True)
+        self.echo(row)
 
 
 # (row key, console format) in print order; a key absent from the row is left out of the line.
@@ -190,6 +262,8 @@ def format_line(row: dict) -> str:
     parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[:5] if key in row]
     if "mfu" in row:
         parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
+    if row.get("hfu") is not None:
+        parts.append(f"hfu {100 * row['hfu']:.1f}%")
     parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[5:] if key in row]
     if "moe_load_max_mean" in row:
         parts.append(f"load max/mean {row['moe_load_max_mean']:.2f} drop {100 * row['moe_dropped_frac']:.1f}%")
@@ -203,15 +277,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_run(run_dir: Path) -> Path:
-    """Write ``RUN_DIR/loss.png``: train and validation loss, and MFU, against step."""
+def plot_run(run_dir: Path, title: str | None = None) -> Path:
+    """Write ``RUN_DIR/loss.png``: train / validation loss, learning rate and MFU against step,
+    titled ``title`` (default: the run directory's name)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig = loss_figure(read_metrics(run_dir), title or Path(run_dir).resolve().name)
+    out = Path(run_dir) / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def loss_figure(rows: list[dict], title: str):
+    """The matplotlib figure of ``plot_run``: loss panel (train, val), LR panel, MFU panel."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax_lr, ax2) = plt.subplots(3, 1, figsize=(7, 8), sharex=True,
+                                          gridspec_kw={"height_ratios": [3, 1, 1.5]})
+    fig.suptitle(title)
     tr = [r for r in rows if "loss" in r]
     va = [r for r in rows if "val_loss" in r]
     ax1.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train loss")
@@ -219,12 +306,12 @@ def plot_run(run_dir: Path) -> Path:
         ax1.plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label="val loss")
     ax1.set_ylabel("loss (nats/token)")
     ax1.legend()
+    lr = [r for r in tr if r.get("lr") is not None]
+    ax_lr.plot([r["step"] for r in lr], [r["lr"] for r in lr], color="tab:orange")
+    ax_lr.set_ylabel("learning rate")
     mf = [r for r in tr if r.get("mfu") is not None]
     ax2.plot([r["step"] for r in mf], [100 * r["mfu"] for r in mf], color="tab:green")
     ax2.set_ylabel("MFU (%)")
     ax2.set_xlabel("step")
     fig.tight_layout()
-    out = Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

@@ -27,11 +27,12 @@ from pathlib import Path
 
 class SpawnError(RuntimeError):
     """A spawned rank failed, died or hung. ``rank``: the rank to blame (None when several hung);
-    ``details``: its Python traceback ("" when it died without one)."""
+    ``details``: its Python traceback ("" when it died without one); ``exitcode``: that rank's
+    exit code (negative: killed by that signal; None when unknown)."""
 
-    def __init__(self, message: str, rank: int | None = None, details: str = ""):
+    def __init__(self, message: str, rank: int | None = None, details: str = "", exitcode: int | None = None):
         super().__init__(message)
-        self.rank, self.details = rank, details
+        self.rank, self.details, self.exitcode = rank, details, exitcode
 
 
 def free_port() -> int:
@@ -84,9 +85,10 @@ def _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env, group_timeou
                     procs[-1].start()  # the child inherits this environment and the ignored SIGINT
             _wait(procs, out_dir, timeout_s)
         except BaseException as e:  # a failed / hung rank, Ctrl-C: no rank may outlive this call
+            codes = [p.exitcode for p in procs]  # before stop_processes adds its own SIGTERM / SIGKILL
             stop_processes(procs)
             if isinstance(e, SpawnError) and e.rank is not None:
-                raise _blame(procs, out_dir, e.rank) from None
+                raise _blame(procs, out_dir, e.rank, codes) from None
             raise
         return [_read(out_dir, r)[1] for r in range(nprocs)]
 
@@ -201,10 +203,18 @@ def _read(out_dir: str, rank: int):
     return pickle.loads(path.read_bytes())
 
 
-def _blame(procs, out_dir: str, first: int) -> SpawnError:
-    """The rank whose Python error came first (the others usually fail because it left their
-    collectives), else ``first``, the rank seen dying first, by its exit code or signal."""
+def _blame(procs, out_dir: str, first: int, codes: list) -> SpawnError:
+    """The rank killed by a signal before the launcher stopped anyone (``codes``: exit codes then;
+    its peers' Python errors, "connection closed by peer", are its consequence); else the rank whose
+    Python error came first (the others usually fail because it left their collectives); else
+    ``first``, the rank seen dying first, by its exit code."""
     n, errors = len(procs), []
+    killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+    if killed:
+        first = min(killed, key=lambda r: r != first)  # the one seen first if it is among them
+        name = signal.Signals(-codes[first]).name
+        hint = " (out of memory?)" if -codes[first] == signal.SIGKILL else ""
+        return SpawnError(f"rank {first} of {n} was killed by {name}{hint}", rank=first, exitcode=codes[first])
     for r in range(n):
         path = Path(out_dir) / f"rank{r}.pkl"
         if path.exists():
@@ -214,10 +224,7 @@ def _blame(procs, out_dir: str, first: int) -> SpawnError:
     if errors:
         _, r, tb = min(errors)
         last = tb.strip().splitlines()[-1]
-        return SpawnError(f"rank {r} of {n} failed: {last}", rank=r, details=tb)
-    code = procs[first].exitcode
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name
-        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-        return SpawnError(f"rank {first} of {n} was killed by {name}{hint}", rank=first)
-    return SpawnError(f"rank {first} of {n} exited with code {code} without a Python error", rank=first)
+        return SpawnError(f"rank {r} of {n} failed: {last}", rank=r, details=tb, exitcode=codes[r])
+    code = codes[first]
+    return SpawnError(f"rank {first} of {n} exited with code {code} without a Python error", rank=first,
+                      exitcode=code)

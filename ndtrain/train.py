@@ -4,9 +4,10 @@
 (``ndtrain.trainer``; re-exported here with ``IGNORE_INDEX``). Each phase is its own function:
 ``_start`` (resume / load / fine-tune start), ``_log_row``, ``_val_loss``, ``_save``, ``_sample``.
 
-Where a run starts (``_start``): the run directory's own newest complete checkpoint (with
-``checkpoint.resume``) always wins; otherwise ``checkpoint.load_from`` (another run's checkpoint,
-any layout: weights, optimizer, schedule, data position and step); otherwise
+Where a run starts (``_start``): the run directory's own newest complete checkpoint that verifies
+against its manifest (with ``checkpoint.resume``; ``ndtrain.checkpoint.usable_checkpoint``) always
+wins; otherwise ``checkpoint.load_from`` (another run's checkpoint, any layout: weights, optimizer,
+schedule, data position and step); otherwise
 ``checkpoint.init_weights_from`` (weights only, from an ndtrain checkpoint of any layout or a
 Hugging Face folder; fresh optimizer and schedule, step 0); otherwise the seeded initialisation.
 Rank 0 prints which.
@@ -23,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ndtrain import checkpoint as ckpt
-from ndtrain import metrics
+from ndtrain import console, metrics
 from ndtrain.config import Config, save_config
 from ndtrain.data import GlobalBatchSampler, TokenData
+from ndtrain.fault import bad_steps, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
-from ndtrain.parallel import comm
+from ndtrain.parallel import comm, flight_recorder
+from ndtrain.rundir import sample_model, write_run_files
 from ndtrain.trainer import IGNORE_INDEX, Trainer
 
 __all__ = ["IGNORE_INDEX", "Trainer", "run", "sample_text"]
@@ -47,6 +50,7 @@ class _Run:
     data: TokenData
     sampler: GlobalBatchSampler
     run_dir: Path
+    saver: ckpt.CheckpointSaver | None = None  # created by the first _save
 
     @property
     def ckpt_root(self) -> Path:
@@ -64,13 +68,30 @@ class _Run:
 
 def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None = None) -> list[dict]:
     """Train according to ``cfg`` on this rank; returns the logged metric rows (rank 0; else []).
+    Rank 0's console (progress, ``console.log``, TensorBoard) is ``ndtrain.console.RunConsole``.
 
     Raises ValueError (every rank) when ``checkpoint.load_from`` / ``init_weights_from`` is not a
     checkpoint, or a checkpoint's step leaves nothing to train (past ``training.steps``)."""
+    p = cfg.parallel  # every collective from here on runs under the deadline, recorded
+    flight_recorder.configure(p.collective_timeout_s, p.flight_recorder_entries, Path(run_dir))
     r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    lg = cfg.logging
+    con = console.RunConsole(r.run_dir, lg.progress, lg.tensorboard, enabled=r.rank == 0).open()
+    try:
+        return _train(r, con)
+    except BaseException:
+        flight_recorder.recorder().dump(r.rank)  # this rank's last collectives, for the post-mortem
+        raise
+    finally:
+        con.close()
+
+
+def _train(r: _Run, con: console.RunConsole) -> list[dict]:
+    """``run``'s phases after set-up; ``con`` echoes rows and draws the progress (rank 0)."""
+    cfg = r.cfg
     t, trainer = cfg.training, r.trainer
     _start(r)
-    log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count)
+    log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count, echo=con.row)
     fpt = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s)
     _print_header(r, fpt, peak)
@@ -80,16 +101,30 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     window = [0.0, 0]  # seconds, steps since the last logged row
     r.mesh.reset_stats()
     first_step = trainer.step_count + 1
+    con.begin(first_step, stop)
+    guard = bad_steps.BadStepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
+    strag = straggler.StragglerMonitor(trainer.world, r.device)
     while trainer.step_count < stop:
         step = trainer.step_count + 1
+        t_data = time.perf_counter()
         inputs, labels = r.local(r.sampler.next_global(), "train")
+        t_data = time.perf_counter() - t_data
         trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
         out, dt = _timed_step(r, inputs, labels)
+        con.step(step, out)
+        strag.record(dt, t_data)
+        if bad_steps.after_step(guard, step, out, r.run_dir, r.rank,
+                                lambda why: bad_steps.rollback(r, _resume, why)):
+            log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count,
+                                     echo=con.row)
+            window = [0.0, 0]  # the rows past the checkpoint are redone (metrics.prev.jsonl keeps them)
+            continue
         window[0] += dt
         window[1] += 1
         row = None
         if step % cfg.logging.log_every == 0 or step == stop:
             row = _log_row(r, step, out, window, fpt, peak)
+            row.update(strag.report(r.run_dir, step))  # collective: per-rank time percentiles
             window = [0.0, 0]
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             row = row or {"step": step, "loss": out["loss"]}
@@ -104,6 +139,8 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
         _sample(r, "sample", quiet=False)
         if r.rank == 0 and cfg.logging.plot and log.rows:
             print(f"plot: {metrics.plot_run(r.run_dir)}", flush=True)
+    if r.saver is not None:
+        r.saver.wait()  # an asynchronous save still writing is finalised before the group goes
     if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
         dist.barrier()
     return log.rows
@@ -121,6 +158,8 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
     data = TokenData(data_path)
+    if rank == 0:  # the run directory alone is enough to use the run (ndtrain.rundir)
+        write_run_files(run_dir, data, cfg)
     sampler = GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), t.global_batch_size, t.seed)
     trainer = Trainer(cfg, mesh, device)
     return _Run(cfg, rank, world, device, dims, mesh, trainer, data, sampler, run_dir)
@@ -137,11 +176,13 @@ def _read_meta(path: Path, key: str) -> dict:
 def _start(r: _Run) -> None:
     """Resume, load or fine-tune start (see the module docstring); rank 0 says which."""
     c, steps = r.cfg.checkpoint, r.cfg.training.steps
-    own = ckpt.latest_checkpoint(r.ckpt_root) if c.resume else None
+    own = ckpt.usable_checkpoint(r.ckpt_root, r.run_dir) if c.resume else None  # verified, else the previous
     if own or c.load_from:
         path = own or Path(c.load_from)
         key = "the run's newest checkpoint" if own else "checkpoint.load_from"
         step = _read_meta(path, key)["step"]
+        if not own:
+            ckpt.require_verified(path, key)  # the run's own was verified by usable_checkpoint
         if step > steps or (not own and step == steps):
             raise ValueError(f"{key} {path} is at step {step}, past training.steps ({steps}): nothing "
                              "to train (raise training.steps, or use checkpoint.init_weights_from to start "
@@ -200,11 +241,9 @@ def _fill(value, src: torch.Tensor):
 
 
 def _print_header(r: _Run, fpt: float, peak: float | None) -> None:
-    n_params = sum(p.numel() for p in r.trainer.model.parameters())
-    where = "params" if r.world == 1 else "params on rank 0"
-    r.say(f"ndtrain: {n_params / 1e6:.2f}M {where} | layout {r.dims} | {r.cfg.training.dtype} on "
-          f"{r.device.type} | {fpt / 1e6:.1f} MFLOP/token | peak {peak / 1e9 if peak else float('nan'):.1f} "
-          "GFLOP/s per rank")
+    if r.rank == 0:  # the whole model's parameters, whatever this rank holds of them
+        r.say("\n".join(console.startup_summary(r.cfg, r.dims, r.data, r.run_dir, console.param_count(r.cfg.model),
+                                                fpt, peak, r.device.type)))
 
 
 def _timed_step(r: _Run, inputs, labels) -> tuple[dict, float]:
@@ -230,6 +269,8 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
            "tokens_per_s": tps, "step_time_s": seconds / n_steps,
            "mfu": fpt * tps / (peak * r.world) if peak else None, "peak_mem_bytes": int(mem),
            "comm_bytes": comm_bytes}
+    row["hfu"] = row["mfu"] and row["mfu"] * metrics.hfu_factor(r.cfg.model, r.cfg.data.seq_len,
+                                                                t.activation_checkpoint)  # + recompute
     row.update({k: v for k, v in out.items()
                 if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
     return row
@@ -250,36 +291,36 @@ def _save(r: _Run, step: int) -> None:
             "layout": r.dims.degrees()}
     if tr.scaler is not None:
         meta["loss_scale"] = tr.scaler.state_dict()
-    ckpt.save_checkpoint(r.ckpt_root, step, tr.tensor_state(), meta, r.cfg.checkpoint.keep_last)
+    c = r.cfg.checkpoint
+    r.saver = r.saver or ckpt.CheckpointSaver(r.ckpt_root, c.keep_last, c.async_save, r.run_dir)
+    r.saver.save(step, tr.tensor_state(), meta)
 
 
 def _sample(r: _Run, label: str, quiet: bool) -> None:
-    """Rank 0 generates alone when the layout allows it (``ParallelPlan.sample_skip_reason``);
-    otherwise says why (unless ``quiet``)."""
-    if r.rank != 0:
-        return
-    reason = r.trainer.plan.sample_skip_reason
-    if not reason:
-        print(f"{label}: {sample_text(r.trainer, r.data, r.cfg)!r}", flush=True)
-    elif not quiet:
-        print(f"{label}: skipped ({reason})", flush=True)
+    """Rank 0 generates: alone when the layout allows it (``ParallelPlan.sample_skip_reason``),
+    else on a single-process copy of the weights gathered to it (collective: ``rundir.sample_model``)."""
+    model, why = sample_model(r.trainer, r.cfg)
+    if r.rank == 0 and not (why and quiet):
+        print(f"{label}: skipped ({why})" if why else  # text, not repr
+              f"{label}:\n{sample_text(r.trainer, r.data, r.cfg, model)}", flush=True)
 
 
 @torch.no_grad()
-def sample_text(trainer: Trainer, data, cfg: Config) -> str:
-    """Generate ``sample_tokens`` after ``sample_prompt`` (KV cache; temperature / top-k)."""
+def sample_text(trainer: Trainer, data, cfg: Config, model=None) -> str:
+    """Generate ``sample_tokens`` after ``sample_prompt`` with ``model`` (default: the trainer's)."""
     from ndtrain.generate import generate
 
+    model = model if model is not None else trainer.model
     tok = data.tokenizer
     ids = tok.encode(cfg.training.sample_prompt) or [tok.eos_id]
     prompt = torch.tensor(ids[-(cfg.model.max_seq_len - 1):], dtype=torch.long)
     gen = torch.Generator().manual_seed(cfg.training.seed)
-    trainer.model.eval()
+    model.eval()
     ctx = (torch.autocast(trainer.device.type, dtype=trainer.autocast_dtype) if trainer.autocast
            else contextlib.nullcontext())
     with ctx:
         n_new = max(0, min(cfg.training.sample_tokens, cfg.model.max_seq_len - prompt.numel()))
-        out = generate(trainer.model, prompt.to(trainer.device), n_new,
+        out = generate(model, prompt.to(trainer.device), n_new,
                        temperature=cfg.training.sample_temperature, top_k=cfg.training.sample_top_k,
                        generator=gen)
     trainer.model.train()

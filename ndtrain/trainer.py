@@ -17,10 +17,12 @@ import contextlib
 import torch
 
 from ndtrain.config import Config
+from ndtrain.fault.bad_steps import agree_bad_ranks, inject_faults, is_finite, world_group
 from ndtrain.mem_account import MemorySampler, StateMemory, state_tensors
 from ndtrain.mesh import Mesh
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
+from ndtrain.parallel.dp.diloco import DiLoCo
 from ndtrain.parallel.dp.grad_sync import max_over_mesh
 from ndtrain.parallel.parallelize import parallelize, param_dtype
 from ndtrain.parallel.pp.observe import RuntimeObserver
@@ -52,7 +54,17 @@ class Trainer:
         device: this rank's device.
     Attributes: ``plan`` (the ``ParallelPlan``), and for convenience its ``model``, ``dp`` (the
     ``GradSync``) and ``pipeline``; ``optimizer``, ``scheduler``, ``scaler`` (fp16), ``step_count``.
+
+    Bad steps (``ndtrain.fault.bad_steps``): a non-finite local loss or gradient norm on any rank
+    skips the optimizer and LR step on every rank (one all-reduce over the world agrees); the
+    step counter still advances, so the batch is skipped. Test hooks (``bad_steps.inject_faults``),
+    1-based steps firing once each: ``nan_steps`` (this rank's loss and a gradient become NaN),
+    ``spike_steps`` (this rank's reported loss x 100); set them on one rank's instance, or on the
+    class inside one rank's process, before the run.
     """
+
+    nan_steps: frozenset = frozenset()
+    spike_steps: frozenset = frozenset()
 
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
@@ -75,6 +87,12 @@ class Trainer:
         self.local_batch = t.global_batch_size // mesh.dims.dp
         self.pipeline.runtime.observers.append(_StateSampler(self))
         self.micro_batch = t.micro_batch_size or self.local_batch
+        self.world = world_group(mesh)  # the bad-step agreement spans every rank
+        # DiLoCo (training.local_sgd_steps): each dp_replicate replica is its own trainer between
+        # outer steps, so its loss is normalised by its own tokens (parallel.dp.diloco)
+        self.outer = (DiLoCo(self.model, mesh, t.local_sgd_steps, t.outer_lr, t.outer_momentum)
+                      if t.local_sgd_steps else None)
+        self.loss_group = "dp_shard_cp" if self.outer is not None else "dp_cp"
 
     def _forward_ctx(self):
         return (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
@@ -94,8 +112,9 @@ class Trainer:
         number of sequences -- in the same all-reduce (sum of B and of B^2: they are all equal iff
         n * sum(B^2) == sum(B)^2), before any forward. Uneven local batches would desynchronise the
         per-microbatch collectives of ZeRO-2/3 (a size mismatch or a hang), so every rank raises
-        the same ValueError instead. Raises ValueError also for an empty batch (on every rank)."""
-        group = self.mesh.group("dp_cp")
+        the same ValueError instead. Raises ValueError also for an empty batch (on every rank).
+        Under DiLoCo the same over one replica (``dp_shard_cp``)."""
+        group = self.mesh.group(self.loss_group)
         b = float(labels.shape[0])
         stats = torch.tensor([float((labels != IGNORE_INDEX).sum()), b, b * b], dtype=torch.float64,
                              device=self.device)
@@ -134,22 +153,30 @@ class Trainer:
             extra_loss=self.extras.micro_loss if self.extras is not None else None,
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
-        out = self._update(self.pipeline.clip_grad_norm)
+        if self.nan_steps or self.spike_steps:  # test hooks (class docstring)
+            loss_sum = inject_faults(self, loss_sum)
+        out = self._update(self.pipeline.clip_grad_norm, loss_sum)
         out.update(self.mem.report())
         if self.measure_memory:  # live activation storages of the whole step on this stage
             self.activation_peak_bytes = runtime.peak_activation_bytes
         out["mem_activations_peak_bytes"] = self.activation_peak_bytes
         return self._finish(out, loss_sum, n_valid)
 
-    def _update(self, clip_fn) -> dict:
-        """fp16 unscale (an overflow on any rank skips the step everywhere), clip, optimizer and
-        LR step, zero the gradients. Returns ``grad_norm``, ``lr`` and the loss-scale entries."""
+    def _update(self, clip_fn, loss_sum: torch.Tensor) -> dict:
+        """fp16 unscale (an overflow on any rank skips the step everywhere), clip, bad-step
+        agreement, optimizer and LR step, zero the gradients. Returns ``grad_norm``, ``lr``,
+        ``bad_step`` (+ ``bad_ranks``: world ranks with a non-finite loss / norm) and the
+        loss-scale entries."""
         ok = True
         if self.scaler is not None:
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             ok = self.scaler.unscale_and_check(grads, max_over_mesh(self.mesh))
             self.scaler.update(ok)
         grad_norm = clip_fn(self.cfg.training.grad_clip) if ok else float("nan")
+        # an fp16 overflow is the loss scaler's business (ok False), not a bad step
+        bad_ranks = agree_bad_ranks(not is_finite(loss_sum) or (ok and not is_finite(grad_norm)),
+                                    self.world, self.device)
+        ok = ok and not bad_ranks
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.optimizer.step()
@@ -157,15 +184,21 @@ class Trainer:
         # the state peak: parameters, gradients and optimizer state all live
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"grad_norm": grad_norm, "lr": lr}
+        out = {"grad_norm": grad_norm, "lr": lr, "bad_step": bool(bad_ranks)}
+        if bad_ranks:
+            out["bad_ranks"] = bad_ranks
         if self.scaler is not None:
             out.update({"loss_scale": self.scaler.scale, "skipped": not ok})
         return out
 
     def _finish(self, out: dict, loss_sum: torch.Tensor, n_valid: float) -> dict:
-        comm.all_reduce(loss_sum, self.mesh.group("dp_cp"))
+        comm.all_reduce(loss_sum, self.mesh.group(self.loss_group))
         self.step_count += 1
         out.update({"loss": loss_sum.item() / max(n_valid, 1.0), "n_tokens": n_valid})
+        if self.outer is not None:  # the replicas' mean loss (every rank the same); then maybe sync
+            rep = self.mesh.group("dp_replicate")
+            out["loss"] = comm.all_reduce_scalar(out["loss"], rep, device=self.device) / rep.size
+            out["outer_step"] = self.outer.after_inner_step(self.step_count)
         if self.extras is not None:  # aux / MTP losses, expert loads; aux-loss-free bias update
             out.update(self.extras.end_step())
         return out
@@ -188,13 +221,25 @@ class Trainer:
 
     def tensor_state(self) -> dict:
         """``{"model", "optim"}``: every tensor whole (or a DTensor of global shape) under its
-        single-process name (``ndtrain.parallel.state``). Collective."""
-        return self.plan.state.state(self.optimizer)
+        single-process name (``ndtrain.parallel.state``). Collective. Under DiLoCo the inner
+        optimizer state is kept per replica (``"optim": {"replica<k>": ...}``: the replicas'
+        AdamW moments differ) and ``"outer"`` holds the anchor and outer momentum."""
+        state = self.plan.state.state(self.optimizer)
+        if self.outer is not None:
+            state["optim"] = {f"replica{self.mesh.group('dp_replicate').rank}": state["optim"]}
+            state["outer"] = self.outer.state_dict()
+        return state
 
     def load_tensor_state(self, state: dict) -> None:
         """Load a tree shaped like ``tensor_state()`` (model and optimizer). Collective."""
+        if self.outer is not None:
+            state = dict(state, optim=state["optim"][f"replica{self.mesh.group('dp_replicate').rank}"])
+            self.outer.load_state_dict(state.pop("outer"))
         self.plan.state.load(state, self.optimizer)
 
     def load_model_state(self, model_state: dict) -> None:
-        """Weights only, shaped like ``tensor_state()["model"]`` (optimizer untouched). Collective."""
+        """Weights only, shaped like ``tensor_state()["model"]`` (optimizer untouched). Collective.
+        Under DiLoCo the loaded weights become the anchor."""
         self.plan.state.load_model(model_state)
+        if self.outer is not None:
+            self.outer.reset_anchor()

@@ -6,14 +6,19 @@ starts. Each ``ConfigError`` names the rule that failed, with the numbers involv
 in that axis's ``ndtrain/parallel/<axis>/rules.py`` (``check``), shared with the planner's
 feasibility check; this module holds the model / training rules and calls the axis checks.
 
-Imports: ``ndtrain.errors`` and ``ndtrain.mesh`` only, never ``ndtrain.config`` (which calls
-``validate`` from ``load_config``), so config, validate and mesh form no import cycle; ``cfg`` is
-typed by name only.
+Imports: ``ndtrain.errors`` and the axis rules (torch-free, so the planner imports this module
+without torch; ``ndtrain.mesh`` is imported inside ``validate``), never ``ndtrain.config`` (which
+calls ``validate`` from ``load_config``), so config, validate and mesh form no import cycle;
+``cfg`` is typed by name only.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+from dataclasses import dataclass
+
 from ndtrain.errors import ConfigError, require
-from ndtrain.mesh import ParallelDims
+from ndtrain.mixer_spec import check_mixer_layout, check_mixers, non_softmax_mixers
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.dp import rules as dp_rules
 from ndtrain.parallel.ep import rules as ep_rules
@@ -22,7 +27,7 @@ from ndtrain.parallel.rules import check_activation_checkpoint
 from ndtrain.parallel.tp import rules as tp_rules
 from ndtrain.parallel.zero import rules as zero_rules
 
-__all__ = ["ConfigError", "check_activation_checkpoint", "validate"]
+__all__ = ["ConfigError", "ModelFacts", "check_activation_checkpoint", "check_axes", "validate"]
 
 _check = require
 _DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -54,6 +59,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
            "checkpoint.load_from (resume another run: weights, optimizer, schedule, step) and "
            "checkpoint.init_weights_from (weights only, step 0) exclude each other")
     _check(cfg.logging.log_every >= 1, f"logging.log_every ({cfg.logging.log_every}) must be >= 1")
+    lg = cfg.logging
+    _check(lg.progress in ("auto", "rich", "plain"), f"logging.progress ({lg.progress}) must be auto|rich|plain")
+    _check(not lg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+           "logging.tensorboard=true needs the tensorboard package (pip install 'ndtrain[tensorboard]')")
+    check_mixers(m)
     _validate_axes(cfg, world_size)
 
 
@@ -69,27 +79,104 @@ def _validate_training(cfg) -> None:
     _check(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) must be >= 0")
     _check(t.grad_clip >= 0, f"training.grad_clip ({t.grad_clip}) must be >= 0")
     check_activation_checkpoint(t.activation_checkpoint)
+    _validate_fault(cfg)
+    _validate_kernels(t)
     if t.dtype == "float16":  # dynamic loss scaling (ndtrain.precision)
         _check(t.loss_scale_init > 0, f"training.loss_scale_init ({t.loss_scale_init}) must be > 0")
         _check(t.loss_scale_growth_interval >= 1,
                f"training.loss_scale_growth_interval ({t.loss_scale_growth_interval}) must be >= 1")
 
 
+def _validate_fault(cfg) -> None:
+    """Bad-step / spike rollback, collective timeout and DiLoCo fields (docs/fault_tolerance.md)."""
+    t, p = cfg.training, cfg.parallel
+    _check(t.max_bad_steps >= 0, f"training.max_bad_steps ({t.max_bad_steps}) must be >= 0")
+    _check(t.spike_zscore >= 0, f"training.spike_zscore ({t.spike_zscore}) must be >= 0 (0 = off)")
+    _check(t.spike_window >= 2, f"training.spike_window ({t.spike_window}) must be >= 2 (a std needs two losses)")
+    _check(p.collective_timeout_s > 0, f"parallel.collective_timeout_s ({p.collective_timeout_s}) must be > 0")
+    _check(p.flight_recorder_entries >= 0,
+           f"parallel.flight_recorder_entries ({p.flight_recorder_entries}) must be >= 0")
+    dp_rules.check_local_sgd(t.local_sgd_steps, p.dp_replicate, p.zero_stage, cfg.model.is_moe, t.outer_lr,
+                             t.outer_momentum, cfg.checkpoint.every)
+
+
+def _validate_kernels(t) -> None:
+    """``training.kernels``: a known kind; ``triton`` needs the package and CUDA, or Triton's CPU
+    interpreter (TRITON_INTERPRET=1); no float64 kernels."""
+    _check(t.kernels in ("eager", "triton", "auto"), f"training.kernels ({t.kernels}) must be eager|triton|auto")
+    if t.kernels != "triton":
+        return
+    _check(importlib.util.find_spec("triton") is not None,
+           "training.kernels=triton needs the triton package (pip install 'ndtrain[kernels]')")
+    _check(t.dtype != "float64", "training.kernels=triton has no float64 kernels (use kernels=eager)")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        import torch  # only for this rule: validation stays torch-free otherwise
+
+        _check(t.device != "cpu" and torch.cuda.is_available(),
+               "training.kernels=triton needs a CUDA device, or TRITON_INTERPRET=1 (Triton's CPU "
+               "interpreter, slow: for tests); use kernels=auto to fall back to eager")
+
+
 def _validate_axes(cfg, world_size: int | None) -> None:
-    """Each axis's own ``check`` (``ndtrain/parallel/<axis>/rules.py``), then the world-size rules."""
-    m, p, t, T = cfg.model, cfg.parallel, cfg.training, cfg.data.seq_len
-    zero_rules.check(p.zero_stage, m.mtp_depth)
-    tp_rules.check(p.tp, m.n_heads, m.kv_heads, m.ffn_dim, p.sequence_parallel, moe=m.is_moe,
-                   mla=m.attention == "mla", mtp=m.mtp_depth > 0)
-    cp_rules.check(p.cp, T, p.cp_impl, p.cp_layout, m.n_heads, p.tp, p.sequence_parallel,
-                   mla=m.attention == "mla", mtp=m.mtp_depth > 0, seq_aux_loss=m.moe_seq_aux_loss_coef > 0,
-                   capacity=m.is_moe and m.moe_capacity_factor > 0)
-    pp_rules.check(p.pp, m.n_layers, p.pp_schedule, p.pp_virtual_stages, p.pp_microbatches,
-                   t.activation_checkpoint, moe=m.is_moe, mtp=m.mtp_depth > 0)
-    ep_rules.check(p.ep, m.moe_experts, zero_stage=p.zero_stage)
+    """Each axis's own ``check`` via ``check_axes`` (the planner calls the same), then the
+    world-size rules."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    check_axes(ModelFacts.of_config(m), p, cfg.data.seq_len, t.activation_checkpoint)
     if world_size is not None:
+        from ndtrain.mesh import ParallelDims  # torch: imported only when a world size is checked
+
         dims = ParallelDims.from_config(p, world_size)  # checks the degrees multiply to world_size
         dp_rules.check_batch(t.global_batch_size, dims.dp, t.micro_batch_size, p.pp, p.pp_microbatches)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the layout rules read from a model: from a ``ModelConfig`` (``of_config``) or from the
+    planner's ``ModelSpec`` (``ndtrain.planner.layout``), so both pass the same facts."""
+
+    n_heads: int
+    kv_heads: int
+    ffn_dim: int
+    n_layers: int
+    moe_experts: int = 0
+    mla: bool = False
+    mtp_depth: int = 0
+    seq_aux_loss: bool = False  # DeepSeek-V3 sequence-wise balance loss on
+    capacity: bool = False  # MoE token dropping (capacity factor > 0)
+    mixers: tuple[str, ...] = ()  # token mixers other than softmax attention (model.layer_pattern)
+
+    @classmethod
+    def of_config(cls, m) -> ModelFacts:
+        return cls(m.n_heads, m.kv_heads, m.ffn_dim, m.n_layers, m.moe_experts, m.attention == "mla",
+                   m.mtp_depth, m.moe_seq_aux_loss_coef > 0, m.is_moe and m.moe_capacity_factor > 0,
+                   non_softmax_mixers(m))
+
+
+def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "none", dp: int | None = None,
+               global_batch_size: int = 0, micro_batch_size: int = 0, runtime: bool = True) -> None:
+    """The layout rules of every axis for model facts ``f`` and a ``ParallelConfig``-like ``p``
+    (its field names); raises ``ConfigError`` naming the first rule that fails. ``dp`` given: the
+    batch rules too. ``runtime=False`` keeps only the arithmetic every implementation needs
+    (divisibility, ranges) and drops what ndtrain's runtime does not implement yet (MoE / MLA / MTP
+    under tp, cp or pp; ep with ZeRO; ZeRO-3 with MTP; all-gather CP; DualPipeV; pipeline end
+    chunks holding only the embedding / head): the planner models such layouts and marks them."""
+    if runtime:  # linear / window / sparse mixers: single-device layers for now (mixer_spec)
+        check_mixer_layout(f.mixers, p.tp, p.cp, p.pp)
+    moe, mla, mtp = (f.moe_experts > 0, f.mla, f.mtp_depth > 0) if runtime else (False, False, False)
+    cp_impl, sched, v = p.cp_impl, p.pp_schedule, p.pp_virtual_stages
+    if not runtime:
+        cp_impl = "ring" if cp_impl == "allgather" else cp_impl  # cut like ring (Llama 3)
+        sched, v = ("interleaved", 2) if sched == "dualpipev" else (sched, v)  # 2 chunks per rank
+    zero_rules.check(p.zero_stage, f.mtp_depth if runtime else 0)
+    tp_rules.check(p.tp, f.n_heads, f.kv_heads, f.ffn_dim, p.sequence_parallel, moe=moe, mla=mla, mtp=mtp)
+    cp_rules.check(p.cp, seq_len, cp_impl, p.cp_layout, f.n_heads, p.tp, p.sequence_parallel, mla=mla,
+                   mtp=mtp, seq_aux_loss=f.seq_aux_loss and runtime, capacity=f.capacity and runtime)
+    pp_rules.check(p.pp, f.n_layers, sched, v, p.pp_microbatches, activation_checkpoint, moe=moe,
+                   mtp=mtp, end_stages_may_hold_no_block=not runtime)
+    dp_shard = None if p.dp_shard == -1 else p.dp_shard
+    ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0)
+    if dp is not None:
+        dp_rules.check_batch(global_batch_size, dp, micro_batch_size, p.pp, p.pp_microbatches)
 
 
 def _validate_moe_mla_mtp(cfg) -> None:

@@ -207,3 +207,64 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
     if not path.is_file():
         train_bpe(cfg, vocab_size, path)
     return _check_fits(HFTokenizer(path), vocab_size)
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (Radford 2019, ``bytes_to_unicode``): printable
+    Latin-1 bytes map to themselves, the other 68 to U+0100 onwards, in byte order. Byte-level
+    BPE vocabularies spell tokens with these characters, one character per byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def bytes_tokenizer_json() -> str:
+    """The ``"bytes"`` tokenizer (id b = byte b, 256 = EOS) as a ``tokenizers`` JSON string: a
+    byte-level BPE without merges whose vocabulary puts each byte's character at the byte's id, so
+    ``tokenizers`` / ``transformers`` encode exactly as ``ByteTokenizer`` does."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as _Tok
+
+    vocab = {ch: b for b, ch in byte_level_alphabet().items()}
+    tok = _Tok(models.BPE(vocab=vocab, merges=[]))
+    # no regex split: bytes are tokens on their own, spaces included, as in ByteTokenizer
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    return tok.to_str()
+
+
+def tokenizer_json(tok: Tokenizer) -> str:
+    """The ``tokenizer.json`` text of ``tok`` (built for ``"bytes"``, the file itself otherwise)."""
+    if isinstance(tok, ByteTokenizer):
+        return bytes_tokenizer_json()
+    return Path(tok.spec).read_text(encoding="utf-8")
+
+
+def eos_token(tok: Tokenizer) -> str:
+    """The string of ``tok``'s EOS token (``<|endoftext|>`` for ``"bytes"``)."""
+    if isinstance(tok, HFTokenizer):
+        return tok._tok.id_to_token(tok.eos_id)
+    return EOS_TOKEN
+
+
+def save_tokenizer_files(tok: Tokenizer, folder: str | Path, model_max_length: int) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into
+    ``folder``, so ``transformers.AutoTokenizer.from_pretrained(folder)`` returns a
+    ``PreTrainedTokenizerFast`` that encodes as ``tok`` does (no BOS is added: ndtrain trains
+    without one) and ``open_tokenizer(folder)`` finds the same EOS id."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(tokenizer_json(tok), encoding="utf-8")
+    eos = eos_token(tok)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+              "bos_token": None, "unk_token": None, "add_bos_token": False, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": model_max_length}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos, "pad_token": eos}, indent=2))

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model.attention import Attention, KVCacheLike
-from ndtrain.model.mla import MLAttention
+from ndtrain.model.attention import KVCacheLike
+from ndtrain.model.mixers import build_mixer, mixer_kinds
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.moe import MoE
 from ndtrain.model.norm import RMSNorm
@@ -18,7 +18,9 @@ from ndtrain.model.norm import RMSNorm
 class TransformerBlock(nn.Module):
     """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
 
-    ``attention`` is ``Attention`` (MHA / GQA) or ``MLAttention`` (``cfg.attention == "mla"``);
+    ``attention`` is the layer's token mixer (``cfg.layer_pattern``): ``Attention`` (MHA / GQA) or
+    ``MLAttention`` (``cfg.attention == "mla"``) for softmax layers, else a mixer of
+    ``ndtrain.model.mixers`` (linear, mamba2, gated_deltanet, sliding_window, dsa);
     ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``).
 
     Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
@@ -29,8 +31,9 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         index = int(layer_id) if layer_index is None else layer_index
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = (MLAttention(cfg, layer_id) if cfg.attention == "mla"
-                          else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id))
+        kinds = mixer_kinds(cfg)  # token mixer per layer by model.layer_pattern; MTP blocks: attention
+        self.mixer = kinds[index] if index < len(kinds) else "attention"
+        self.attention = build_mixer(cfg, layer_id, self.mixer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
 

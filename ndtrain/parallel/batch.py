@@ -1,11 +1,14 @@
 """The per-batch hooks of a layout: cutting a rank's batch (context parallel) and the loss
-(tensor parallel: vocab-parallel cross-entropy). Built by ``ndtrain.parallel.parallelize``."""
+(tensor parallel: vocab-parallel cross-entropy; ``fused_loss_sum``: fused with the output head).
+Built by ``ndtrain.parallel.parallelize``."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ndtrain.mesh import Mesh
+from ndtrain.parallel import comm
 from ndtrain.parallel.cp.rules import resolve_layout
 
 
@@ -42,3 +45,32 @@ class BatchPlan:
                                                 self.vocab_size, self.ignore_index).sum()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index,
                                reduction="sum")
+
+    def fused_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``loss_sum`` of the logits ``hidden @ weight^T`` without materialising them (fused linear +
+        cross-entropy, ``ndtrain.ops.linear_cross_entropy``; needs Triton).
+
+        hidden (B, T, C): the output head's whole input (under sequence parallel: already gathered);
+        weight (V, C), or this rank's (Vp / tp, C) rows under tensor parallel, where each rank's
+        partial max / sum-exp / target logit meet in two all-reduces over ``tp`` (MAX, then SUM of
+        2N values, as ``vocab_parallel_cross_entropy``) and hidden's gradient is summed over ``tp``
+        (Megatron's f operator). Returns the 0-d sum over valid labels.
+        """
+        from ndtrain.ops.linear_cross_entropy.triton import fused_linear_cross_entropy
+
+        h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, C), (B*T,)
+        if self.tp.size == 1:
+            return fused_linear_cross_entropy(h, weight, y, self.ignore_index, vocab_size=self.vocab_size).sum()
+        from ndtrain.parallel.tp.collectives import CopyToTP
+
+        tp = self.tp
+
+        def combine(m, s, t):  # this rank's (N,) partials -> the tp-wide statistics
+            m_all = m.clone()
+            comm.all_reduce(m_all, tp, op=dist.ReduceOp.MAX)
+            st = torch.stack([s * torch.exp(m - m_all), t])  # (2, N)
+            comm.all_reduce(st, tp)
+            return m_all, st[0], st[1]
+
+        return fused_linear_cross_entropy(CopyToTP.apply(h, tp), weight, y, self.ignore_index,
+                                          tp.rank * weight.shape[0], combine, vocab_size=self.vocab_size).sum()

@@ -9,16 +9,22 @@ traffic can be compared with the textbook costs (Patarasuk & Yuan 2009; ZeRO, Ra
 * all-to-all of S bytes (even split):  (N-1)/N * S
 * send of S bytes:                      S
 
-A size-1 group (``pg is None``) makes every function a no-op that counts nothing. Functions that
+A size-1 group (``pg is None``) makes every function a no-op that counts nothing. Every call runs
+under ``parallel.collective_timeout_s`` and is recorded by the flight recorder
+(``ndtrain.parallel.flight_recorder``): a wait past the deadline raises ``CollectiveTimeoutError``
+naming this rank, the peers that never arrived, the axis and the op. Functions that
 take part in autograd are classes named for their forward effect with "fwd: X, bwd: Y" docstrings
 (Megatron-LM's f / g operators, Shoeybi et al. 2019); they are added by the axes that need them.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
+from ndtrain.parallel.flight_recorder import recorder, run_collective
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases lack the new ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -38,8 +44,10 @@ def all_reduce(t: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op
     if group.pg is None:
         return None
     n = group.size
-    count(group, 2 * (n - 1) / n * nbytes(t))
-    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+    b = 2 * (n - 1) / n * nbytes(t)
+    count(group, b)
+    return run_collective("all_reduce", group, b,
+                          lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=True), async_op)
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: AxisGroup, async_op: bool = False):
@@ -48,8 +56,10 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: AxisGroup, as
         out.copy_(shard)
         return None
     n = group.size
-    count(group, (n - 1) / n * nbytes(out))
-    return _ALL_GATHER(out, shard, group=group.pg, async_op=async_op)
+    b = (n - 1) / n * nbytes(out)
+    count(group, b)
+    return run_collective("all_gather", group, b,
+                          lambda: _ALL_GATHER(out, shard, group=group.pg, async_op=True), async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
@@ -59,8 +69,10 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
         out.copy_(full)
         return None
     n = group.size
-    count(group, (n - 1) / n * nbytes(full))
-    return _REDUCE_SCATTER(out, full, op=op, group=group.pg, async_op=async_op)
+    b = (n - 1) / n * nbytes(full)
+    count(group, b)
+    return run_collective("reduce_scatter", group, b,
+                          lambda: _REDUCE_SCATTER(out, full, op=op, group=group.pg, async_op=True), async_op)
 
 
 def broadcast(t: torch.Tensor, group: AxisGroup, src_local_rank: int = 0) -> None:
@@ -69,7 +81,8 @@ def broadcast(t: torch.Tensor, group: AxisGroup, src_local_rank: int = 0) -> Non
         return
     if group.rank == src_local_rank:
         count(group, nbytes(t))
-    dist.broadcast(t, group=group.pg, group_src=src_local_rank)
+    run_collective("broadcast", group, nbytes(t),
+                   lambda: dist.broadcast(t, group=group.pg, group_src=src_local_rank, async_op=True), False)
 
 
 def all_reduce_scalar(value: float, group: AxisGroup, dtype=torch.float64,
@@ -107,12 +120,16 @@ def split_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
 
 def all_gather_object(obj, group: AxisGroup) -> list:
     """Every rank's picklable ``obj``, in group-rank order (for timelines and diagnostics, not for
-    tensors on the training path). Counted as an all-gather of the pickled size times N."""
+    tensors on the training path). Counted as an all-gather of the pickled size times N. Recorded,
+    but bounded only by the process-group timeout (``all_gather_object`` has no async form)."""
     if group.pg is None:
         return [obj]
     import pickle
 
     out = [None] * group.size
-    count(group, (group.size - 1) * len(pickle.dumps(obj)))
+    b = (group.size - 1) * len(pickle.dumps(obj))
+    count(group, b)
+    entry = recorder().start("all_gather_object", group.name, b)
     dist.all_gather_object(out, obj, group=group.pg)
+    entry["t_end"] = time.time()
     return out

@@ -24,6 +24,7 @@ from torch import nn
 from ndtrain.config import Config
 from ndtrain.mesh import Mesh
 from ndtrain.model import build_model
+from ndtrain.ops.select import apply_kernels
 from ndtrain.parallel.api import GradSync, ParallelPlan
 from ndtrain.parallel.batch import BatchPlan
 from ndtrain.parallel.dp.ddp import DataParallel
@@ -53,6 +54,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
         reduce_dtype = getattr(torch, p.grad_reduce_dtype)
     # cp ranks see different tokens of the same samples: their gradients are summed too.
     group = mesh.group("dp_cp" if mesh.dims.cp > 1 else "dp")
+    if cfg.training.local_sgd_steps:  # DiLoCo: replicas sync only every H steps (parallel.dp.diloco)
+        group = mesh.group("dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard")
     return DataParallel(model, group, p.bucket_size_bytes, reduce_dtype)
 
 
@@ -76,6 +79,7 @@ def parallelize(model: nn.Module | None, mesh: Mesh, cfg: Config,
     device = device or torch.device("cpu")
     if model is None:
         model = _build(cfg, mesh, device)
+    apply_kernels(model, cfg.training.kernels)  # before cp, whose ring / Ulysses core replaces the kernel
     grad_sync = _apply_axes(model, mesh, cfg)
     batch = BatchPlan(mesh, cfg)
     pipeline = _build_pipeline(model, grad_sync, batch, mesh, cfg, device)  # pp == 1: one stage

@@ -31,8 +31,11 @@ class Accelerator:
     intra_node_latency_s: float = 3e-6  # alpha of one collective step inside a node
     inter_node_latency_s: float = 10e-6  # alpha of one collective step across nodes
     gpus_per_node: int = 8  # devices in one fast-link domain
-    runtime_reserve_bytes: float = 1.0 * GiB  # CUDA context, NCCL buffers, allocator slack
+    runtime_reserve_bytes: float = 1.0 * GiB  # CUDA context, NCCL buffers
+    allocator_overhead: float = 1.10  # factor on activation / loss bytes: caching-allocator fragmentation
+    torus_dims: int = 0  # > 0: the fast-link domain is a torus of this many dims (TPU ICI, torus.py)
     attention_gemm_ratio: float = 0.5  # FlashAttention fwd+bwd throughput / dense GEMM throughput
+    compute_efficiency: float = 0.0  # > 0: every GEMM at this share of peak (--efficiency); 0: compute.py
     source: str = ""
 
     def peak(self, dtype: str = "bfloat16") -> float:
@@ -57,9 +60,10 @@ def _gpu(name, bf16, fp8, tf32, fp32, hbm, hbm_bw, nvlink_bidir, nic_bits, sourc
 
 
 def _tpu(name, bf16, fp8, hbm, hbm_bw, ici_bidir, dcn_bits, slice_chips, source):
-    """A TPU: the ICI slice is the "node" (3-D torus, modelled as one flat link; see module doc)."""
+    """A TPU: the ICI slice is the "node", a 3-D torus: ``ici_bidir`` / 2 per direction over 6
+    links (2 per dimension), collectives costed per torus dimension (``torus.py``)."""
     return _gpu(name, bf16, fp8, 0, 0, hbm, hbm_bw, ici_bidir, dcn_bits, source, gpus_per_node=slice_chips,
-                inter_node_latency_s=20e-6)
+                inter_node_latency_s=20e-6, torus_dims=3)
 
 
 T, P = 1e12, 1e15
@@ -69,6 +73,11 @@ HARDWARE: dict[str, Accelerator] = {
     # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100 user guide).
     "H100": _gpu("H100", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 81559 * MiB, 3.35e12, 900e9, 400e9,
                  "NVIDIA H100 SXM5 datasheet"),
+    # H100 SXM5 96 GB: the same die and clocks with all six HBM3 stacks enabled (96 GB, as GH200-96GB);
+    # NVIDIA's H100 datasheet does not list it, so its memory bandwidth is assumed equal to the 80 GB
+    # part's 3.35 TB/s (override with --hardware-override hbm_tbps=...).
+    "H100-96GB": _gpu("H100-96GB", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 96e9, 3.35e12, 900e9, 400e9,
+                      "NVIDIA H100 SXM5 datasheet (compute, links); 96 GB HBM3 variant, bandwidth assumed"),
     # Same datasheet, H100 NVL column (PCIe card, NVLink bridge pairs): BF16 1,671 / FP8 3,341 sparse,
     # TF32 835, FP32 60; 94 GB HBM3 (of the 96 GB stacks) at 3.9 TB/s; NVLink bridge 600 GB/s between
     # the 2 GPUs of a pair (the "node" here); 400 Gb/s NIC per GPU assumed.
@@ -120,12 +129,13 @@ HARDWARE: dict[str, Accelerator] = {
     "cpu": Accelerator("cpu", {"float32": 5e10, "bfloat16": 1e10, "float16": 5e9}, hbm_bytes=16 * GiB,
                        hbm_bytes_per_s=20e9, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=1.25e9,
                        intra_node_latency_s=20e-6, inter_node_latency_s=50e-6, gpus_per_node=2,
-                       runtime_reserve_bytes=0.35 * GiB,
+                       runtime_reserve_bytes=0.35 * GiB, allocator_overhead=1.0,
                        source="placeholder; `ndtrain plan --measure` measures peak and gloo bandwidth"),
 }
 # Other spellings; matched after lower-casing and dropping spaces, '-', '_' (so "TPU v4", "tpu-v4").
 ALIASES = {"A100": "A100-80GB", "H100-80GB": "H100", "H100-SXM": "H100", "H100-SXM5": "H100",
-           "H100-SXM-80GB": "H100", "H100-NVL-94GB": "H100-NVL", "H100-NVL-96GB": "H100-NVL",
+           "H100-SXM-80GB": "H100", "H100-SXM-96GB": "H100-96GB",
+           "H100-SXM5-96GB": "H100-96GB", "H100-NVL-94GB": "H100-NVL", "H100-NVL-96GB": "H100-NVL",
            "H800-SXM": "H800", "H200-SXM": "H200", "GH200-96GB": "GH200", "B200-HGX": "B200",
            "HGX-B200": "B200", "GB200": "B200-NVL72", "GB200-NVL72": "B200-NVL72", "MI300": "MI300X",
            "v4": "TPUv4", "TPU4": "TPUv4", "v5p": "TPUv5p", "TPU5p": "TPUv5p"}

@@ -75,11 +75,12 @@ def trainer_layout(cfg, world: int | None = None) -> Layout:
 def predict_memory(cfg, world: int | None = None, baseline_bytes: float = 0.0, hooks_sampled: bool = True) -> dict:
     """Per-rank bytes of a data-parallel / ZeRO / HSDP run of ``cfg`` (see the module docstring):
     ``state`` (params / grads / optim / total), ``activations`` (peak, at), ``metered``, ``live``,
-    ``rss`` and a ``breakdown`` summing to ``rss``. Raises ValueError for TP / CP / PP / EP layouts
-    or a model or policy the eager model does not cover."""
+    ``rss`` and a ``breakdown`` summing to ``rss``. TP / CP / PP / EP layouts: ``planner.eager_axes``
+    (plain DDP, fp32 / fp64, ac=none). Raises ValueError for a model or policy the eager models do
+    not cover."""
     lay = trainer_layout(cfg, world)
     if lay.tp * lay.cp * lay.pp * lay.ep > 1:
-        raise ValueError("the eager memory model covers data-parallel / ZeRO / HSDP layouts only")
+        return _predict_axes_memory(cfg, lay, baseline_bytes)
     spec, t, dtype = from_model_config(cfg.model), cfg.training, cfg.training.dtype
     n_micro = max(1, t.global_batch_size // (lay.dp * lay.microbatch))
     state = estimate_trainer_state_bytes(spec, lay.zero_stage, lay.dp_shard, dtype,
@@ -107,6 +108,24 @@ def predict_memory(cfg, world: int | None = None, baseline_bytes: float = 0.0, h
             "n_micro": n_micro, "spec": spec}
 
 
+def _predict_axes_memory(cfg, lay, baseline_bytes: float) -> dict:
+    """``predict_memory`` for TP / CP / PP / EP layouts (``planner.eager_axes``, rank 0: the rank
+    whose meters the trainer logs; on a pipeline the first stage, which holds the most
+    microbatches)."""
+    from ndtrain.planner.eager_axes import estimate_axes_activation_peak, estimate_axes_state_bytes
+
+    spec = from_model_config(cfg.model)
+    state = estimate_axes_state_bytes(spec, cfg)
+    act = estimate_axes_activation_peak(spec, cfg, 0, lay.dp)
+    act["at"] = f"{act['schedule']} schedule replay"
+    live = state["total"] + act["peak"]
+    bd = {"params": state["params"], "grads": state["grads"], "optimizer": state["optim"],
+          "activations": act["peak"], "baseline": baseline_bytes}
+    n_micro = max(1, cfg.training.global_batch_size // (lay.dp * lay.microbatch))
+    return {"state": state, "activations": act, "metered": live, "live": live, "live_at": "activations",
+            "rss": baseline_bytes + live, "breakdown": bd, "layout": lay, "n_micro": n_micro, "spec": spec}
+
+
 def _numel(shape) -> int:
     out = 1
     for d in shape:
@@ -131,11 +150,15 @@ def compare_with_runs(run_dirs, world: int | None = None, baseline_bytes: float 
     """One dict per run: layout, predicted / measured memory (``metered`` and RSS) and step time,
     relative errors (``mem_rel_err`` is the RSS one). ``world`` (processes of runs with
     ``dp_shard=-1``), ``baseline_bytes`` and ``rates`` (measured eager rates) are one value for all
-    runs or a dict keyed by run dir (str); ``comm`` has ``alpha_s`` and ``beta_bytes_per_s``.
-    Raises FileNotFoundError / ValueError for a missing or empty run."""
+    runs or a dict keyed by run dir (str); ``comm`` has ``alpha_s`` and ``beta_bytes_per_s``
+    (``measure.measure_collectives``) and optionally ``sync_alpha_s`` (``measure.measure_sync_latency``:
+    the per-ring-step cost of a blocking collective between computing ranks), which then replaces
+    ``alpha_s`` for every layout. Raises FileNotFoundError / ValueError for a missing or empty run."""
     def per_run(value, key):
         return value.get(key) if isinstance(value, dict) and key in value else value
 
+    comm = comm or {}
+    alpha, beta = comm.get("sync_alpha_s", comm.get("alpha_s", 0.0)), comm.get("beta_bytes_per_s", float("inf"))
     out = []
     for run_dir in run_dirs:
         cfg, rows = load_run(run_dir)
@@ -146,11 +169,15 @@ def compare_with_runs(run_dirs, world: int | None = None, baseline_bytes: float 
                               hooks_sampled=meas["first_step"] == 1)
         lay, spec = pred["layout"], pred["spec"]
         r = per_run(rates, str(run_dir))
-        if r:
+        if r and lay.tp * lay.cp * lay.pp * lay.ep > 1:
+            from ndtrain.planner.eager_axes_time import estimate_axes_step_time
+
+            step = estimate_axes_step_time(spec, cfg, r, lay.world, alpha, beta)
+            step_s, step_parts = step["step_time_s"], step["parts"]
+        elif r:
             step = estimate_eager_step_time(
                 spec, lay.microbatch, cfg.data.seq_len, pred["n_micro"], r, lay.zero_stage, lay.dp_shard,
-                lay.dp_replicate, cfg.training.dtype, lay.ac, (comm or {}).get("alpha_s", 0.0),
-                (comm or {}).get("beta_bytes_per_s", float("inf")), cfg.parallel.bucket_size_bytes)
+                lay.dp_replicate, cfg.training.dtype, lay.ac, alpha, beta, cfg.parallel.bucket_size_bytes)
             step_s, step_parts = step["step_time_s"], step["parts"]
         else:
             step_s, step_parts = _gpu_style_step(cfg, spec, lay, rows, skip_first, accelerator)

@@ -4,7 +4,8 @@
                  [--seq-len T] [--global-batch-tokens B] [--train-tokens D] [--layout "tp=8,..."]
                  [--json] [--top N] [--report DIR] [--price-per-gpu-hour P] [--nodes K]
                  [--intra-node-gbps X] [--inter-node-gbps Y] [--pod-gpus G --inter-pod-gbps Z]
-                 [--precision mixed|fp32|lower_bound] [--measure]
+                 [--precision mixed|fp32|lower_bound] [--measure] [--include-unsupported]
+                 [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
 
 Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
 times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import replace
 
 from ndtrain.planner.hardware import HARDWARE, OVERRIDES, Cluster, apply_overrides, get_accelerator
 from ndtrain.planner.layout import Workload, layout_assumptions, parse_layout
@@ -47,6 +50,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="mixed", help="bytes/param convention: mixed | fp32 | lower_bound")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak is used")
     p.add_argument("--price-per-gpu-hour", type=float, default=2.0, help="dollars")
+    p.add_argument("--efficiency", type=float, default=0.0, help="run every GEMM at this share of peak "
+                   "(v1's flat model) instead of the per-operation compute model (planner/compute.py)")
     p.add_argument("--intra-node-gbps", type=float, default=0, help="override NVLink GB/s per direction")
     p.add_argument("--inter-node-gbps", type=float, default=0, help="override NIC GB/s per direction")
     p.add_argument("--pod-gpus", type=int, default=0, help="GPUs per pod (0 = no pod level)")
@@ -54,6 +59,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts shown by the search")
     p.add_argument("--json", action="store_true", help="print one JSON object per layout")
     p.add_argument("--report", default="", help="write plan.md, memory.png, timeline.png into this directory")
+    p.add_argument("--include-unsupported", action="store_true",
+                   help="also rank layouts ndtrain train rejects (marked '!', with the rule)")
+    p.add_argument("--moe-max-nodes", type=int, default=0,
+                   help="node-limited routing: a token's experts on at most this many nodes (DeepSeek-V3: 4)")
+    p.add_argument("--moe-fp8-dispatch", action="store_true", help="dispatch all-to-all in fp8 (combine stays bf16)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="expert load imbalance: busiest rank's tokens / the mean (>= 1)")
     p.add_argument("--measure", action="store_true",
                    help="measure matmul peak and all-reduce alpha/beta on this machine")
 
@@ -61,6 +73,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 def _fail(msg: str) -> int:
     print(f"ndtrain plan: {msg}", file=sys.stderr)
     return 2
+
+
+def _accelerator(args: argparse.Namespace, acc=None):
+    """``--hardware`` (or the measured ``acc``) with ``--hardware-override`` and ``--efficiency``
+    applied; raises ValueError for an unknown name, a bad override or an efficiency outside (0, 1]."""
+    acc = acc or get_accelerator(args.hardware)
+    if args.hardware_override:
+        acc = apply_overrides(acc, args.hardware_override)
+    if args.efficiency:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]")
+        acc = replace(acc, compute_efficiency=args.efficiency)
+    return acc
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -87,9 +112,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.model:
         return _fail("--model is required")
     try:
-        acc = acc or get_accelerator(args.hardware)
-        if args.hardware_override:
-            acc = apply_overrides(acc, args.hardware_override)
+        acc = _accelerator(args, acc)
         spec, preset_seq = load_model_spec(args.model)
     except ValueError as e:
         return _fail(str(e))
@@ -105,7 +128,8 @@ def run_plan(args: argparse.Namespace) -> int:
                           args.pod_gpus, args.inter_pod_gbps * 1e9, args.price_per_gpu_hour, dtype)
         cluster.accelerator.peak(dtype)  # an unknown dtype fails here, not mid-plan
         w = Workload(seq_len=seq, global_batch_tokens=batch, train_tokens=args.train_tokens,
-                     precision=args.precision)
+                     precision=args.precision, moe_max_nodes=args.moe_max_nodes,
+                     moe_fp8_dispatch=args.moe_fp8_dispatch, moe_imbalance=args.moe_imbalance)
     except (ValueError, KeyError) as e:
         return _fail(str(e))
     if args.layout:
@@ -117,9 +141,11 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
         plans = [evaluate(spec, cluster, w, layout)]
         rec = plans[0] if plans[0].fits else None
+        for rule in plans[0].unsupported:
+            print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)
         everything = plans
     else:
-        everything = search(spec, cluster, w, top=0)
+        everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported)
         rec = recommend(everything)
         plans = everything[:args.top] if args.top else everything
         if rec is not None and rec not in plans:
@@ -135,13 +161,24 @@ def run_plan(args: argparse.Namespace) -> int:
         reasons = explain(rec, [], spec, cluster, w)[:3]
     if cluster.precision_note():
         print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
-    _print_plans(args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
+    _print_quietly(_print_plans, args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
     if args.report:
         from ndtrain.planner.report import write_report
 
         md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
         print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
     return 0 if rec is not None else 1
+
+
+def _print_quietly(fn, *args) -> None:
+    """``fn(*args)``; when the reader of stdout has left (``ndtrain plan --json | head -1``), stop
+    printing without a BrokenPipeError traceback (stdout then points at /dev/null, so the
+    interpreter's final flush does not fail either)."""
+    try:
+        fn(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _print_plans(args, plans, rec, reasons, spec, where: str, seq: int, batch: int) -> None:
@@ -162,6 +199,8 @@ def _print_plans(args, plans, rec, reasons, spec, where: str, seq: int, batch: i
         print(f"\nrecommended: {rec.layout}")
         for r in reasons:
             print(f"  - {r}")
+    elif plans and plans[0].fits and plans[0].unsupported:
+        print("\nno layout ndtrain train accepts fits; the rows marked '!' are modelled only")
     elif plans and plans[0].memory and not plans[0].errors:
         p = plans[0]
         print(f"\ndoes not fit: {p.memory.total / 2**30:.1f} GiB > {p.memory.capacity / 2**30:.1f} GiB: "

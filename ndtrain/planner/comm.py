@@ -17,6 +17,8 @@ NCCL picks the faster of ring and tree; so does ``estimate_collective_time``. Th
 Links: axes are laid out outer to inner ``pp, dp_replicate, dp_shard, cp, tp`` (ndtrain's mesh);
 a group of an axis spans stride x size consecutive ranks (``axis_spans``) and runs at the slowest
 link it crosses (``Cluster.link``): inside a node NVLink, else the per-GPU NIC, else the pod uplink.
+Inside a TPU slice (``Accelerator.torus_dims``) the group's rings run per torus dimension
+(``torus.py``: two links per chip per dimension, not the chip's whole ICI bandwidth).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import math
 
 from ndtrain.planner.hardware import BANDWIDTH_EFFICIENCY, Cluster
 from ndtrain.planner.layout import Layout, Workload
+from ndtrain.planner.torus import group_dims, torus_collective_time, torus_shape
 
 
 def ring_allreduce_bytes_per_rank(nbytes: float, n: int) -> float:
@@ -71,7 +74,13 @@ class Links:
         return self.cluster.link(self.spans[axis])[0]
 
     def time(self, kind: str, axis: str, nbytes: float, n: int) -> float:
-        _, bw, lat = self.cluster.link(self.spans[axis])
+        span = self.spans[axis]
+        _, bw, lat = self.cluster.link(span)
+        acc = self.cluster.accelerator
+        if acc.torus_dims and span <= self.cluster.gpus_per_node and n > 1:  # inside a TPU slice
+            shape = torus_shape(min(self.cluster.gpus, self.cluster.gpus_per_node), acc.torus_dims)
+            link = bw / (2 * acc.torus_dims)  # per link per direction: 2 links per dimension
+            return torus_collective_time(kind, nbytes, group_dims(span, n, shape), link, lat, BANDWIDTH_EFFICIENCY)
         return estimate_collective_time(kind, nbytes, n, bw, lat, BANDWIDTH_EFFICIENCY)
 
 
@@ -120,9 +129,8 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
             out["cp_bwd"] = out["cp_fwd"]
     if lay.ep > 1 and stage["moe_layers"]:  # GShard / Switch: dispatch + combine all-to-all
         links["ep"] = L.name("ep")
-        routed = e * tokens * spec.top_k * spec.dim / (t if lay.seq_parallel else 1)
-        out["ep_fwd"] = 2 * L.time("all_to_all", "ep", routed, lay.ep)
-        out["ep_bwd"] = out["ep_fwd"]
+        a2a = moe_all_to_all(spec, cluster, w, lay, tokens / (t if lay.seq_parallel else 1))
+        out.update({k: v for k, v in a2a.items() if k.startswith("ep_")})
     if lay.pp > 1:
         links["pp"] = L.name("pp")
         out["pp"] = L.time("send", "pp", act / (t if lay.seq_parallel else 1), 2)
@@ -152,6 +160,70 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
                 out["zero_fwd"], out["zero_bwd"], out["dp_grad"] = ag, ag + rs, rep
     out["links"] = links
     return out
+
+
+def moe_all_to_all(spec, cluster: Cluster, w: Workload, lay: Layout, tokens: float) -> dict:
+    """Expert dispatch + combine of one MoE layer for one microbatch of ``tokens`` tokens on one
+    rank (GShard, Lepikhin 2020; DeepSeek-V3 report 2024, sections 3.2.2 and 3.3). Per token
+    top-k copies of width h go out (dispatch) and come back (combine).
+
+    * Split by link: the ep group of ``ep`` ranks (stride tp) has ``g = min(ep, gpus_per_node /
+      tp)`` ranks on each node and spans ``N = ep / g`` nodes. Uniform routing sends a copy to a
+      rank of this node with probability g / ep (1 / ep of it stays on this rank) and across nodes
+      with (ep - g) / ep: inter = s k h b (ep - g) / ep, intra = s k h b (g - 1) / ep bytes.
+    * Node-limited routing (``moe_max_nodes`` M > 0, DeepSeek-V3 uses M = 4): each token reaches at
+      most M' = min(M, k, N) nodes and crosses the inter-node link once per remote node (to the
+      rank with the same local index, which forwards over NVLink): inter = s h b M' (N - 1) / N,
+      intra = s k h b (g - 1) / g.
+    * fp8 dispatch (``moe_fp8_dispatch``): dispatch b = 1 byte + one fp32 scale per 128 values;
+      combine and both backward all-to-alls stay bf16 (as DeepSeek-V3).
+    * The NVLink and the NIC parts run at the same time: a pass takes the longer of the two, then
+      the busiest rank's share: x ``moe_imbalance`` (tokens of the busiest rank / the mean).
+    * Overlap: with shared experts the dispatch / combine overlaps with the shared expert's GEMMs
+      on the local tokens (DeepSeek-V3's shared-expert overlap); under ``dualpipev`` a microbatch's
+      all-to-all overlaps with the other microbatch's whole layer (attention + experts); both at
+      ``COMPUTE_EFFICIENCY`` (or ``--efficiency``) x the 16-bit peak. The excess is exposed.
+
+    Returns seconds per MoE layer ``ep_fwd`` / ``ep_bwd`` (exposed) and ``ep_fwd_raw`` /
+    ``ep_bwd_raw``, and the forward bytes per rank ``ep_inter_bytes`` / ``ep_intra_bytes``.
+    """
+    from ndtrain.planner.hardware import COMPUTE_EFFICIENCY
+
+    h, k, ep = spec.dim, spec.top_k, lay.ep
+    gpn = max(1, cluster.gpus_per_node // lay.tp)
+    g = max(1, min(ep, gpn))
+    n_nodes = -(-ep // g)
+    b_disp = 1 + 4 / 128 if w.moe_fp8_dispatch else w.act_bytes
+
+    def volume(b: float) -> tuple[float, float]:
+        if w.moe_max_nodes and n_nodes > 1:
+            m_eff = min(w.moe_max_nodes, k, n_nodes)
+            return tokens * h * b * m_eff * (n_nodes - 1) / n_nodes, tokens * k * h * b * (g - 1) / g
+        return tokens * k * h * b * (ep - g) / ep, tokens * k * h * b * (g - 1) / ep
+
+    _, bw_in, lat_in = cluster.link(1)
+    _, bw_out, lat_out = cluster.link(cluster.gpus_per_node + 1) if n_nodes > 1 else ("", 1.0, 0.0)
+
+    def seconds(b: float) -> float:
+        inter, intra = volume(b)
+        t_in = intra / (bw_in * BANDWIDTH_EFFICIENCY) + (g - 1) * lat_in
+        t_out = inter / (bw_out * BANDWIDTH_EFFICIENCY) + (n_nodes - 1) * lat_out if inter else 0.0
+        return max(t_in, t_out) * max(1.0, w.moe_imbalance)
+
+    fwd = seconds(b_disp) + seconds(w.act_bytes)
+    bwd = 2 * seconds(w.act_bytes)
+    eff = getattr(cluster.accelerator, "compute_efficiency", 0.0) or COMPUTE_EFFICIENCY
+    rate = cluster.mfu_peak_flops_per_s * eff
+    shared = 2 * tokens * 3 * h * spec.shared_ffn_hidden * spec.n_shared_experts / lay.tp
+    hide_f, hide_b = shared / rate, 2 * shared / rate
+    if lay.pp_schedule == "dualpipev":  # the other microbatch's layer: attention + active experts
+        layer = 2 * tokens * spec.layer_params(True, active=True) / lay.tp
+        layer += tokens * spec.attention_flops_per_layer(w.seq_len) / 6 / lay.tp
+        hide_f, hide_b = layer / rate, 2 * layer / rate
+    inter, intra = volume(b_disp)
+    ic, nc = volume(w.act_bytes)
+    return {"ep_fwd": max(0.0, fwd - hide_f), "ep_bwd": max(0.0, bwd - hide_b), "ep_fwd_raw": fwd,
+            "ep_bwd_raw": bwd, "ep_inter_bytes": inter + ic, "ep_intra_bytes": intra + nc}
 
 
 def _param_grad_bytes(precision: str) -> tuple[int, int]:

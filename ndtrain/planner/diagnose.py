@@ -33,8 +33,10 @@ def leanest_meshes(spec, cluster: Cluster, w: Workload) -> list[Layout]:
         for pp in divisors(n // tp, spec.n_layers):
             dp = n // (tp * pp)
             ep = max((e for e in divisors(dp, 64) if spec.n_experts % e == 0), default=1) if spec.is_moe else 1
-            out.append(Layout(tp=tp, pp=pp, dp_shard=dp, ep=ep, zero_stage=3 if dp > 1 else 0,
+            out.append(Layout(tp=tp, pp=pp, dp_shard=dp, ep=1, zero_stage=3 if dp > 1 else 0,
                               ac="full", microbatch=1, pp_schedule="1f1b"))
+            if ep > 1:  # ndtrain's expert parallel runs without ZeRO
+                out.append(Layout(tp=tp, pp=pp, dp_shard=dp, ep=ep, ac="full", microbatch=1))
     return out
 
 
@@ -42,6 +44,8 @@ def diagnose(spec, cluster: Cluster, w: Workload, closest: int = 3) -> list[str]
     """Lines explaining an empty search: the rules that rejected the meshes (with counts), the
     closest meshes and their violations, or the leanest valid mesh's memory if none fits."""
     plans = [evaluate(spec, cluster, w, lay, with_time=False) for lay in leanest_meshes(spec, cluster, w)]
+    for p in plans:  # the search proposes only what ndtrain train accepts: its rules count here
+        p.errors = p.errors + p.unsupported
     valid = [p for p in plans if not p.errors]
     lines = []
     if valid:
@@ -54,12 +58,14 @@ def diagnose(spec, cluster: Cluster, w: Workload, closest: int = 3) -> list[str]
         lines.append(f"{len(valid)} of {len(plans)} meshes are valid but none fits in memory; the leanest, "
                      f"{lean.layout.short()}, needs {lean.memory.total / GiB:.1f} GiB of "
                      f"{lean.memory.capacity / GiB:.1f} ({bd})")
+        rejected = [p for p in plans if p.errors]
+        if rejected:  # the meshes that might have fitted: what ruled them out
+            counts, example = _rule_counts(rejected)
+            lines.append(f"the other {len(rejected)} break a rule:")
+            lines += [f"  {c} mesh{'es' if c > 1 else ''} ({_meshes(rejected, rule)}): {example[rule]}"
+                      for rule, c in counts.most_common(4)]
         return lines
-    counts = Counter(r for p in plans for r in {_rule(e) for e in p.errors})
-    example = {}
-    for p in plans:
-        for e in p.errors:
-            example.setdefault(_rule(e), e)
+    counts, example = _rule_counts(plans)
     lines.append(f"no valid layout: all {len(plans)} meshes tp x pp x dp_shard of {cluster.gpus} GPUs "
                  f"(tp up to {cluster.gpus_per_node} per node) break a rule:")
     for rule, c in counts.most_common(4):
@@ -68,3 +74,18 @@ def diagnose(spec, cluster: Cluster, w: Workload, closest: int = 3) -> list[str]
     for p in sorted(plans, key=lambda p: (len(p.errors), p.layout.tp * p.layout.pp))[:closest]:
         lines.append(f"  {p.layout.short()}: " + "; ".join(p.errors))
     return lines
+
+
+def _rule_counts(plans) -> tuple[Counter, dict]:
+    """(meshes per violated rule, an example message per rule) over ``plans``."""
+    counts = Counter(r for p in plans for r in {_rule(e) for e in p.errors})
+    example = {}
+    for p in plans:
+        for e in p.errors:
+            example.setdefault(_rule(e), e)
+    return counts, example
+
+
+def _meshes(plans, rule: str, most: int = 3) -> str:
+    names = [p.layout.short().split(" z")[0] for p in plans if any(_rule(e) == rule for e in p.errors)]
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")

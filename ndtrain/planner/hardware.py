@@ -16,14 +16,15 @@ from ndtrain.planner.accelerators import ALIASES, DTYPE_ALIASES, HARDWARE, Accel
 __all__ = ["ALIASES", "BANDWIDTH_EFFICIENCY", "COMPUTE_EFFICIENCY", "DTYPE_ALIASES", "HARDWARE", "Accelerator",
            "Cluster", "GiB", "MiB", "apply_overrides", "get_accelerator"]
 
-# The global efficiency constants (the only tuning knobs of the time model; never set per case).
-# COMPUTE_EFFICIENCY: the share of dense peak a training step's compute phase reaches when nothing
-#   else (communication, pipeline bubble) is in the way: GEMMs plus the memory-bound kernels between
-#   them (norms, RoPE, SwiGLU, residuals, cross entropy), launch gaps and sustained-load clocks. The
-#   seed lecture measures exactly this: one H100 training a wide MLP with a huge batch reaches about
-#   50% MFU (while a bare matmul loop reaches ~80% HFU). 0.5 for every accelerator and every case.
-#   FlashAttention runs at ``Accelerator.attention_gemm_ratio`` x this rate on the FLOPs it executes
-#   (the causal half of the T x T pairs); see timing.py.
+# The global efficiency constants (never set per case).
+# COMPUTE_EFFICIENCY: v1's flat share of dense peak for a training step's compute phase, from the
+#   seed lecture (one H100 training a wide MLP with a huge batch reaches about 50% MFU while a bare
+#   matmul loop reaches ~80% HFU). The per-operation model (``compute.GENERATIONS``) replaced it
+#   for every accelerator with a generation entry; it remains (as ``compute.FLAT_EFFICIENCY``) the
+#   GEMM share of accelerators without one (cpu, custom ``--hardware-override`` bases) and the
+#   coarse rate at which ``comm.moe_all_to_all`` counts the compute an all-to-all can hide behind
+#   (shared experts, DualPipeV's other microbatch). ``--efficiency e`` replaces it by e everywhere
+#   in the flat model (every GEMM at e x peak, attention at e x ``attention_gemm_ratio``).
 # BANDWIDTH_EFFICIENCY: the share of nominal link bandwidth NCCL's ring / tree reaches for large
 #   messages (nccl-tests bus bandwidth: ~370-400 GB/s of 450 on NVLink 4, ~40-45 GB/s of 50 on NDR).
 COMPUTE_EFFICIENCY = 0.5

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from ndtrain.config_schema import ParallelConfig
 from ndtrain.errors import ConfigError
+from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.ac_policy import every_blocks
-from ndtrain.parallel.cp import rules as cp_rules
-from ndtrain.parallel.dp import rules as dp_rules
-from ndtrain.parallel.ep import rules as ep_rules
-from ndtrain.parallel.pp import rules as pp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
-from ndtrain.parallel.tp import rules as tp_rules
-from ndtrain.parallel.zero import rules as zero_rules
+from ndtrain.validate import ModelFacts, check_axes
 
-CP_IMPLS = ("ring", "allgather", "ulysses")
+CP_IMPLS = ("ring", "allgather", "ulysses")  # allgather (Llama 3): modelled, not in ndtrain's runtime
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class Layout:
     zero_stage: int = 0
     ac: str = "none"  # none | full | every:C | sqrt | selective
     microbatch: int = 1  # sequences per microbatch per rank
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev (modelled only)
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved)
     sp: int = -1  # sequence parallel with TP: 1 / 0; -1 = on when tp > 1
     cp_impl: str = "ring"  # ring | allgather (Llama 3) | ulysses
@@ -120,7 +117,8 @@ def layout_assumptions(text: str, layout: Layout) -> list[str]:
 class Workload:
     """What is trained: ``seq_len`` tokens per sequence T, ``global_batch_tokens`` per optimizer
     step, ``train_tokens`` in total; ``precision`` names the bytes-per-parameter convention of
-    ``memory.PRECISIONS``; ``flash`` = FlashAttention (no T x T scores stored)."""
+    ``memory.PRECISIONS``; ``flash`` = FlashAttention (no T x T scores stored).; ``moe_*``: expert
+    all-to-all knobs (``comm.moe_all_to_all``)."""
 
     seq_len: int = 4096
     global_batch_tokens: int = 4 * 2**20
@@ -128,6 +126,9 @@ class Workload:
     precision: str = "mixed"
     act_bytes: int = 2  # bytes per activation element (bf16)
     flash: bool = True
+    moe_max_nodes: int = 0  # node-limited routing: a token's experts span <= this many nodes (0: any)
+    moe_fp8_dispatch: bool = False  # dispatch all-to-all in fp8 (1 byte + scales), combine in bf16
+    moe_imbalance: float = 1.0  # tokens of the busiest expert rank / the mean (>= 1)
 
     @property
     def global_batch_seqs(self) -> int:
@@ -144,43 +145,65 @@ def microbatches(layout: Layout, workload: Workload) -> int:
     return max(1, workload.global_batch_seqs // (layout.dp * layout.microbatch))
 
 
-def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_node: int = 8) -> list[str]:
-    """Divisibility and range rules; returns the violated rules (empty list = valid).
+def model_facts(spec):
+    """The facts the axis rules read (``ndtrain.validate.ModelFacts``) from a planner spec."""
+    return ModelFacts(spec.n_heads, spec.n_kv_heads, spec.ffn_hidden, spec.n_layers,
+                      spec.n_experts if spec.is_moe else 0, spec.kv_lora_rank > 0, spec.mtp_depth,
+                      spec.moe_seq_aux_loss, spec.moe_capacity,
+                      non_softmax_mixers(spec.mixers) if spec.mixers else ())
 
-    The axis rules are the ones ``ndtrain.validate`` applies to a config (each axis's
-    ``ndtrain/parallel/<axis>/rules.py``), so a layout the planner proposes passes validation and
-    the other way round; the planner only allows what it models beyond ndtrain's runtime: the
-    ``allgather`` CP of Llama 3 (cut like ring) and end pipeline chunks holding only the
-    embedding / head."""
-    errs = []
+
+def parallel_config(lay: Layout) -> ParallelConfig:
+    """The ``parallel`` section of a config running ``lay`` (field names are the config's)."""
+    return ParallelConfig(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp,
+                          pp=lay.pp, ep=lay.ep, zero_stage=lay.zero_stage,
+                          sequence_parallel=lay.seq_parallel, cp_impl=lay.cp_impl,
+                          pp_schedule=lay.pp_schedule, pp_virtual_stages=lay.pp_virtual_stages)
+
+
+def config_overrides(lay: Layout, workload: Workload) -> dict:
+    """Dotted config overrides (``--set key=value``) that make ``ndtrain train`` run ``lay`` on
+    ``workload``: the parallel section, the batch in sequences, microbatch and checkpointing."""
+    par = parallel_config(lay)
+    out = {f"parallel.{f.name}": getattr(par, f.name) for f in fields(par)
+           if getattr(par, f.name) != getattr(ParallelConfig, f.name, None)}
+    out.update({"data.seq_len": workload.seq_len, "training.global_batch_size": workload.global_batch_seqs,
+                "training.micro_batch_size": lay.microbatch, "training.activation_checkpoint": lay.ac})
+    return out
+
+
+def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_node: int = 8,
+                 runtime: bool = True) -> list[str]:
+    """The violated rules (empty list = valid): the degrees multiply to ``gpus``, then
+    ``ndtrain.validate.check_axes`` -- the very function the trainer's validation calls -- with the
+    model's MoE / MLA / MTP facts, so a layout that passes here passes ``ndtrain train``'s
+    validation. ``runtime=False``: only the arithmetic rules (what the planner can model; see
+    ``check_axes``); ``unsupported_rules`` names what such a layout lacks in ndtrain."""
     lay = layout
-
-    def need(ok, msg):
-        if not ok:
-            errs.append(msg)
-
-    def rule(fn, *args, **kw):  # an axis rule: its ConfigError text becomes one violation
-        try:
-            fn(*args, **kw)
-        except ConfigError as e:
-            errs.append(str(e))
-
     for k in ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep", "microbatch", "pp_virtual_stages"):
-        need(getattr(lay, k) >= 1, f"{k} ({getattr(lay, k)}) must be >= 1")
-    if errs:
-        return errs
-    need(lay.world == gpus, f"pp*dp_replicate*dp_shard*cp*tp ({lay.world}) != gpus ({gpus})")
-    need(lay.cp_impl in CP_IMPLS, f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
-    rule(tp_rules.check, lay.tp, spec.n_heads, spec.n_kv_heads, spec.ffn_hidden, lay.seq_parallel)
-    rule(cp_rules.check, lay.cp, workload.seq_len, "ulysses" if lay.cp_impl == "ulysses" else "ring",
-         "auto", spec.n_heads, lay.tp, lay.seq_parallel)
-    rule(pp_rules.check, lay.pp, spec.n_layers, lay.pp_schedule, lay.pp_virtual_stages,
-         activation_checkpoint=lay.ac, end_stages_may_hold_no_block=True)
-    rule(zero_rules.check, lay.zero_stage)
-    rule(ep_rules.check, lay.ep, spec.n_experts if spec.is_moe else 0, lay.dp_shard, lay.cp)
-    rule(check_activation_checkpoint, lay.ac, "ac")
-    need(workload.global_batch_tokens % workload.seq_len == 0,
-         f"global_batch_tokens ({workload.global_batch_tokens}) is not a multiple of seq_len "
-         f"({workload.seq_len})")
-    rule(dp_rules.check_batch, workload.global_batch_seqs, lay.dp, lay.microbatch)
+        if getattr(lay, k) < 1:
+            return [f"{k} ({getattr(lay, k)}) must be >= 1"]
+    errs = []
+    if lay.world != gpus:
+        errs.append(f"pp*dp_replicate*dp_shard*cp*tp ({lay.world}) != gpus ({gpus})")
+    if workload.global_batch_tokens % workload.seq_len:
+        errs.append(f"global_batch_tokens ({workload.global_batch_tokens}) is not a multiple of seq_len "
+                    f"({workload.seq_len})")
+    if lay.pp_schedule == "dualpipev" and lay.pp_virtual_stages != 1:
+        errs.append("pp_schedule=dualpipev holds 2 chunks per rank by construction: pp_virtual_stages must be 1")
+    if lay.cp_impl not in CP_IMPLS:
+        errs.append(f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
+    try:
+        check_activation_checkpoint(lay.ac, "ac")
+        check_axes(model_facts(spec), parallel_config(lay), workload.seq_len, lay.ac, dp=lay.dp,
+                   global_batch_size=workload.global_batch_seqs, micro_batch_size=lay.microbatch,
+                   runtime=runtime)
+    except ConfigError as e:
+        errs.append(str(e))
     return errs
+
+
+def unsupported_rules(spec, gpus: int, workload: Workload, layout: Layout) -> list[str]:
+    """For a layout the planner can model (``check_layout(..., runtime=False)`` passes): the rule
+    of ``ndtrain train``'s validation it breaks (empty list: ndtrain runs it)."""
+    return check_layout(spec, gpus, workload, layout, runtime=True)

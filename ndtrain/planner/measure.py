@@ -128,6 +128,48 @@ def _time_all_reduce(world: int, sizes, reps: int, backend: str, timeout_s: floa
     return per_rank[0], backend
 
 
+def _sync_worker(rank, world, nbytes, work_n, iters, reps):
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(work_n, work_n), torch.randn(work_n, work_n)
+    x = torch.ones(max(1, nbytes // 4))
+
+    def loop(collective: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b  # the rank's compute between two blocking collectives
+            if collective:
+                dist.all_reduce(x)
+        return time.perf_counter() - t0
+
+    loop(True)  # warm-up: connections, buffers
+    extra = [loop(True) - loop(False) for _ in range(reps)]  # interleaved: load drifts hit both
+    return statistics.median(extra) / iters
+
+
+def measure_sync_latency(world: int = 2, nbytes: int = 4096, work_n: int = 384, iters: int = 50,
+                         reps: int = 5, timeout_s: float = 120.0) -> dict:
+    """Seconds one blocking gloo all-reduce adds to ranks that compute between collectives, as a
+    training step's ranks do (one thread each): ``world`` processes run ``iters`` x (an
+    ``work_n``-square matmul, then an all-reduce of ``nbytes``) and the same loop without the
+    all-reduce; the difference per iteration (median over ``reps`` interleaved pairs, max over
+    ranks) is ``per_collective_s``. It is larger than the idle all-reduce time of
+    ``measure_collectives``: a rank blocks until the slowest peer arrives (the ranks' compute
+    jitters on shared cores), then sleeps and is woken by gloo's transport thread. ``alpha_s`` is
+    that cost per ring step (``per_collective_s / (2 (world - 1))``, as ``fit_alpha_beta``), the
+    latency the eager step-time models charge per blocking collective (``planner.eager_axes_time``).
+    Raises RuntimeError if a worker fails or times out."""
+    from ndtrain.spawn import spawn
+
+    per_rank = spawn(_sync_worker, world, (nbytes, work_n, iters, reps), backend="gloo", threads=1,
+                     timeout_s=timeout_s)
+    per = max(0.0, max(per_rank))
+    return {"world": world, "nbytes": nbytes, "work_n": work_n, "per_collective_s": per,
+            "alpha_s": per / (2 * (world - 1))}
+
+
 def measured_accelerator(matmul: dict, comm: dict | None = None, base: str = "cpu") -> Accelerator:
     """The ``base`` table entry with the measured peak (for the measured dtype) and, if given, the
     measured collective alpha / beta as its intra-node link."""

@@ -44,7 +44,8 @@ def _component_seconds(make, reps: int, pool_bytes: int):
     return _time_median(lambda: run(True), reps) / len(sets), _time_median(lambda: run(False), reps) / len(sets)
 
 
-def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps, pool_bytes=96 * 2**20):
+def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps, cp=1, moe=None,
+                        pool_bytes=96 * 2**20):
     import torch
     import torch.nn.functional as F
 
@@ -86,8 +87,57 @@ def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps,
     }
     for name, make in comps.items():
         out[f"{name}_s"], out[f"{name}_fwd_s"] = _component_seconds(make, reps, pool_bytes)
+    if cp > 1:
+        out["ring_attn_s"] = _ring_attention_seconds(cp, b, T, H, G, D, dt, g, reps)
+    if moe:
+        out["moe_mlp_s"] = _moe_seconds(moe, b, T, dt, g, reps)
     out.update(_param_pass_seconds(params, dt, reps))
     return out
+
+
+def _moe_seconds(model_cfg: dict, b: int, T: int, dt, g, reps: int) -> float:
+    """Seconds of the model's own MoE feed-forward (``ndtrain.model.moe.MoE``: router, top-k,
+    sort, the experts over the k x N routed rows, weighted combine, balance statistics), forward +
+    backward on (b, T) tokens in training mode: what an expert-parallel rank runs on its tokens
+    besides the all-to-alls (its experts receive k x N rows on average)."""
+    import torch
+
+    from ndtrain.config_schema import ModelConfig
+    from ndtrain.model.moe import MoE
+
+    moe = MoE(ModelConfig(**model_cfg)).to(dt).train()
+    xs = [torch.randn(b, T, model_cfg["dim"], generator=g, dtype=dt).requires_grad_() for _ in range(2)]
+
+    def run():
+        for x in xs:
+            y = moe(x)
+            y.backward(torch.ones_like(y))
+
+    run()
+    return _time_median(run, reps) / len(xs)
+
+
+def _ring_attention_seconds(cp: int, b: int, t_local: int, H: int, G: int, D: int, dt, g, reps: int) -> float:
+    """Seconds of one rank's ring attention compute per layer, forward + backward: the ring's own
+    block, merge and block-backward functions (``cp.ring.simulate_ring_attention`` runs every
+    rank's blocks in ring order, load-balanced layout) divided by cp (the ranks' work is equal)."""
+    import torch
+
+    from ndtrain.parallel.cp.context_parallel import local_positions
+    from ndtrain.parallel.cp.ring import simulate_ring_attention
+
+    pos = torch.stack([local_positions(t_local * cp, cp, r, "load_balanced") for r in range(cp)])  # (cp, T/cp)
+    def per_rank(heads):  # one (b, heads, T/cp, D) tensor per rank
+        return [torch.randn(b, heads, t_local, D, generator=g, dtype=dt) for _ in range(cp)]
+
+    qs, ks, vs, dos = per_rank(H), per_rank(G), per_rank(G), per_rank(H)
+
+    def run():
+        _, backward = simulate_ring_attention(qs, ks, vs, pos, pos, causal=True)
+        backward(dos)
+
+    run()
+    return _time_median(run, reps) / cp
 
 
 def _param_pass_seconds(shapes, dt, reps: int) -> dict:
@@ -117,7 +167,8 @@ def _param_pass_seconds(shapes, dt, reps: int) -> dict:
             "accum": lambda: torch._foreach_add_([p.grad for p in ps], other), "copy": flat}
     return {f"{k}_s_per_param": _time_median(fn, reps) / n for k, fn in runs.items()}
 def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, world: int = 1,
-                        dtype: str = "float32", reps: int = 5, timeout_s: float = 300.0) -> dict:
+                        dtype: str = "float32", reps: int = 5, timeout_s: float = 300.0, cp: int = 1,
+                        moe_model: dict | None = None) -> dict:
     """Kernel times of ``spec``'s eager training step on this machine, for the step-time model of
     ``planner.eager_time``: ``world`` processes with ``threads`` threads each run at the same time
     (as the ranks of the layout do) and each times, at the run's shapes (microbatch x seq_len
@@ -125,7 +176,10 @@ def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, w
     forward + backward (``<name>_s``) and forward alone (``<name>_fwd_s``) of the model's other
     components: causal GQA attention core, RMSNorm, RoPE of q and k, SiLU(g) * u, a residual add,
     the cross-entropy over V; inputs rotate over a pool larger than the last-level cache. Then the
-    per-parameter passes (``optim`` / ``clip`` / ``accum`` / ``copy_s_per_param``). Medians over
+    per-parameter passes (``optim`` / ``clip`` / ``accum`` / ``copy_s_per_param``). With ``cp`` > 1
+    (``seq_len`` is then the rank's T / cp) also ``ring_attn_s``: one rank's ring attention per
+    layer (``_ring_attention_seconds``). With ``moe_model`` (a ``ModelConfig`` as a dict) also
+    ``moe_mlp_s``: the model's MoE feed-forward at the run's tokens (``_moe_seconds``). Medians over
     ``reps``; the result is the median over processes. Raises RuntimeError if a worker fails or
     times out.
     """
@@ -135,7 +189,7 @@ def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, w
 
     dims = (microbatch, seq_len, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.dim, spec.ffn_hidden,
             spec.vocab_size)
-    args = (linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype, threads, reps)
+    args = (linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype, threads, reps, cp, moe_model)
     # no process group: the ranks only run at the same time, as a layout's ranks compete for cores
     outs = spawn(_eager_rates_worker, world, args, threads=threads, timeout_s=timeout_s)
     return {k: statistics.median(o[k] for o in outs) for k in outs[0]} | {"threads": threads, "world": world}
@@ -158,6 +212,7 @@ def _baseline_worker(rank, world, cfg_dict, prepare):
         GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), cfg.training.global_batch_size, 0)
     m = cfg.model  # the same trainer, layout and dtype around a negligible model
     m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden = 16, 1, 2, 1, 32
+    m.n_layers = cfg.parallel.pp * cfg.parallel.pp_virtual_stages  # one block per pipeline chunk
     dims = ParallelDims.from_config(cfg.parallel, world)
     tr = Trainer(cfg, dims.build_mesh("cpu"), torch.device("cpu"))
     b, T = tr.local_batch, cfg.data.seq_len

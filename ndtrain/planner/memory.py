@@ -26,7 +26,9 @@ No dropout (Llama), so Korthikanti's masks vanish; SwiGLU replaces the 4h GELU M
 GQA shrinks K, V by g/a. With sequence parallelism every term is divided by t (without it the
 replicated 2sbh terms are not: Korthikanti's 10 + 24/t split). MoE layers store the shared part as
 above and, per routed copy (top-k), 2sbh dispatched in + 6sbf_e/t expert activations.
-Policies: ``none``; ``full`` keeps each layer's input (2sbh/t with SP) and one layer's working set;
+Policies: ``none``; ``full`` keeps each layer's input (2sbh/t with SP) and, while one block runs its
+backward, that block's recomputed activations and their gradients (``backward_working``; without
+recompute only the gradients);
 ``every:C`` checkpoints every C-th block (issue 3; ``sqrt``: C = round(sqrt L)); ``selective``
 recomputes the attention core and SiLU(g)*u (Korthikanti's selective recompute).
 """
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ndtrain.planner.layout import Layout, Workload, ac_every, microbatches
-from ndtrain.planner.pipeline import inflight_microbatches
+from ndtrain.planner.pipeline import inflight_microbatches, rank_layers
 
 PRECISIONS = {  # bytes per parameter: (weights, gradients, optimizer state)
     "mixed": (2, 2, 12),
@@ -117,12 +119,14 @@ def estimate_activation_bytes_per_layer(spec, tokens: int, seq_len: int, tp: int
 
 @dataclass
 class MemoryEstimate:
-    """Per-rank bytes on the peak stage; ``breakdown`` sums to ``total``."""
+    """Per-rank bytes on the peak pipeline rank (``stage``); ``breakdown`` sums to ``total``;
+    ``per_stage``: the total of every pp rank (bytes)."""
 
     breakdown: dict = field(default_factory=dict)
     total: float = 0.0
     capacity: float = 0.0
     stage: int = 0
+    per_stage: list = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -130,92 +134,132 @@ class MemoryEstimate:
 
 
 def stage_params(spec, stage_layers, stage: int) -> dict:
-    return _stage_params(spec, tuple(stage_layers), stage)
-
-
-@lru_cache(maxsize=4096)
-def _stage_params(spec, stage_layers: tuple, stage: int) -> dict:
-    """Parameter counts on one pipeline stage (whole, before TP / EP): dense and expert parts."""
+    """Parameter counts of pipeline stage ``stage`` from contiguous block counts per stage."""
     first = sum(stage_layers[:stage])
-    idx = range(first, first + stage_layers[stage])
-    moe = sum(1 for i in idx if spec.is_moe and i >= spec.first_dense_layers
+    ids = tuple(range(first, first + stage_layers[stage]))
+    return rank_params(spec, ids, stage == 0, stage == len(stage_layers) - 1, len(stage_layers))
+
+
+@lru_cache(maxsize=8192)
+def rank_params(spec, layers: tuple, embedding: bool, head: bool, n_stages: int = 2) -> dict:
+    """Parameter counts (whole, before TP / EP) on a rank holding blocks ``layers`` and, if asked,
+    the embedding / the final norm + head (+ the MTP modules, which sit after the last block):
+    dense and expert parts, and its MoE / dense block counts. A tied head is a copy when pp > 1."""
+    moe = sum(1 for i in layers if spec.is_moe and i >= spec.first_dense_layers
               and (i - spec.first_dense_layers) % spec.moe_layer_freq == 0)
-    dense_layers = len(idx) - moe
+    dense_layers = len(layers) - moe
     dense = dense_layers * spec.layer_params(False)
     expert = moe * spec.n_experts * spec.expert_params
     dense += moe * (spec.layer_params(True) - spec.n_experts * spec.expert_params)
-    if stage == 0:
+    if embedding:
         dense += spec.embedding_params
-    if stage == len(stage_layers) - 1:  # final norm + head (a tied head is a copy when pp > 1)
-        tied_here = spec.tie_embeddings and len(stage_layers) == 1
+    if head:
+        tied_here = spec.tie_embeddings and embedding
         dense += spec.dim + (0 if tied_here else spec.vocab_size * spec.dim)
         mtp_expert = spec.mtp_depth * spec.n_experts * spec.expert_params if spec.last_layer_is_moe else 0
-        dense += spec.mtp_params() - mtp_expert  # MTP modules sit after the last block
+        dense += spec.mtp_params() - mtp_expert
         expert += mtp_expert
     return {"dense": dense, "expert": expert, "moe_layers": moe, "dense_layers": dense_layers}
 
 
-def estimate_memory(spec, workload: Workload, layout: Layout, stage_layers: list[int],
-                    capacity: float, reserve: float = 0.0) -> MemoryEstimate:
-    """Peak per-rank memory over the pipeline stages (ZeRO shards over dp_shard x cp; experts are
-    split over ep x tp and sharded over dp_shard x cp / ep). ``reserve`` is runtime overhead."""
+def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, reserve: float = 0.0,
+                    allocator_overhead: float = 1.0) -> MemoryEstimate:
+    """Peak per-rank memory over every pipeline rank, each from its own blocks (dense, MoE, MTP,
+    embedding, head; ``pipeline.rank_layers``: the trainer's split) and its own in-flight
+    microbatches under the schedule. ZeRO shards over dp_shard x cp; experts split over ep x tp
+    and shard over dp_shard x cp / ep. ``reserve``: runtime bytes (CUDA context, NCCL buffers);
+    ``allocator_overhead``: factor on the transient bytes (the loss buffers and one block's backward
+    working set), the short-lived large blocks that fragment PyTorch's caching allocator. Raises ValueError if the layers cannot fill the pipeline stages."""
     lay, w = layout, workload
     m = microbatches(lay, w)
-    n_shard = lay.dp_shard * lay.cp
-    pb, gb, _ = PRECISIONS[w.precision]
     tokens = lay.microbatch * w.seq_len // lay.cp
-    best = None
-    p = len(stage_layers)
-    middle = max(range(1, p - 1), default=0,  # the middle stage holding the most block-microbatches
-                 key=lambda i: stage_layers[i] * inflight_microbatches(p, m, lay.pp_schedule, lay.pp_virtual_stages, stage=i))
-    for s in sorted({0, middle, p - 1}):
-        prm = stage_params(spec, stage_layers, s)
-        dense_local = prm["dense"] / lay.tp
-        expert_local = prm["expert"] / (lay.tp * lay.ep)
-        bd = {}
-        for part, count, shards in (("dense", dense_local, n_shard),
-                                    ("expert", expert_local, max(1, n_shard // lay.ep))):
-            per = estimate_state_bytes_per_param(lay.zero_stage, shards, w.precision)
-            for k in ("params", "grads", "optimizer"):
-                bd[k] = bd.get(k, 0.0) + count * per[k]
-        n_layers = stage_layers[s]
-        layer_local = (spec.layer_params(spec.is_moe) / lay.tp) if n_layers else 0
-        if lay.zero_stage == 3:  # gathered current + prefetched block, one block's full grads
-            bd["zero3_buffers"] = layer_local * (2 * pb + gb)
-        if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
-            bd["param_casts"] = 2 * (dense_local + expert_local) / (n_shard if lay.zero_stage == 3 else 1)
-        act = _stage_activations(spec, w, lay, tokens, prm, n_layers)
-        inflight = inflight_microbatches(lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages, stage=s)
-        bd["activations"] = act["stored"] * inflight + act["working"]
-        if s == len(stage_layers) - 1:  # logits (bf16) + fp32 softmax of the cross entropy
-            bd["logits"] = tokens * spec.vocab_size / lay.tp * (w.act_bytes + 4)
-        bd["runtime_reserve"] = reserve
-        est = MemoryEstimate(bd, sum(bd.values()), capacity, s)
-        if best is None or est.total > best.total:
-            best = est
+    per_layer = _per_layer_activations(spec, w, lay, tokens)
+    ranks = rank_layers(spec, lay.pp, lay.pp_virtual_stages, lay.pp_schedule, w.seq_len)
+    best, totals, cache = None, [], {}
+    for r, info in enumerate(ranks):
+        inflight = inflight_microbatches(lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages, stage=r)
+        prm = rank_params(spec, info["layers"], info["embedding"], info["head"], len(ranks))
+        key = (tuple(prm.values()), info["embedding"], info["head"], inflight)  # ranks alike by counts
+        if key not in cache:
+            bd = _rank_breakdown(spec, w, lay, info, inflight, tokens, per_layer, len(ranks))
+            if allocator_overhead != 1.0:
+                transient = bd.get("backward_working", 0.0) + bd.get("logits", 0.0)
+                bd["allocator_overhead"] = (allocator_overhead - 1.0) * transient
+            bd["runtime_reserve"] = reserve
+            cache[key] = bd
+        bd = cache[key]
+        totals.append(sum(bd.values()))
+        if best is None or totals[-1] > best.total:
+            best = MemoryEstimate(dict(bd), totals[-1], capacity, r)
+    best.per_stage = totals
     return best
 
 
-def _stage_activations(spec, w: Workload, lay: Layout, tokens: int, prm: dict, n_layers: int) -> dict:
-    """Bytes one microbatch leaves stored on a stage (``stored``) and the transient working set of
-    recomputing one block (``working``), under the layout's checkpointing policy."""
-    kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "flash": w.flash,
-          "act_bytes": w.act_bytes}
-    policy = "selective" if lay.ac == "selective" else "none"
+def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float, tokens: int,
+                    per_layer: dict, n_ranks: int) -> dict:
+    """Model state, ZeRO buffers, activations and loss bytes of one pp rank."""
+    n_shard = lay.dp_shard * lay.cp
+    pb, gb, _ = PRECISIONS[w.precision]
+    prm = rank_params(spec, info["layers"], info["embedding"], info["head"], n_ranks)
+    dense_local = prm["dense"] / lay.tp
+    expert_local = prm["expert"] / (lay.tp * lay.ep)
+    bd = {}
+    for part, count, shards in (("dense", dense_local, n_shard),
+                                ("expert", expert_local, max(1, n_shard // lay.ep))):
+        per = estimate_state_bytes_per_param(lay.zero_stage, shards, w.precision)
+        for k in ("params", "grads", "optimizer"):
+            bd[k] = bd.get(k, 0.0) + count * per[k]
+    n_layers = len(info["layers"])
     n_moe = prm["moe_layers"]
-    per_dense = estimate_activation_bytes_per_layer(spec, moe=False, policy=policy, **kw)
-    per_moe = estimate_activation_bytes_per_layer(spec, moe=True, policy=policy, **kw)
+    if info["head"] and spec.mtp_depth:  # each MTP depth runs one more block like the last one
+        n_layers += spec.mtp_depth
+        n_moe += spec.mtp_depth if spec.last_layer_is_moe else 0
+    if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's full grads
+        bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * pb + gb)
+    if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
+        bd["param_casts"] = 2 * (dense_local + expert_local) / (n_shard if lay.zero_stage == 3 else 1)
+    act = _stage_activations(spec, lay, per_layer, n_layers, n_moe)
+    bd["activations"] = act["stored"] * inflight
+    if act["working"]:
+        bd["backward_working"] = act["working"]
+    if info["head"]:
+        bd["logits"] = loss_bytes(spec, tokens, lay.tp, w.act_bytes)
+    return bd
+
+
+def loss_bytes(spec, tokens: int, tp: int = 1, act_bytes: int = 2) -> float:
+    """Bytes the output head and cross entropy hold for one microbatch of ``tokens`` tokens: per
+    head pass (1 + MTP depth) the logits (``act_bytes``) and the fp32 log-probabilities kept for
+    backward, plus one fp32 upcast of the logits (cross entropy in fp32) and, in backward, one fp32
+    logits gradient; vocabulary split over ``tp`` (vocab-parallel loss)."""
+    per_logit = tokens * spec.vocab_size / tp
+    return per_logit * ((act_bytes + 4) * (1 + spec.mtp_depth) + 4 + 4)
+
+
+def _per_layer_activations(spec, w: Workload, lay: Layout, tokens: int) -> dict:
+    kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "flash": w.flash,
+          "act_bytes": w.act_bytes, "policy": "selective" if lay.ac == "selective" else "none"}
+    dense = estimate_activation_bytes_per_layer(spec, moe=False, **kw)
+    moe = estimate_activation_bytes_per_layer(spec, moe=True, **kw) if spec.is_moe else dense
+    return {"dense": dense, "moe": moe}
+
+
+def _stage_activations(spec, lay: Layout, per_layer: dict, n_layers: int, n_moe: int) -> dict:
+    """Bytes one microbatch leaves stored on a rank (``stored``) and the transient working set of
+    one block's backward (``working``): the gradients of its activations (about their size), plus
+    under recompute the recomputed activations themselves; by the layout's checkpointing policy."""
+    per_dense, per_moe = per_layer["dense"], per_layer["moe"]
     full = (n_layers - n_moe) * per_dense["total"] + n_moe * per_moe["total"]
     biggest = max(per_dense["total"], per_moe["total"] if n_moe else 0.0)
     inp = per_dense["input"]
     if lay.ac in ("none", "selective") or n_layers == 0:
-        return {"stored": full, "working": 0.0}
+        return {"stored": full, "working": biggest if n_layers else 0.0}
     if lay.ac == "full":
-        return {"stored": n_layers * inp, "working": biggest}
+        return {"stored": n_layers * inp, "working": 2 * biggest}
     c = ac_every(lay.ac, spec.n_layers)
     n_ck = -(-n_layers // c)  # checkpointed blocks: every C-th one
     avg = full / n_layers
-    return {"stored": n_ck * inp + (n_layers - n_ck) * avg, "working": biggest}
+    return {"stored": n_ck * inp + (n_layers - n_ck) * avg, "working": 2 * biggest}
 
 
 def recompute_fraction(ac: str, n_layers: int) -> float:

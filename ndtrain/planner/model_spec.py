@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ndtrain.mixer_spec import MixerFields, param_delta, seq_flops_total
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -49,6 +51,8 @@ class ModelSpec:
     shared_ffn_hidden: int = 0
     first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
     moe_layer_freq: int = 1  # every k-th layer (after the dense ones) is MoE
+    moe_seq_aux_loss: bool = False  # DeepSeek-V3 sequence-wise balance loss (a layout rule reads it)
+    moe_capacity: bool = False  # token dropping at a capacity factor (a layout rule reads it)
     # MLA (DeepSeek-V2/V3); kv_lora_rank == 0: standard GQA attention
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -56,6 +60,8 @@ class ModelSpec:
     v_head_dim: int = 0
     # DeepSeek-V3 multi-token prediction modules (ndtrain presets only; HF configs: 0)
     mtp_depth: int = 0
+    # per-layer token mixers (ndtrain.mixer_spec.MixerFields of model.layer_pattern); None = all attention
+    mixers: MixerFields | None = None
 
     # ---- structure ---------------------------------------------------------------------------
     @property
@@ -128,6 +134,7 @@ class ModelSpec:
         """Distinct parameters, = ``sum(p.numel())`` of ``ndtrain.model.Transformer`` for presets."""
         layers = self.n_layers * self.attn_params + self.n_dense_layers * self.dense_mlp_params
         layers += self.n_moe_layers * (self.n_experts * self.expert_params + self.moe_shared_params)
+        layers += param_delta(self.mixers, self.attn_params - self.dim) if self.mixers else 0
         head = self.dim if self.tie_embeddings else self.head_params
         return layers + self.embedding_params + head + self.mtp_params()
 
@@ -163,6 +170,10 @@ class ModelSpec:
     def attention_flops_per_token(self, seq_len: int) -> float:
         """12 * (L + MTP depth) * H * D * T: QK^T and AV over all T x T pairs, fwd + bwd (PaLM
         appendix B); FLOPs per token."""
+        if self.mixers:  # hybrid: each layer's own sequence term (no T term for linear mixers)
+            d_v = (self.v_head_dim or self.head_dim) if self.kv_lora_rank else self.head_dim
+            d_qk = self.head_dim + (self.qk_rope_head_dim if self.kv_lora_rank else 0)
+            return seq_flops_total(self.mixers, seq_len, d_qk, d_v) + self.mtp_depth * self.attention_flops_per_layer(seq_len)
         return (self.n_layers + self.mtp_depth) * self.attention_flops_per_layer(seq_len)
 
     def attention_flops_per_layer(self, seq_len: int) -> float:
@@ -187,12 +198,14 @@ def from_model_config(m, name: str = "") -> ModelSpec:
     ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
     moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
            "n_shared_experts": m.moe_shared_experts, "shared_ffn_hidden": m.expert_ffn_dim,
-           "first_dense_layers": m.moe_layer_start, "moe_layer_freq": m.moe_layer_interleave} if m.is_moe else {}
+           "first_dense_layers": m.moe_layer_start, "moe_layer_freq": m.moe_layer_interleave,
+           "moe_seq_aux_loss": m.moe_seq_aux_loss_coef > 0, "moe_capacity": m.moe_capacity_factor > 0} if m.is_moe else {}
     mla = {"q_lora_rank": m.mla_q_rank, "kv_lora_rank": m.mla_kv_rank, "qk_rope_head_dim": m.mla_rope_dim,
            "v_head_dim": m.mla_v_dim or m.head_dim} if m.attention == "mla" else {}
     head_dim = (m.mla_nope_dim or m.head_dim) if mla else m.head_dim
     return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
-                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth)
+                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth,
+                     mixers=MixerFields.from_model_config(m))
 
 
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:

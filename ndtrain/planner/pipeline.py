@@ -9,6 +9,16 @@
 * In-flight activations: GPipe keeps all m; 1F1B keeps at most p - s on stage s (the first stage
   holds p); interleaved keeps p * (1 + (p-1)/(p*v)) microbatches' worth of the first stage's layers
   (Korthikanti et al. 2022, section 4.2.3, from Megatron's warm-up count 2(p-1) + (v-1)p + 1 chunks).
+* DualPipeV (DeepSeek-V3 technical report 2024, section 3.2.1, and its "cut-in-half" V variant in
+  the DualPipe repository): the model is cut into 2p chunks, rank r holds chunks r and 2p-1-r (so
+  rank 0 holds the embedding and the head), i.e. 2x one chunk's parameters; each rank keeps PP + 1
+  chunk-activations in flight with PP = 2p chunks, i.e. (2p + 1) / 2 microbatches of its layers.
+  Bubble (PP/2 - 1)(F&B + B - 3W) per chunk, with F&B = F + B (overlapped forward and backward of
+  two microbatches take the time of both, the all-to-all hidden) and B = W = half a chunk backward.
+* Stage split: ``split_stages`` cuts the blocks with the trainer's own rule
+  (``ndtrain.parallel.pp.rules.split_layers``, costs as ``parallel/pp/stage.layer_costs``), so every
+  virtual stage holds >= 1 block; only Llama 3's layout (pp * v = L + 1 or L + 2, first / last chunk
+  holding only the embedding / head) is modelled beyond it.
 * Checkpointing (the lecture's model, Chen et al. 2016): store C evenly spaced checkpoints in an
   N-layer chain and, for each layer's backward, recompute forward from the nearest checkpoint:
   O(N^2 / C) compute and O(C) memory; C = sqrt(N) gives O(N sqrt N) compute, O(sqrt N) memory.
@@ -16,6 +26,9 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
+
+from ndtrain.parallel.pp.rules import split_layers
 
 
 def pipeline_mfu_ceiling(p: int, m: int) -> float:
@@ -41,6 +54,8 @@ def bubble_slots(p: int, schedule: str = "1f1b", v: int = 1) -> float:
         return (p - 1) / max(v, 1)
     if schedule == "zero_bubble":
         return (p - 1) / 3.0
+    if schedule == "dualpipev":  # (p - 1)(F + B + B/2 - 3B/2) per chunk = (p - 1) F / 2 per rank
+        return (p - 1) / 6.0  # in units of F + B = 3F (B = 2F)
     if schedule in ("gpipe", "1f1b"):
         return float(p - 1)
     raise ValueError(f"unknown schedule {schedule!r}")
@@ -56,6 +71,8 @@ def inflight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, st
     if schedule == "interleaved" and v > 1:
         chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
         return chunks / v
+    if schedule == "dualpipev":  # PP + 1 chunk-activations, PP = 2p chunks, 2 chunks per rank
+        return min(2 * m, 2 * p + 1) / 2
     return float(min(m, p - stage))
 
 
@@ -93,6 +110,8 @@ def estimate_pipeline_time(t_fwd: float, t_bwd: float, p: int, m: int, schedule:
     busy = m * (t_fwd + t_bwd)
     if schedule == "zero_bubble" and p > 1:  # (p-1)(F + B - W), W = half of the backward
         bubble = (p - 1) * t_fwd
+    elif schedule == "dualpipev" and p > 1:  # (p-1)(F&B + B - 3W) per chunk, F&B = F + 2B
+        bubble = (p - 1) * t_fwd / 2
     else:
         bubble = bubble_slots(p, schedule, v) * (t_fwd + t_bwd)
     return {"busy": busy, "bubble": bubble, "total": busy + bubble}
@@ -115,3 +134,57 @@ def checkpoint_cost(n_layers: int, n_checkpoints: int) -> dict:
     else:
         recompute = sum(s * (s - 1) // 2 for s in segs)  # layers re-run to reach each depth
     return {"compute": n_layers + recompute, "memory": n_checkpoints + 1}
+
+
+def rank_chunks(p: int, v: int = 1, schedule: str = "1f1b") -> list[list[int]]:
+    """Virtual-stage ids each pp rank holds: interleaved chunk c of rank r is ``c * p + r``
+    (Megatron, as ``parallel/pp/stage.py`` places them); DualPipeV rank r holds r and 2p-1-r."""
+    if schedule == "dualpipev":
+        return [[r, 2 * p - 1 - r] for r in range(p)]
+    return [[c * p + r for c in range(v)] for r in range(p)]
+
+
+def n_virtual_stages(p: int, v: int = 1, schedule: str = "1f1b") -> int:
+    return 2 * p if schedule == "dualpipev" else p * v
+
+
+def split_stages(spec, p: int, v: int = 1, schedule: str = "1f1b", seq_len: int = 4096) -> tuple:
+    """Layer ids of each virtual stage (a tuple of tuples). Blocks cost their forward FLOPs per token
+    (2 x the block's parameters, all experts included, + 4 T C), the embedding and the head 2 V C
+    each, cut by the trainer's ``split_layers`` (every stage >= 1 block). With pp * v = L + 1 or
+    L + 2 the first / last stages hold no block (Llama 3, 2024, section 3.3.2). Raises ValueError
+    when the layers cannot fill the stages."""
+    return _split_stages(spec, p, n_virtual_stages(p, v, schedule), seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _split_stages(spec, p: int, n_stages: int, seq_len: int) -> tuple:
+    n = spec.n_layers
+    if n_stages <= 1:
+        return (tuple(range(n)),)
+    spare = n_stages - n
+    if spare > 2:
+        raise ValueError(f"cannot split {n} layers into {n_stages} pipeline stages")
+    table = 2.0 * spec.vocab_size * spec.dim
+    costs = [2.0 * spec.layer_params(_is_moe_layer(spec, i)) + 4.0 * seq_len * spec.dim for i in range(n)]
+    if spare <= 0:
+        return tuple(tuple(r) for r in split_layers(costs, n_stages, table, table))
+    inner = [tuple(r) for r in split_layers(costs, n_stages - spare)]
+    return tuple([()] + inner + [()] * (spare - 1))  # the embedding's chunk empty first, then the head's
+
+
+def _is_moe_layer(spec, i: int) -> bool:
+    return spec.is_moe and i >= spec.first_dense_layers and (i - spec.first_dense_layers) % spec.moe_layer_freq == 0
+
+
+@lru_cache(maxsize=1024)
+def rank_layers(spec, p: int, v: int = 1, schedule: str = "1f1b", seq_len: int = 4096) -> tuple:
+    """Per pp rank: ``layers`` (block ids it holds), ``embedding`` / ``head`` (holds virtual stage 0 /
+    the last), ``chunks`` (its virtual stages' block counts). Cached: treat the result as read-only."""
+    stages = split_stages(spec, p, v, schedule, seq_len)
+    last = len(stages) - 1
+    out = []
+    for ids in rank_chunks(p, v, schedule):
+        out.append({"layers": tuple(i for c in ids for i in stages[c]), "embedding": 0 in ids,
+                    "head": last in ids, "chunks": [len(stages[c]) for c in ids]})
+    return tuple(out)

@@ -20,17 +20,22 @@ TIME_COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "tp_comm": "#dd8452
 
 
 def format_table(plans: list, recommended=None) -> str:
-    """A fixed-width table of plans (one line each); ``*`` marks the recommended one."""
+    """A fixed-width table of plans (one line each); ``*`` marks the recommended one, ``!`` one
+    ``ndtrain train`` rejects (its rule follows the table)."""
     head = f"{'':1} {'#':>3} {'layout':<52} {'mem GiB':>8} {'step s':>8} {'MFU':>6} {'tok/s':>11} " \
            f"{'days':>8}  bottleneck"
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
-        mark = "*" if p is recommended else ""
+        mark = "*" if p is recommended else ("!" if getattr(p, "unsupported", None) else "")
         mem = f"{p.memory.total / GiB:8.1f}" if p.memory else f"{'-':>8}"
         step = f"{p.step.step_time_s:8.2f}" if p.step else f"{'-':>8}"
         tail = p.bottleneck if p.fits else ("does not fit" if p.memory else "; ".join(p.errors))
         lines.append(f"{mark:1} {i:>3} {p.layout.short():<52} {mem} {step} {p.mfu:6.1%} "
                      f"{p.tokens_per_s:11,.0f} {p.training_days:8.1f}  {tail}")
+    marked = [(i, p) for i, p in enumerate(plans, 1) if getattr(p, "unsupported", None)]
+    if marked:
+        lines.append("! not accepted by ndtrain train (modelled only):")
+        lines += [f"  {i}: {p.unsupported[0]}" for i, p in marked]
     return "\n".join(lines)
 
 

@@ -3,8 +3,10 @@
 The search enumerates factorizations ``pp x dp_replicate x dp_shard x cp x tp`` of the GPU count
 (tp and pp any divisor the model's shapes allow, tp within a node; cp powers of two; ep
 for MoE models), ZeRO stages, checkpointing
-policies, microbatch sizes and pipeline schedules; drops layouts that break a divisibility rule or
-do not fit in memory; ranks the rest by predicted MFU. For each mesh and microbatch it only keeps
+policies, microbatch sizes and pipeline schedules; drops layouts that break a rule of ``ndtrain
+train``'s validation (the same ``ndtrain.validate.check_axes``; ``include_unsupported`` keeps the
+ones the planner can model, marked with the rule) or do not fit in memory on their peak pipeline
+stage; ranks the rest by predicted MFU. For each mesh and microbatch it only keeps
 the least recompute that fits per ZeRO stage (more recompute never runs faster), which keeps a
 16,384-GPU search to a few thousand evaluations.
 """
@@ -13,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ndtrain.planner.hardware import Cluster
-from ndtrain.planner.layout import Layout, Workload, check_layout
+from ndtrain.planner.layout import Layout, Workload, check_layout, unsupported_rules
 from ndtrain.planner.memory import MemoryEstimate, estimate_memory, recompute_fraction
-from ndtrain.planner.timing import StepEstimate, estimate_step_time, stage_layout
+from ndtrain.planner.timing import StepEstimate, estimate_step_time
 
 LOSS_NAMES = {"bubble": "pipeline bubble", "recompute": "activation recompute",
               "tp_comm": "TP communication", "cp_comm": "CP communication",
@@ -31,6 +33,7 @@ class Plan:
     memory: MemoryEstimate
     step: StepEstimate | None = None
     errors: list = field(default_factory=list)
+    unsupported: list = field(default_factory=list)  # rules of ndtrain train's validation it breaks
     mfu: float = 0.0  # vs the bf16 dense peak under float8, else vs the dtype's peak
     hfu: float = 0.0
     mfu_vs_dtype_peak: float = 0.0  # vs the compute dtype's dense peak (= mfu unless float8)
@@ -47,6 +50,8 @@ class Plan:
                    "zero_comm": "dp", "dp_comm": "dp"}
         return {
             "layout": str(self.layout), "fits": self.fits, "errors": self.errors,
+            "supported": not self.unsupported, "unsupported_rules": self.unsupported,
+            "memory_per_stage_bytes": list(self.memory.per_stage) if self.memory else [],
             "memory_per_rank_bytes": self.memory.total if self.memory else None,
             "memory_breakdown_bytes": dict(self.memory.breakdown) if self.memory else {},
             "memory_capacity_bytes": self.memory.capacity if self.memory else None,
@@ -61,20 +66,25 @@ class Plan:
         }
 
 
-def evaluate(spec, cluster: Cluster, w: Workload, layout: Layout, with_time: bool = True) -> Plan:
+def evaluate(spec, cluster: Cluster, w: Workload, layout: Layout, with_time: bool = True,
+             supported_only: bool = False) -> Plan:
     """Memory and (if it fits or ``with_time``) time of one layout. Never raises for a bad layout:
-    the violated rules are in ``plan.errors`` and ``fits`` is False."""
+    the arithmetic rules it breaks are in ``plan.errors`` (``fits`` False); a layout the planner can
+    model but ``ndtrain train`` rejects is evaluated and lists the rule in ``plan.unsupported``
+    (``supported_only``: not evaluated, its rule in ``plan.errors``)."""
     try:
         lay = layout.resolve(cluster.gpus)
     except ValueError as e:
         return Plan(layout, False, None, errors=[str(e)])
-    errs = check_layout(spec, cluster.gpus, w, lay, cluster.gpus_per_node)
+    errs = check_layout(spec, cluster.gpus, w, lay, cluster.gpus_per_node, runtime=False)
     if errs:
         return Plan(lay, False, None, errors=errs)
+    unsupported = unsupported_rules(spec, cluster.gpus, w, lay)
+    if unsupported and supported_only:
+        return Plan(lay, False, None, errors=unsupported)
     acc = cluster.accelerator
-    stages = stage_layout(spec, lay, w, acc.attention_gemm_ratio)
-    mem = estimate_memory(spec, w, lay, stages, acc.hbm_bytes, acc.runtime_reserve_bytes)
-    plan = Plan(lay, mem.fits, mem)
+    mem = estimate_memory(spec, w, lay, acc.hbm_bytes, acc.runtime_reserve_bytes, acc.allocator_overhead)
+    plan = Plan(lay, mem.fits, mem, unsupported=unsupported)
     if with_time:
         _add_time(plan, spec, cluster, w)
     return plan
@@ -136,7 +146,7 @@ def tp_degrees(spec, cluster: Cluster) -> list[int]:
             and spec.ffn_hidden % t == 0]
 
 
-def candidate_layouts(spec, cluster: Cluster, w: Workload) -> list[Layout]:
+def candidate_layouts(spec, cluster: Cluster, w: Workload, include_unsupported: bool = False) -> list[Layout]:
     """Meshes x schedules x microbatch sizes the search considers (ZeRO / AC chosen later): tp and
     pp any divisor the model's shapes allow (``tp_degrees``; pp up to the layer count, at most 128),
     cp a power of two for T >= 16K, ep a divisor of the expert count up to 64."""
@@ -158,11 +168,12 @@ def candidate_layouts(spec, cluster: Cluster, w: Workload) -> list[Layout]:
                                                        and spec.n_experts % e == 0]
                     for ep in eps:
                         out.extend(_with_knobs(Layout(tp=tp, cp=cp, pp=pp, dp_shard=dp // rep,
-                                                      dp_replicate=rep, ep=ep), spec, seqs // dp))
+                                                      dp_replicate=rep, ep=ep), spec, seqs // dp,
+                                               include_unsupported))
     return out
 
 
-def _with_knobs(base: Layout, spec, local_seqs: int) -> list[Layout]:
+def _with_knobs(base: Layout, spec, local_seqs: int, include_unsupported: bool = False) -> list[Layout]:
     out = []
     for mb in (1, 2, 4, 8):
         if local_seqs % mb:
@@ -172,6 +183,9 @@ def _with_knobs(base: Layout, spec, local_seqs: int) -> list[Layout]:
             out.append(replace(base, microbatch=mb))
             continue
         out.append(replace(base, microbatch=mb, pp_schedule="1f1b"))
+        out.append(replace(base, microbatch=mb, pp_schedule="zero_bubble"))
+        if include_unsupported and 2 * base.pp <= spec.n_layers:
+            out.append(replace(base, microbatch=mb, pp_schedule="dualpipev"))
         for v in (2, 4, 8):
             if base.pp * v <= spec.n_layers and m >= base.pp:
                 out.append(replace(base, microbatch=mb, pp_schedule="interleaved",
@@ -182,15 +196,18 @@ def _with_knobs(base: Layout, spec, local_seqs: int) -> list[Layout]:
 AC_ORDER = ("none", "selective", "every:2", "full")
 
 
-def search(spec, cluster: Cluster, w: Workload, top: int = 10) -> list[Plan]:
-    """Fitting layouts ranked by predicted MFU (ties: less memory first); at most ``top``."""
+def search(spec, cluster: Cluster, w: Workload, top: int = 10, include_unsupported: bool = False) -> list[Plan]:
+    """Fitting layouts ranked by predicted MFU (ties: less memory first); at most ``top``. Only
+    layouts ``ndtrain train`` accepts, unless ``include_unsupported`` (those carry their rule in
+    ``plan.unsupported``; ``recommend`` never picks them)."""
     plans = []
-    for base in candidate_layouts(spec, cluster, w):
+    for base in candidate_layouts(spec, cluster, w, include_unsupported):
         dp_cp = base.dp * base.cp
         stages = (0,) if dp_cp == 1 else (0, 1, 2, 3)
         for z in stages:
             for ac in AC_ORDER:
-                plan = evaluate(spec, cluster, w, replace(base, zero_stage=z, ac=ac), with_time=False)
+                plan = evaluate(spec, cluster, w, replace(base, zero_stage=z, ac=ac), with_time=False,
+                                supported_only=not include_unsupported)
                 if plan.errors:
                     break
                 if plan.fits:
@@ -210,6 +227,7 @@ def complexity(lay: Layout) -> tuple:
 def recommend(plans: list, tolerance: float = 0.01) -> Plan | None:
     """The simplest plan within ``tolerance`` (relative) of the best predicted MFU: the model is
     not more precise than that, and fewer moving parts are cheaper to run and debug."""
+    plans = [p for p in plans if not p.unsupported]
     if not plans:
         return None
     best = max(p.mfu for p in plans)

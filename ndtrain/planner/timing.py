@@ -1,12 +1,14 @@
-"""Step time of a layout: compute, communication after overlap, pipeline bubble, optimizer.
+"""Step time of a layout: compute per operation, communication after overlap, pipeline bubble,
+optimizer.
 
-Compute (per microbatch on the slowest pipeline stage, per rank): dense matmuls 2 * N_active *
-tokens / tp forward and twice that backward; FlashAttention executes the causal half of the
-T x T pairs, forward 2 matmuls, backward 5 (it recomputes QK^T: Dao 2023). Dense work runs at
-``COMPUTE_EFFICIENCY`` x peak (one global constant, see hardware.py), attention at that rate times
-the accelerator's published FlashAttention / GEMM throughput ratio. Recompute adds the forward of
-the checkpointed blocks (selective: the attention core). Under ``dtype=float8`` only the blocks'
-linear layers run at the FP8 peak; attention and the output head run at the bf16 peak
+Compute (per microbatch on each pipeline stage, per rank) is ``compute.stage_op_times``: every GEMM
+of the stage's own blocks (dense, MoE, MTP, head) timed by its shape (tile / wave quantisation,
+HBM roofline), FlashAttention on the executed causal half of the T x T pairs (backward 2.5x the
+forward), norms / RoPE / SwiGLU / residuals / cross entropy at HBM bandwidth, with the constants
+of the accelerator's generation (``compute.GENERATIONS``). ``Accelerator.compute_efficiency`` > 0
+(``--efficiency``) is v1's flat model: every GEMM at that share of peak. Recompute adds the
+forward of the checkpointed blocks (selective: the attention core). Under ``dtype=float8`` only
+the blocks' linear layers run at the FP8 peak; attention and the output head run at the bf16 peak
 (``Cluster.precision_note``).
 
 Overlap assumptions (stated, the same for every case):
@@ -27,10 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ndtrain.planner.comm import estimate_axis_comm
-from ndtrain.planner.hardware import COMPUTE_EFFICIENCY, Cluster
+from ndtrain.planner.compute import optimizer_seconds, stage_op_times
+from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, microbatches
-from ndtrain.planner.memory import PRECISIONS, recompute_fraction, stage_params
-from ndtrain.planner.pipeline import estimate_pipeline_time, partition_layers
+from ndtrain.planner.memory import PRECISIONS, rank_params, recompute_fraction
+from ndtrain.planner.pipeline import estimate_pipeline_time, rank_layers
 
 
 @dataclass
@@ -45,64 +48,49 @@ class StepEstimate:
     links: dict = field(default_factory=dict)
     raw_comm: dict = field(default_factory=dict)  # collective seconds before overlap (comm.py)
     stage_layers: int = 0  # blocks on the slowest stage
+    compute_s: dict = field(default_factory=dict)  # compute by kind: gemm / attention / memory_bound
 
 
-def stage_layout(spec, lay: Layout, w: Workload | None = None, attention_ratio: float = 0.5) -> list[int]:
-    """Blocks per pipeline stage, balanced by time with the head's cost on the last stage."""
-    if lay.pp == 1:
-        return [spec.n_layers]
-    layer = 6.0 * spec.layer_params(spec.is_moe, active=True)
-    if w is not None:  # executed attention (causal half, fwd 1 + bwd 2.5) at its relative speed
-        layer += spec.attention_flops_per_layer(w.seq_len) / 6.0 * 3.5 / attention_ratio
-    return partition_layers(spec.n_layers, lay.pp, head_cost=6.0 * spec.vocab_size * spec.dim / layer)
+def stage_layout(spec, lay: Layout, w: Workload) -> list[int]:
+    """Blocks per pipeline rank: the trainer's own split (``pipeline.rank_layers``), the one the
+    memory model checks too. Exact for v = 1; for v > 1 a rank's blocks are the sum over its
+    virtual chunks, and its time is modelled as that sum (the schedule's per-chunk interleaving is
+    in the bubble, not in the per-rank compute)."""
+    return [len(r["layers"]) for r in rank_layers(spec, lay.pp, lay.pp_virtual_stages, lay.pp_schedule, w.seq_len)]
 
 
-def _stage_flops(spec, w: Workload, lay: Layout, prm: dict, n_layers: int, last: bool) -> dict:
-    """Forward FLOPs per microbatch per rank of one stage: dense matmuls (``lin``: the blocks' linear
-    layers, ``head``: the output head passes) and executed attention."""
-    tokens = lay.microbatch * w.seq_len / lay.cp
-    n_moe = prm["moe_layers"]
-    active = (n_layers - n_moe) * spec.layer_params(False) + n_moe * spec.layer_params(True, active=True)
-    if last:  # head, and the MTP modules (each: a block, its projection and the head again)
-        active += (1 + spec.mtp_depth) * spec.vocab_size * spec.dim + spec.mtp_params(active=True)
-    head = (1 + spec.mtp_depth) * spec.vocab_size * spec.dim if last else 0
-    dense = 2.0 * active * tokens / lay.tp
-    per_layer_attn = spec.attention_flops_per_layer(w.seq_len) / 6.0  # causal half of fwd
-    attn = (n_layers + (spec.mtp_depth if last else 0)) * per_layer_attn * tokens / lay.tp
-    return {"dense": dense, "lin": dense - 2.0 * head * tokens / lay.tp, "head": 2.0 * head * tokens / lay.tp,
-            "attn": attn, "attn_layer": per_layer_attn * tokens / lay.tp}
+def _slowest_stage(spec, cluster: Cluster, w: Workload, lay: Layout, eff: float):
+    """(op times, one attention layer's forward s, pp rank, its params) of the pipeline rank with the
+    longest forward + backward: it sets the pipeline's pace. Every rank is timed from its own
+    blocks (dense / MoE / MTP, the head where it sits: DualPipeV's is on rank 0), as the trainer
+    splits them (``pipeline.rank_layers``)."""
+    ranks = rank_layers(spec, lay.pp, lay.pp_virtual_stages, lay.pp_schedule, w.seq_len)
+    best, seen = None, {}
+    for r, info in enumerate(ranks):
+        prm = rank_params(spec, info["layers"], info["embedding"], info["head"], len(ranks))
+        key = (len(info["layers"]) - prm["moe_layers"], prm["moe_layers"], info["head"])
+        if key not in seen:  # ranks of the same composition take the same time
+            seen[key] = stage_op_times(spec, cluster, w.seq_len, lay, *key, eff)
+        ops, t_attn = seen[key]
+        if best is None or ops.fwd + ops.bwd > best[0].fwd + best[0].bwd:
+            best = (ops, t_attn, r, prm)
+    return best
 
 
 def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> StepEstimate:
     """The step time model of this module's docstring for one layout (seconds)."""
-    ratio = cluster.accelerator.attention_gemm_ratio
-    stages = stage_layout(spec, lay, w, ratio)
+    acc = cluster.accelerator
+    eff = getattr(acc, "compute_efficiency", 0.0)
     m = microbatches(lay, w)
-    peak = cluster.peak_flops_per_s * COMPUTE_EFFICIENCY  # block linears (FP8 under float8)
-    peak_hi = cluster.mfu_peak_flops_per_s * COMPUTE_EFFICIENCY  # head (and attention): 16-bit
-    peak_attn = peak_hi * ratio
-
-    def t_dense(fl):
-        return fl["lin"] / peak + fl["head"] / peak_hi
-
-    best = None  # the slowest stage sets the pipeline's pace
-    for s in sorted({0, len(stages) - 1, max(range(len(stages)), key=lambda i: stages[i])}):
-        prm = stage_params(spec, stages, s)
-        fl = _stage_flops(spec, w, lay, prm, stages[s], s == len(stages) - 1)
-        t = t_dense(fl) + fl["attn"] / peak_attn
-        if best is None or t > best[0]:
-            best = (t, s, prm, fl)
-    _, s, prm, fl = best
-    n_layers, n_moe = stages[s], prm["moe_layers"]
+    ops, t_attn_layer, _, prm = _slowest_stage(spec, cluster, w, lay, eff)
+    n_layers, n_moe = prm["moe_layers"] + prm["dense_layers"], prm["moe_layers"]
     local = {"dense": prm["dense"] / lay.tp, "expert": prm["expert"] / (lay.tp * lay.ep),
              "moe_layers": n_moe, "layers": n_layers}
     c = estimate_axis_comm(spec, cluster, w, lay, local)
 
-    t_attn_layer = fl["attn_layer"] / peak_attn
-    t_fwd_c = t_dense(fl) + fl["attn"] / peak_attn
-    t_bwd_c = 2 * t_dense(fl) + 2.5 * fl["attn"] / peak_attn
+    t_fwd_c, t_bwd_c = ops.fwd, ops.bwd
     rc_frac = recompute_fraction(lay.ac, spec.n_layers)
-    t_rc = rc_frac * t_fwd_c + (fl["attn"] / peak_attn if lay.ac == "selective" else 0.0)
+    t_rc = rc_frac * t_fwd_c + (ops.attn_fwd if lay.ac == "selective" else 0.0)
     t_bwd_layer = t_bwd_c / max(n_layers, 1)
 
     fwd = {"tp": n_layers * c["tp_fwd"], "ep": n_moe * c["ep_fwd"], "pp": lay.pp_virtual_stages * c["pp"],
@@ -123,7 +111,7 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     n_sh = lay.dp_shard * lay.cp if lay.zero_stage >= 1 else 1
     local_params = local["dense"] + local["expert"]
     opt_bytes = local_params * (2 * kb / n_sh + gb / (n_sh if lay.zero_stage >= 2 else 1) + pb)
-    t_opt = opt_bytes / cluster.accelerator.hbm_bytes_per_s
+    t_opt = optimizer_seconds(opt_bytes, acc, eff)
 
     parts = {"compute": m * (t_fwd_c + t_bwd_c), "recompute": m * t_rc}
     for k in ("tp", "cp", "ep", "pp", "zero"):
@@ -133,7 +121,10 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     parts["optimizer"] = t_opt
     step = sum(parts.values())
     raw = {k: v for k, v in c.items() if k != "links"}
-    return StepEstimate(step, parts, t_f, t_b, m, c["links"], raw, n_layers)
+    est = StepEstimate(step, parts, t_f, t_b, m, c["links"], raw, n_layers)
+    est.compute_s = {"gemm": m * (ops.gemm_fwd + ops.gemm_bwd + ops.head_fwd + ops.head_bwd),
+                     "attention": m * (ops.attn_fwd + ops.attn_bwd), "memory_bound": m * (ops.mem_fwd + ops.mem_bwd)}
+    return est
 
 
 def estimate_training_days(total_flops: float, gpus: int, peak_flops_per_s: float, mfu: float) -> float:

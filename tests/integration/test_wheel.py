@@ -26,7 +26,7 @@ def test_wheel_ships_presets_and_trains_debug(tmp_path):
     # Build from a copy: an in-tree build would write build/ and *.egg-info into the working tree.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "ndtrain", src / "ndtrain", ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path / "dist"

@@ -188,6 +188,7 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
     cp Ulysses: q, k, v and out through an all-to-all ((n-1)/n) in each direction, per layer.
     dp: one all-reduce of the local gradients over dp (dp_cp when cp > 1) + 4 scalars on dp_cp
     (valid labels with the batch-size agreement's B and B^2 in one all-reduce; the loss).
+    world: the bad-step agreement, one all-reduce of one float32 flag per rank (fault.bad_steps).
     """
     L, C, H, D, b = 2, 32, 4, 8, 8
     B = G // n_dp
@@ -211,6 +212,9 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
     if n > 1:
         out["dp_cp" if n_cp > 1 else "dp"] = 2 * (n - 1) / n * b * n_params_local
         out["dp_cp"] = out.get("dp_cp", 0.0) + 2 * (n - 1) / n * 4 * b
+    w = n * n_tp
+    if w > 1:
+        out["world"] = 2 * (w - 1) / w * 4 * w
     return out
 
 

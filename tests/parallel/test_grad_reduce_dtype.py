@@ -37,15 +37,17 @@ from tests.dist_utils import run_ranks
 
 _NDTRAIN = os.path.dirname(os.path.dirname(os.path.abspath(comm.__file__)))  # .../ndtrain
 _COMM = os.path.abspath(comm.__file__)
+_RECORDER = os.path.join(_NDTRAIN, "parallel", "flight_recorder.py")
 _ACTIVATION_SITES = ("parallel/tp/collectives.py", "parallel/cp/", "parallel/ep/collectives.py")
 
 
 def _site() -> str:
-    """``path:qualname`` of the innermost ndtrain frame outside comm.py (relative to ndtrain/)."""
+    """``path:qualname`` of the innermost ndtrain frame outside comm.py and the flight recorder that
+    wraps every collective (relative to ndtrain/)."""
     f = sys._getframe(2)
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
-        if path.startswith(_NDTRAIN + os.sep) and path != _COMM:
+        if path.startswith(_NDTRAIN + os.sep) and path not in (_COMM, _RECORDER):
             return f"{os.path.relpath(path, _NDTRAIN)}:{f.f_code.co_qualname}"
         f = f.f_back
     return "?"

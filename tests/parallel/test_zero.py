@@ -108,6 +108,8 @@ def expected_traffic(lay: dict, res: dict, p_pad: dict, p_head: dict) -> dict[st
            "dp_cp": 2 * 4 * (w - 1) / w * b}  # batch agreement (valid tokens, B, B^2) and logged loss
     if r > 1:
         out["dp_replicate"] = 2 * (r - 1) / r * pp / n * b
+    if w > 1:  # the bad-step agreement: one float32 flag per rank, all-reduced (fault.bad_steps)
+        out["world"] = 2 * (w - 1) / w * 4 * w
     return out
 
 

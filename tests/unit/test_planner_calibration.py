@@ -23,6 +23,7 @@ import torch
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
+from ndtrain.parallel import flight_recorder
 from ndtrain.planner.calibrate import compare_with_runs, predict_memory
 from ndtrain.planner.eager import (
     estimate_eager_activation_peak,
@@ -181,3 +182,98 @@ def test_eager_knob_of_the_per_layer_model_is_one_measured_layer():
     assert fused["total"] < 0.8 * eager["total"]
     with pytest.raises(ValueError):
         estimate_activation_bytes_per_layer(spec, 32, 16, tp=2, implementation="eager")
+
+
+# ---- TP / CP / PP / EP layouts (planner.eager_axes): state exact, activations within 10% ----------
+
+AXES_CASES = {  # 2 ranks each; 4 layers so that pp=2 with v=2 has a block per chunk
+    "tp2": {"tp": 2, "dp_shard": 1},
+    "cp2": {"cp": 2, "dp_shard": 1},
+    "ep2": {"ep": 2, "dp_shard": 2},  # with the 4-expert top-2 MoE model of _axes_cfg
+    "pp2_zero_bubble": {"pp": 2, "dp_shard": 1, "pp_schedule": "zero_bubble"},
+}
+
+
+def _axes_cfg(par):
+    moe = {"moe_experts": 4, "moe_top_k": 2} if par.get("ep", 1) > 1 else {}
+    cfg = _cfg(mb=2, n_layers=4, **moe)
+    cfg.training.global_batch_size = 8
+    cfg.parallel = ParallelConfig(**par)
+    return cfg
+
+
+def _axes_ranks(rank, world, cases):
+    out = []
+    for par in cases:
+        cfg = _axes_cfg(par)
+        tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))
+        x = torch.randint(0, cfg.model.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+        dp = cfg.parallel.dp_shard
+        x = x[rank * 8 // dp:(rank + 1) * 8 // dp] if dp > 1 else x  # this data-parallel rank's rows
+        for _ in range(2):
+            tr.measure_memory = True
+            seq0 = flight_recorder.recorder().seq
+            res = tr.step(x[:, :-1], x[:, 1:])
+        new = list(flight_recorder.recorder().entries)[-(flight_recorder.recorder().seq - seq0):]
+        counts = {a: sum(1 for e in new if e["axis"] == a) for a in ("tp", "cp", "ep")}
+        out.append({k: v for k, v in res.items() if k.startswith("mem_")} | {"collectives": counts})
+    return out
+
+
+def test_tp_cp_ep_pp_layouts_state_exact_activations_within_10pct():
+    """One 2-rank gloo group runs TP2, CP2 (ring), EP2 (a 4-expert top-2 MoE) and PP2 under ZB-H1 (the schedule replay with split backward,
+    which keeps each microbatch's activations and output gradients until its W pass; 1F1B / GPipe /
+    interleaved are the same replay without W, checked by the bench). Both ranks (both pipeline
+    stages) are checked. The state model is exact (the rank's parameter shards x 4 fp32 copies + 4
+    bytes per tensor); the activation model replays the trainer's schedule with estimated per-chunk
+    bytes (seen: -9% to +9%), so 10% is its bound here and 15% (the issue's) on the metered sum."""
+    from ndtrain.planner.eager_axes import estimate_axes_activation_peak, estimate_axes_state_bytes
+    from ndtrain.planner.eager_axes_time import collectives_per_step
+
+    results = run_ranks(_axes_ranks, 2, list(AXES_CASES.values()), timeout_s=240)
+    for rank, per_case in enumerate(results):
+        for (name, par), meas in zip(AXES_CASES.items(), per_case):
+            cfg = _axes_cfg(par)
+            spec, r = from_model_config(cfg.model), rank if par.get("pp", 1) > 1 else 0
+            # the step-time model charges what the trainer's flight recorder saw in one step
+            m = 8 // (cfg.training.micro_batch_size * par.get("dp_shard", 1))
+            want = collectives_per_step(spec, cfg, r, m)
+            assert meas["collectives"] == {a: want[a] for a in ("tp", "cp", "ep")}, (name, meas, want)
+            st = estimate_axes_state_bytes(spec, cfg, r)
+            assert st["total"] == meas["mem_state_peak_bytes"], (name, rank, st, meas)
+            act = estimate_axes_activation_peak(spec, cfg, r)["peak"]
+            assert act == pytest.approx(meas["mem_activations_peak_bytes"], rel=0.10), (name, rank, act, meas)
+    # the replay is what tells the schedules apart: 1F1B's replay on the same stage keeps far less
+    cfg = _axes_cfg({"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"})
+    one_f_one_b = estimate_axes_activation_peak(from_model_config(cfg.model), cfg, 0)["peak"]
+    assert results[0][-1]["mem_activations_peak_bytes"] > 1.3 * one_f_one_b
+
+
+def test_axes_step_time_model_arithmetic():
+    """``estimate_axes_step_time`` adds what its docstring lists: with unit rates every part is a
+    count (FLOPs, components, collectives) that this test recomputes by hand."""
+    from ndtrain.planner.eager_axes_time import estimate_axes_step_time
+
+    rates = {"gemm_flops_per_s": 1.0, "loss_s": 1.0, "optim_s_per_param": 0.0, "clip_s_per_param": 0.0,
+             "accum_s_per_param": 0.0, "copy_s_per_param": 0.0}
+    rates |= {f"{k}_s": 1.0 for k in ("attn", "norm", "rope", "swiglu", "residual")}
+    cfg = _axes_cfg({"tp": 2, "dp_shard": 1})
+    spec = from_model_config(cfg.model)
+    out = estimate_axes_step_time(spec, cfg, rates, 2, alpha=1.0, beta=1e30)
+    h, q, k, f, V, L, s = 32, 16, 8, 40, 48, 4, 32  # one TP rank's widths; 2 x 16 tokens
+    n_mm = L * (h * q + 2 * h * k + q * h + 3 * h * f) + h * V
+    assert out["parts"]["gemm"] == pytest.approx(4 * 6 * s * n_mm)  # 4 microbatches
+    assert out["parts"]["blocks"] == pytest.approx(4 * L * 7)  # attn + 2 norms + rope + swiglu + 2 adds
+    # 4 per block, the embedding's, the head input gradient's, the vocab-parallel loss's two; 2 alphas each
+    assert out["parts"]["tp_comm"] == pytest.approx((4 * (4 * L + 4) + 1) * 2)  # + the clip's norm
+    assert out["parts"]["bubble"] == 0 and out["parts"]["dp_comm"] == pytest.approx(2)  # the world all-reduce
+    cp = _axes_cfg({"cp": 2, "dp_shard": 1})  # the ring's own attention replaces the fused kernel's
+    out = estimate_axes_step_time(spec, cp, rates | {"ring_attn_s": 10.0}, 2, alpha=1.0, beta=1e30)
+    assert out["parts"]["blocks"] == pytest.approx(4 * L * (10 + 6))
+    assert out["parts"]["cp_comm"] == pytest.approx(4 * L * 4)  # 1 + 1 K/V and 2 dK/dV exchanges
+    with pytest.raises(KeyError):
+        estimate_axes_step_time(spec, cp, rates, 2)
+    pp = _axes_cfg({"pp": 2, "dp_shard": 1})
+    out = estimate_axes_step_time(spec, pp, rates, 2, alpha=0.0, beta=1e30)
+    assert out["parts"]["bubble"] == pytest.approx(sum(v for k, v in out["parts"].items()
+                                                       if k not in ("bubble", "param_passes", "dp_comm")) / 4)

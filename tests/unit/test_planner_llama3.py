@@ -7,8 +7,9 @@ tokens per batch (2,048 x 8K or 128 x 128K sequences), H100 (8 per node, NVLink 
 GPU). Knobs the paper states and the planner encodes: interleaved 1F1B with v = 8 (126 blocks in
 16 x 8 chunks with one block fewer on the first and last stage, section 3.3.2), FSDP that shards
 gradients and optimizer state but keeps weights gathered (ZeRO-2 here), microbatch 1, all-gather
-context parallelism. No constant is set per case: the same COMPUTE_EFFICIENCY (0.5) and link
-efficiency serve all three rows.
+context parallelism. No constant is set per case: the Hopper generation's per-operation compute
+constants (``planner.compute.GENERATIONS["hopper"]``) and the one link efficiency serve all three
+rows.
 """
 import pytest
 

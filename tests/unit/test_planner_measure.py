@@ -9,10 +9,11 @@ from ndtrain.planner.calibrate import compare_with_runs, format_comparison
 from ndtrain.planner.measure import (
     fit_alpha_beta,
     format_measurements,
-    measure_collectives,
     measure_matmul_flops,
+    measure_sync_latency,
     measured_accelerator,
 )
+from tests.dist_utils import run_ranks
 
 
 def test_fit_alpha_beta_recovers_the_ring_model():
@@ -38,13 +39,35 @@ def test_matmul_measurement_and_measured_accelerator():
     assert "GFLOP/s" in format_measurements(mm, comm) and "alpha" in format_measurements(mm, comm)
 
 
+def _gloo_both(rank, world):
+    from ndtrain.planner import measure
+
+    return (measure._collective_worker(rank, world, [2**12, 2**21, 2**23], 5, "gloo"),
+            measure._sync_worker(rank, world, 4096, 128, 20, 3))
+
+
 @pytest.mark.slow
-def test_gloo_allreduce_measurement():
-    """Spawns 2 gloo processes on 127.0.0.1 (a few seconds, mostly the torch import)."""
-    # sizes spread far apart so the bandwidth term dominates scheduling noise on a shared machine
-    res = measure_collectives(world=2, sizes=(2**12, 2**21, 2**23), reps=5)
-    assert res["backend"] == "gloo" and len(res["samples"]) == 3
-    assert 1e7 < res["beta_bytes_per_s"] < 1e12 and res["alpha_s"] >= 0
+def test_gloo_allreduce_and_sync_latency_measurement():
+    """One 2-process gloo group (a few seconds, mostly the torch imports) runs both measurements'
+    workers: the all-reduce times fit the ring model (sizes far apart, so the bandwidth term
+    dominates scheduling noise), and an all-reduce between computing ranks costs something
+    positive and below the scale of the loop (``measure_sync_latency``'s quantity)."""
+    per_rank = run_ranks(_gloo_both, 2)
+    samples, _ = per_rank[0]
+    alpha, beta = fit_alpha_beta(samples, 2)
+    assert len(samples) == 3 and 1e7 < beta < 1e12 and alpha >= 0
+    sync = max(r[1] for r in per_rank)
+    assert 0 < sync < 0.05
+
+
+def test_sync_latency_wrapper(monkeypatch):
+    """``measure_sync_latency``: the per-collective cost is the slowest rank's; alpha its share per
+    ring step (2 (n - 1) of them)."""
+    import ndtrain.spawn
+
+    monkeypatch.setattr(ndtrain.spawn, "spawn", lambda fn, world, args, **kw: [1e-3, 3e-3, 2e-3][:world])
+    res = measure_sync_latency(world=3)
+    assert res["per_collective_s"] == 3e-3 and res["alpha_s"] == pytest.approx(3e-3 / 4)
 
 
 def _fake_run(path, dtype="float32", steps=((2, 0.9), (4, 0.5), (6, 0.5), (8, 0.52)), mem=400 * 2**20):

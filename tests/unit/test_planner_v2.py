@@ -164,6 +164,11 @@ def test_diagnose_reports_memory_when_valid_meshes_do_not_fit():
     assert search(spec, cluster, w) == []
     line = diagnose(spec, cluster, w)[0]
     assert "valid but none fits in memory" in line and "GiB of 79.6" in line
+    # 3 GPUs, 4 sequences: PP3 is valid (and too small); DP3 and TP3 are named with their rules
+    lines = diagnose(spec, Cluster(get_accelerator("H100"), 3), Workload(8192, 4 * 8192))
+    assert lines[0].startswith("1 of 3 meshes are valid") and lines[1] == "the other 2 break a rule:"
+    assert any("(DP3): global_batch_size (4) is not divisible by the data-parallel degree" in x for x in lines)
+    assert any("(TP3 DP1): n_heads (128) is not divisible by tp (3)" in x for x in lines)
 
 
 def test_cli_prints_diagnosis_instead_of_memory(capsys, tmp_path):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel.comm import count, nbytes
+from ndtrain.parallel.flight_recorder import run_batch_p2p, run_collective
 
 
 def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -17,8 +18,10 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim:
                          f"divisible by {group.name} ({n})")
     send = torch.stack(x.chunk(n, scatter_dim)).contiguous()  # (N, ...) chunk i goes to rank i
     recv = torch.empty_like(send)
-    count(group, (n - 1) / n * nbytes(send))
-    dist.all_to_all_single(recv, send, group=group.pg)
+    b = (n - 1) / n * nbytes(send)
+    count(group, b)
+    run_collective("all_to_all", group, b,
+                   lambda: dist.all_to_all_single(recv, send, group=group.pg, async_op=True), False)
     return torch.cat(recv.unbind(0), dim=gather_dim)  # chunks from ranks 0..N-1 in order
 
 
@@ -61,4 +64,6 @@ def ring_exchange(send: torch.Tensor, group: AxisGroup, tag: int = 0):
     ops = [dist.P2POp(dist.isend, send, group=group.pg, tag=tag, group_peer=nxt),
            dist.P2POp(dist.irecv, recv, group=group.pg, tag=tag, group_peer=prv)]
     count(group, nbytes(send))
-    return recv, dist.batch_isend_irecv(ops)
+    # one entry, one deadline: the send to ``nxt`` and the receive from ``prv`` (the peer blamed)
+    return recv, [run_batch_p2p(f"ring_exchange(tag {tag})", group, nbytes(send),
+                                lambda: dist.batch_isend_irecv(ops), peer=prv)]

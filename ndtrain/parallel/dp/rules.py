@@ -24,3 +24,27 @@ def check_batch(global_batch_size: int, dp: int, micro_batch_size: int = 0, pp: 
     require(pp == 1 or n_micro <= local,
             f"pp_microbatches ({n_micro}) exceeds the local batch ({local} sequences = global_batch_size "
             "/ dp): every microbatch needs >= 1 sequence")
+
+
+def check_local_sgd(local_sgd_steps: int, dp_replicate: int, zero_stage: int, moe: bool,
+                    outer_lr: float, outer_momentum: float, checkpoint_every: int = 0) -> None:
+    """DiLoCo / local SGD (``training.local_sgd_steps`` = H; ``ndtrain.parallel.dp.diloco``): the
+    replicas are the ``dp_replicate`` axis (> 1); the inner gradient sync is plain DDP within a
+    replica (zero_stage 0: ZeRO / HSDP would reduce over dp_replicate every step) and the model
+    dense (expert data parallel reduces experts over dp_replicate too); composes with dp_shard,
+    tp, pp and cp. Checkpoints fall on outer-step boundaries (``checkpoint.every`` a multiple of
+    H), where every replica holds the same parameters."""
+    require(local_sgd_steps >= 0, f"training.local_sgd_steps ({local_sgd_steps}) must be >= 0")
+    if not local_sgd_steps:
+        return
+    require(dp_replicate > 1, f"training.local_sgd_steps ({local_sgd_steps}) needs parallel.dp_replicate > 1 "
+                              f"(got {dp_replicate}): DiLoCo replicas are the dp_replicate axis")
+    require(zero_stage == 0, f"training.local_sgd_steps ({local_sgd_steps}) needs parallel.zero_stage 0 "
+                             f"(got {zero_stage}): ZeRO / HSDP would reduce over dp_replicate every step")
+    require(not moe, "training.local_sgd_steps with an MoE model is not implemented (expert data "
+                     "parallel reduces expert gradients over dp_replicate every step)")
+    require(outer_lr > 0, f"training.outer_lr ({outer_lr}) must be > 0")
+    require(0 <= outer_momentum < 1, f"training.outer_momentum ({outer_momentum}) must be in [0, 1)")
+    require(checkpoint_every % local_sgd_steps == 0,
+            f"checkpoint.every ({checkpoint_every}) must be a multiple of training.local_sgd_steps "
+            f"({local_sgd_steps}): checkpoints fall where every replica holds the same parameters")

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel.comm import count
+from ndtrain.parallel.flight_recorder import run_collective
 
 
 def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -24,8 +25,11 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in
         out.copy_(inp)
         return
     row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
-    count(group, (sum(in_splits) - in_splits[group.rank]) * row)
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group.pg)
+    b = (sum(in_splits) - in_splits[group.rank]) * row
+    count(group, b)
+    inp = inp.contiguous()
+    run_collective("all_to_all_v", group, b, lambda: dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=group.pg, async_op=True), False)
 
 
 class AllToAllV(torch.autograd.Function):

@@ -7,6 +7,10 @@ them (known from the schedule), so messages land while the main thread computes;
 blocks only until that message is there (or raises after ``timeout_s``, or re-raises a receive
 error). Receivers need no shape knowledge: microbatches of different sizes and sequence / context
 parallel shards all work.
+
+Every send and receive is recorded by the flight recorder and its ``wait()`` runs under
+``parallel.collective_timeout_s`` (``ndtrain.parallel.flight_recorder``): a peer that never sends
+makes the receiver raise ``CollectiveTimeoutError`` naming both ranks and the ``pp`` axis.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel.comm import count, nbytes
+from ndtrain.parallel.flight_recorder import recorder, run_collective
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _META_LEN = 8  # dtype code, ndim, up to 6 dims
@@ -32,7 +37,10 @@ def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int 
     if group.pg is None:
         raise RuntimeError(f"send on size-1 group {group.name!r}")
     count(group, nbytes(t))
-    return dist.isend(t.contiguous(), group=group.pg, group_dst=dst_local_rank, tag=tag)
+    t = t.contiguous()
+    return run_collective(f"send(to {group.name} rank {dst_local_rank}, tag {tag})", group, nbytes(t),
+                          lambda: dist.isend(t, group=group.pg, group_dst=dst_local_rank, tag=tag), True,
+                          peer=dst_local_rank)
 
 
 def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int = 0):
@@ -40,7 +48,9 @@ def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int 
     ``src_local_rank``; returns the Work. Not counted (the sender counts the bytes)."""
     if group.pg is None:
         raise RuntimeError(f"recv on size-1 group {group.name!r}")
-    return dist.irecv(t, group=group.pg, group_src=src_local_rank, tag=tag)
+    return run_collective(f"recv(from {group.name} rank {src_local_rank}, tag {tag})", group, nbytes(t),
+                          lambda: dist.irecv(t, group=group.pg, group_src=src_local_rank, tag=tag), True,
+                          peer=src_local_rank)
 
 
 def tag(kind: str, mb: int, stage: int, n_stages: int) -> int:
@@ -53,7 +63,10 @@ class Receiver:
     """One thread per peer: receives that peer's messages (header, then tensor) in send order."""
 
     def __init__(self, group: AxisGroup, device: torch.device, timeout_s: float):
-        self.group, self.device, self.timeout_s = group, device, timeout_s
+        # the receive threads' own deadline (collective_timeout_s) fires first: its error names the peer
+        rec = recorder()
+        self.group, self.device = group, device
+        self.timeout_s = max(timeout_s, rec.timeout_s + rec.grace_s + 5.0)
         self.inbox: dict[tuple, torch.Tensor] = {}
         self.cond = threading.Condition()
         self.error: BaseException | None = None

@@ -1,0 +1,85 @@
+"""Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality"), one B / C group, parameter names as in
+Hugging Face's ``Mamba2Mixer`` (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+``out_proj``) for a later import.
+
+    [z, xBC, dt] = in_proj(u);  xBC = silu(conv1d(xBC));  [x, B, C] = xBC
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)                       (one scalar per head)
+    h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T;  y_t = h_t^T C_t + D x_t  (h: N x P per head)
+    out = out_proj(RMSNorm(y * silu(z)))
+
+The SSD recurrence is decayed linear attention with q = C, k = B, v = dt x, log-decay dt A
+(``ndtrain.ops.linear_attn``); training uses the chunked form, decoding the recurrent step with the
+conv window and h as the state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.mixer_spec import linear_dims
+from ndtrain.model.mixer_common import (
+    GatedRMSNorm,
+    causal_conv,
+    get_state,
+    identity_conv_,
+    make_conv,
+    run_linear,
+    ssm_decay_init_,
+)
+
+
+class Mamba2(nn.Module):
+    """Shapes: x (B, T, C) -> (B, T, C); cos / sin ignored (no positional encoding).
+
+    Sizes from the config: inner width ``mamba_expand * dim`` = n_h * P, head dim P
+    (``mamba_head_dim``), state N (``mamba_state_dim``), conv width ``linear_conv_kernel``.
+    """
+
+    ndtrain_normal_init = True  # A_log / dt_bias / D get a placeholder draw, then init_buffers
+
+    def __init__(self, cfg, layer_id: str = "0"):
+        super().__init__()
+        x = linear_dims(cfg)
+        self.layer_id, self.chunk_size = layer_id, cfg.linear_chunk_size
+        self.d_inner, self.n_state, self.n_heads, self.head_dim = x["d_inner"], x["m_state"], x["m_heads"], x["m_head_dim"]
+        conv_ch = self.d_inner + 2 * self.n_state
+        self.in_proj = nn.Linear(cfg.dim, 2 * self.d_inner + 2 * self.n_state + self.n_heads, bias=False)
+        self.conv1d = make_conv(conv_ch, x["conv"], bias=True)
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads))  # (n_h,)
+        self.A_log = nn.Parameter(torch.empty(self.n_heads))  # (n_h,)
+        self.D = nn.Parameter(torch.empty(self.n_heads))  # (n_h,) skip connection
+        self.norm = GatedRMSNorm(self.d_inner, cfg.norm_eps, gate_first=True)
+        self.out_proj = nn.Linear(self.d_inner, cfg.dim, bias=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Set the SSM parameters after ``init_weights``' generic pass (called by it): A in [1, 16],
+        dt in [1e-3, 0.1], D = 1, the short convolution the identity."""
+        ssm_decay_init_(self.A_log, self.dt_bias)
+        from ndtrain.model.init import _copy_full_
+
+        _copy_full_(self.D, torch.ones(self.n_heads))
+        identity_conv_(self.conv1d)
+
+    def forward(self, u: torch.Tensor, cos=None, sin=None, kv_cache=None) -> torch.Tensor:
+        b, t, _ = u.shape
+        di, n, nh, p = self.d_inner, self.n_state, self.n_heads, self.head_dim
+        z, xbc, dt = self.in_proj(u).split([di, di + 2 * n, nh], dim=-1)  # (B, T, *)
+        st = get_state(kv_cache, self.layer_id)
+        xbc, conv_state = causal_conv(xbc, self.conv1d, st.get("conv"))
+        x, bm, cm = F.silu(xbc).split([di, n, n], dim=-1)  # (B, T, di), (B, T, N), (B, T, N)
+        sdt = torch.float64 if u.dtype == torch.float64 else torch.float32  # the state's dtype
+        dt = F.softplus(dt.to(sdt) + self.dt_bias.to(sdt))  # (B, T, n_h)
+        log_decay = (dt * -self.A_log.to(sdt).exp()).transpose(1, 2)  # (B, n_h, T)
+        xh = x.view(b, t, nh, p)  # (B, T, n_h, P)
+        v = (xh.to(sdt) * dt[..., None]).to(x.dtype).transpose(1, 2)  # (B, n_h, T, P)
+        q = cm[:, None].expand(b, nh, t, n)  # (B, n_h, T, N): one C group shared by the heads
+        k = bm[:, None].expand(b, nh, t, n)
+        y, ssm = run_linear(q, k, v, log_decay, st.get("ssm"), self.chunk_size)  # (B, n_h, T, P)
+        if kv_cache is not None:
+            kv_cache.states[self.layer_id] = {"conv": conv_state, "ssm": ssm}
+        y = y.transpose(1, 2) + xh * self.D.to(x.dtype)[:, None]  # (B, T, n_h, P)
+        y = self.norm(y.reshape(b, t, di), z)  # (B, T, di)
+        return self.out_proj(y)  # (B, T, C)

@@ -1,0 +1,96 @@
+"""What the token mixers share (``ndtrain.model.mixers`` chooses among them): the short causal
+depthwise convolution with its decode state (Mamba, Gu & Dao 2023; Gated DeltaNet, Yang 2024),
+the SSM decay init, the gated RMSNorm, the state lookup in a cache and the linear-attention
+dispatch. ``LINEAR_IMPL`` selects the sequence form of the linear family: "chunk" (default) or
+"naive" (the paper's token-by-token recurrence, the slow twin the tests pin the model to).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndtrain.model.norm import RMSNorm
+from ndtrain.ops.linear_attn import chunk_linear_attn, naive_linear_attn, recurrent_linear_attn_step
+
+LINEAR_IMPL = {"impl": "chunk"}  # "chunk" | "naive": module-wide switch used by the twin tests
+
+
+def get_state(kv_cache, layer_id: str) -> dict:
+    """This layer's recurrent state from a cache ({} when there is no cache or nothing cached)."""
+    if kv_cache is None or kv_cache.length == 0:
+        return {}
+    return kv_cache.states.get(layer_id, {})
+
+
+def causal_conv(x: torch.Tensor, conv: nn.Conv1d, state: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over time, continuing from ``state``.
+
+    Args: x (B, T, Ch); conv an ``nn.Conv1d(Ch, Ch, W, groups=Ch)``; state (B, W-1, Ch) the last
+    W-1 inputs before x (None = zeros, the start of a sequence).
+    Returns: y (B, T, Ch) (no activation), the new state (B, W-1, Ch).
+    """
+    w = conv.weight.shape[-1]
+    if state is None:
+        state = x.new_zeros(x.shape[0], w - 1, x.shape[2])
+    xp = torch.cat([state.to(x.dtype), x], dim=1)  # (B, W-1+T, Ch)
+    y = F.conv1d(xp.transpose(1, 2), conv.weight, conv.bias, groups=x.shape[2])  # (B, Ch, T)
+    return y.transpose(1, 2), xp[:, xp.shape[1] - (w - 1):]
+
+
+def make_conv(channels: int, width: int, bias: bool) -> nn.Conv1d:
+    conv = nn.Conv1d(channels, channels, width, groups=channels, bias=bias)  # weight (Ch, 1, W)
+    conv.ndtrain_normal_init = True  # placeholder draw; the owner's init_buffers sets the real values
+    return conv
+
+
+def identity_conv_(conv: nn.Conv1d) -> None:
+    """Init a depthwise conv to pass the current token through (last tap 1, others and bias 0): the
+    short convolution starts as the identity and learns its mixing (deterministic, layout-free)."""
+    from ndtrain.model.init import _copy_full_
+
+    full = torch.zeros(tuple(conv.weight.shape))
+    full[..., -1] = 1.0
+    _copy_full_(conv.weight, full)
+    if conv.bias is not None:
+        _copy_full_(conv.bias, torch.zeros(tuple(conv.bias.shape)))
+
+
+def ssm_decay_init_(a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """Mamba-2's decay init (Dao & Gu 2024): A spread over [1, 16], dt over [1e-3, 1e-1]
+    log-uniformly (here evenly, so init needs no generator), dt_bias = softplus^-1(dt)."""
+    from ndtrain.model.init import _copy_full_
+
+    h = a_log.shape[0]
+    _copy_full_(a_log, torch.linspace(1.0, 16.0, h).log())
+    dt = torch.linspace(math.log(1e-3), math.log(1e-1), h).exp()
+    _copy_full_(dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+class GatedRMSNorm(RMSNorm):
+    """``RMSNorm(x) * silu(gate)`` (norm before gate, Qwen3-Next's ``RMSNormGated``), or with
+    ``gate_first`` ``RMSNorm(x * silu(gate))`` (Mamba-2's ``RMSNormGated``). Shapes (..., C)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, gate_first: bool = False):
+        super().__init__(dim, eps)
+        self.gate_first = gate_first
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.gate_first:
+            return super().forward((x.float() * F.silu(gate.float())).to(x.dtype))
+        return (super().forward(x).float() * F.silu(gate.float())).to(x.dtype)
+
+
+def run_linear(q, k, v, log_decay, state, chunk_size: int):
+    """Dispatch the decayed linear-attention op: q, k (B, H, T, K), v (B, H, T, V), log_decay
+    (B, H, T) | None, state (B, H, K, V) | None -> o (B, H, T, V), final state."""
+    if q.shape[2] == 1 and state is not None:
+        o, s = recurrent_linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0],
+                                          None if log_decay is None else log_decay[:, :, 0], state)
+        return o[:, :, None], s
+    if LINEAR_IMPL["impl"] == "naive":
+        return naive_linear_attn(q, k, v, log_decay, state)
+    return chunk_linear_attn(q, k, v, log_decay, state, chunk_size)

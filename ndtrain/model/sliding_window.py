@@ -1,0 +1,80 @@
+"""Sliding-window causal attention (Longformer's local pattern, Beltagy 2020; as interleaved in
+Mistral 7B, Gemma 3 and OLMo 3): query t attends to keys t - w + 1 .. t.
+
+``window_attention`` (the fast form) cuts the sequence into blocks of w queries; each block needs
+only its own keys and the previous block's, so the cost is O(T w) instead of O(T^2).
+``dense_window_attention`` is its twin: full attention under a band mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.model.attention import Attention
+from ndtrain.model.rope import apply_rope
+
+
+def band_mask(t: int, s: int, window: int, q_offset: int, device) -> torch.Tensor:
+    """(T, S) bool, True where query ``q_offset + i`` may attend key j: q - w < j <= q."""
+    qi = torch.arange(t, device=device)[:, None] + q_offset
+    kj = torch.arange(s, device=device)[None, :]
+    return (kj <= qi) & (kj > qi - window)
+
+
+def dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                           q_offset: int = 0) -> torch.Tensor:
+    """q (B, H, T, D), k / v (B, G, S, D) with S = q_offset + T -> (B, H, T, D); scale 1/sqrt(D)."""
+    mask = band_mask(q.shape[2], k.shape[2], window, q_offset, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Blocked sliding-window attention over one full sequence: q (B, H, T, D), k / v (B, G, T, D)
+    -> (B, H, T, D), equal to ``dense_window_attention`` (tested)."""
+    b, h, t, d = q.shape
+    g, w = k.shape[1], min(window, t)
+    n = -(-t // w)
+    pad = n * w - t
+    qb = F.pad(q, (0, 0, 0, pad)).view(b, h, n, w, d).transpose(1, 2).reshape(b * n, h, w, d)
+    kp, vp = (F.pad(x, (0, 0, w, pad)) for x in (k, v))  # (B, G, w + n*w, D): one block of front padding
+
+    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # block i sees padded blocks i and i + 1
+        blocks = x.view(b, g, n + 1, w, d)
+        return torch.cat([blocks[:, :, :-1], blocks[:, :, 1:]], dim=3).transpose(1, 2).reshape(b * n, g, 2 * w, d)
+
+    kb, vb = two_blocks(kp), two_blocks(vp)
+    qpos = torch.arange(n * w, device=q.device).view(n, w, 1)  # absolute query positions
+    kpos = (torch.arange(n, device=q.device)[:, None] * w + torch.arange(2 * w, device=q.device) - w).view(n, 1, 2 * w)
+    mask = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0)  # (N, w, 2w)
+    mask = mask[None, :, None].expand(b, n, 1, w, 2 * w).reshape(b * n, 1, w, 2 * w)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=g != h)  # (B*N, H, w, D)
+    return out.view(b, n, h, w, d).transpose(1, 2).reshape(b, h, n * w, d)[:, :, :t]
+
+
+class SlidingWindowAttention(Attention):
+    """``Attention`` (same projections, RoPE, GQA, parameter names) restricted to a causal window of
+    ``cfg.swa_window`` keys. Decoding keeps the full KV cache and masks it to the window.
+
+    Shapes: x (B, T, C), cos / sin (T, D/2) -> (B, T, C).
+    """
+
+    def __init__(self, cfg, layer_id: str = "0"):
+        super().__init__(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id)
+        self.window = cfg.swa_window
+
+    def core(self, q, k, v):
+        return window_attention(q, k, v, self.window)
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, k, v = (w(x).view(b, t, -1, d) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
+        if kv_cache is None:
+            out = self.core(q, k, v)
+        else:
+            past = kv_cache.length
+            k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
+            out = dense_window_attention(q, k, v, self.window, q_offset=past)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)

@@ -1,0 +1,64 @@
+"""Chunked gated delta rule with the UT transform (WY representation of a product of Householder-
+like updates; Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+Sequence Length", sec. 3; gated form: Yang, Kautz & Hatamizadeh 2024, sec. 3.3).
+
+Inside a chunk with cumulative log decay g (gamma_i = e^(g_i)), the pseudo-values
+u_i = b_i (v_i - (a_i S_{i-1})^T k_i) satisfy the unit lower-triangular system
+
+    (I + A) U = diag(b) V - diag(b * gamma) K S_prev,   A_ij = b_i (gamma_i / gamma_j) k_i . k_j, j < i
+
+so U = U~ - W S_prev with U~ = (I + A)^-1 diag(b) V and W = (I + A)^-1 diag(b gamma) K, computed for
+all chunks at once by one triangular solve. Then
+
+    O = diag(gamma) Q S_prev + ((Q K^T) * D) U,    D_ij = gamma_i / gamma_j for j <= i
+    S = gamma_C S_prev + (K * gamma_C / gamma)^T U
+
+and only the K x V state is carried from chunk to chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+from ndtrain.ops.linear_attn.chunk import chunk_pad, decay_matrix
+from ndtrain.ops.linear_attn.naive import compute_dtype
+
+
+def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                      beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``naive_gated_delta`` (q, k (B, H, T, K), v (B, H, T, V), log_decay, beta
+    (B, H, T), initial_state (B, H, K, V) | None -> o (B, H, T, V), state (B, H, K, V)), chunk by
+    chunk with ``chunk_size`` C >= 1 (T need not be a multiple of C; padded tokens have b = 0 and
+    g = 0, so they leave the state unchanged).
+
+    Raises ValueError for chunk_size < 1.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    dt = compute_dtype(v)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    c = min(chunk_size, max(t, 1))
+    n_pad = (-t) % c
+    n = (t + n_pad) // c
+    qc, kc, vc = (chunk_pad(x.to(dt), n_pad).view(b, h, n, c, -1) for x in (q, k, v))  # (B, H, N, C, *)
+    g = chunk_pad(log_decay.to(dt), n_pad).view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    bc = chunk_pad(beta.to(dt), n_pad).view(b, h, n, c, 1)  # (B, H, N, C, 1)
+    dmat = decay_matrix(g)  # (B, H, N, C, C), gamma_i / gamma_j on and below the diagonal
+    strict = torch.ones(c, c, dtype=torch.bool, device=v.device).tril(-1)
+    a = ((bc * kc) @ kc.transpose(-1, -2) * dmat).masked_fill(~strict, 0.0)  # (B, H, N, C, C)
+    eye = torch.eye(c, dtype=dt, device=v.device)
+    rhs = torch.cat([bc * vc, bc * g.exp()[..., None] * kc], dim=-1)  # (B, H, N, C, V + K)
+    sol = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    u_tilde, w = sol[..., :dv], sol[..., dv:]  # (B, H, N, C, V), (B, H, N, C, K)
+    qk = (qc @ kc.transpose(-1, -2)) * dmat  # (B, H, N, C, C)
+    k_to_end = kc * (g[..., -1:] - g).exp()[..., None]  # (B, H, N, C, K)
+    state = (torch.zeros(b, h, dk, dv, dtype=dt, device=v.device) if initial_state is None
+             else initial_state.to(dt))
+    outs = []
+    for i in range(n):  # only the K x V state crosses chunk boundaries
+        u = u_tilde[:, :, i] - w[:, :, i] @ state  # (B, H, C, V)
+        outs.append((qc[:, :, i] * g[:, :, i, :, None].exp()) @ state + qk[:, :, i] @ u)
+        state = state * g[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :t]  # (B, H, T, V)
+    return o.to(v.dtype), state

@@ -1,0 +1,69 @@
+"""Chunked parallel form of (decayed) linear attention, the training path.
+
+Within a chunk of C tokens the output is a masked, decay-weighted attention-like product (quadratic
+in C only); across chunks only the K x V state is carried (Yang et al. 2024, "Gated Linear Attention
+Transformers with Hardware-Efficient Training", sec. 3; Dao & Gu 2024, SSD block decomposition).
+With g the cumulative log decay inside the chunk:
+
+    O   = diag(e^g) Q S_prev + ((Q K^T) * D) V,    D_ij = e^(g_i - g_j) for j <= i, else 0
+    S   = e^(g_C) S_prev + (K * e^(g_C - g))^T V
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ndtrain.ops.linear_attn.naive import compute_dtype
+
+
+def chunk_pad(x: torch.Tensor, n_pad: int, dim: int = 2) -> torch.Tensor:
+    """Zero-pad ``x`` by ``n_pad`` positions at the end of ``dim`` (padded tokens have k = v = 0 and
+    log-decay 0, so they leave the state unchanged)."""
+    if n_pad == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, n_pad]
+    return F.pad(x, pad)
+
+
+def decay_matrix(g: torch.Tensor) -> torch.Tensor:
+    """(..., C) cumulative log decays -> (..., C, C) with e^(g_i - g_j) on and below the diagonal, 0
+    above (masked before the exponential so no inf appears, in the forward or the backward)."""
+    c = g.shape[-1]
+    causal = torch.ones(c, c, dtype=torch.bool, device=g.device).tril()
+    diff = g[..., :, None] - g[..., None, :]  # (..., C, C)
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      log_decay: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``naive_linear_attn`` (q, k (B, H, T, K), v (B, H, T, V), log_decay
+    (B, H, T) | None, initial_state (B, H, K, V) | None -> o (B, H, T, V), state (B, H, K, V)),
+    computed chunk by chunk; ``chunk_size`` C >= 1 (T need not be a multiple of C).
+
+    Raises ValueError for chunk_size < 1.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    dt = compute_dtype(v)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    c = min(chunk_size, max(t, 1))
+    n_pad = (-t) % c
+    n = (t + n_pad) // c
+    qc, kc, vc = (chunk_pad(x.to(dt), n_pad).view(b, h, n, c, -1) for x in (q, k, v))  # (B, H, N, C, *)
+    if log_decay is None:
+        g = torch.zeros(b, h, n, c, dtype=dt, device=v.device)
+    else:
+        g = chunk_pad(log_decay.to(dt), n_pad).view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    intra = (qc @ kc.transpose(-1, -2)) * decay_matrix(g)  # (B, H, N, C, C)
+    k_to_end = kc * (g[..., -1:] - g).exp()[..., None]  # (B, H, N, C, K)
+    state = (torch.zeros(b, h, dk, dv, dtype=dt, device=v.device) if initial_state is None
+             else initial_state.to(dt))
+    outs = []
+    for i in range(n):  # only the K x V state crosses chunk boundaries
+        o = (qc[:, :, i] * g[:, :, i, :, None].exp()) @ state + intra[:, :, i] @ vc[:, :, i]  # (B, H, C, V)
+        outs.append(o)
+        state = state * g[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ vc[:, :, i]
+    o = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :t]  # (B, H, T, V)
+    return o.to(v.dtype), state

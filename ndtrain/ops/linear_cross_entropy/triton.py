@@ -1,0 +1,163 @@
+"""Fused linear + cross-entropy that never materialises the (N, V) logits.
+
+The idea (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"; Liger-Kernel's
+fused linear cross-entropy, Hsu et al. 2024): the loss of a token needs only the log-sum-exp of its
+logits and its target logit, both reducible block by block. Tokens are cut into chunks of
+``chunk_tokens`` and the vocabulary into chunks of ``chunk_vocab``; each (token, vocab) block of
+logits is computed by a matmul, reduced by ``_ce_block_stats_kernel`` to per-row (max, sum of
+exp(logit - max), target logit) and combined into running statistics (the online softmax), then
+freed. Peak extra memory is one (chunk_tokens, chunk_vocab) fp32 block instead of (N, V).
+
+Backward recomputes each block and turns it in place into ``(softmax - onehot) * dloss`` with
+``_ce_block_grad_kernel``, then accumulates ``dh += G W_blk`` and ``dW_blk += G^T h``.
+
+Vocab-parallel (tensor parallel): a rank holds rows ``[vocab_start, vocab_start + V_local)`` of W.
+Its per-token partial statistics are combined by the caller's ``combine(max, sumexp, target)``
+(an all-reduce MAX of the max, then SUM of the rescaled sumexp and of the target logit) into the
+global log-sum-exp; the backward needs only that global lse, so no logits cross ranks. The caller
+must all-reduce dh over the tensor-parallel group (Megatron's copy-to-region, as for any
+column-parallel head). Twin: ``ndtrain.ops.linear_cross_entropy.naive.naive_linear_cross_entropy``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@triton.jit
+def _ce_block_stats_kernel(z_ptr, lab_ptr, max_ptr, sum_ptr, tgt_ptr, n_rows, n_cols, v0,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    lab = tl.load(lab_ptr + rows, mask=row_ok, other=0) - v0  # the label's column in this block, if any
+    base = rows.to(tl.int64)[:, None] * n_cols
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], dtype=tl.float32)
+    t = tl.zeros([ROWS], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        z = tl.load(z_ptr + base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked row keeps s = 0, not NaN
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
+        # the mask matters: a label of the next block can equal a padded lane's column
+        t += tl.sum(tl.where(mask & (cols[None, :] == lab[:, None]), z, 0.0), axis=1)
+        m = m_new
+    tl.store(max_ptr + rows, m, mask=row_ok)
+    tl.store(sum_ptr + rows, s, mask=row_ok)
+    tl.store(tgt_ptr + rows, t, mask=row_ok)
+
+
+@triton.jit
+def _ce_block_grad_kernel(z_ptr, lab_ptr, lse_ptr, g_ptr, n_rows, n_cols, v0,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    lab = tl.load(lab_ptr + rows, mask=row_ok, other=0) - v0
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    base = rows.to(tl.int64)[:, None] * n_cols
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        z = tl.load(z_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        onehot = tl.where(cols[None, :] == lab[:, None], 1.0, 0.0)
+        tl.store(z_ptr + base + cols[None, :], (tl.exp(z - lse[:, None]) - onehot) * g[:, None], mask=mask)
+
+
+def _launch_shape(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
+    """Grid and (ROWS, BLOCK): on a GPU a few rows and a 2048-column sweep per program (registers);
+    in the CPU interpreter many rows and the whole block at once (its cost is per program step)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        rows, block = 64, triton.next_power_of_2(n_cols)
+    else:
+        rows, block = 4, min(2048, triton.next_power_of_2(n_cols))
+    return (triton.cdiv(n_rows, rows),), {"ROWS": rows, "BLOCK": block}
+
+
+def _block_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (h @ w.t()).float().contiguous()  # (Tc, Vc) fp32
+
+
+def _chunk_stats(h, w, labels, vocab_start, chunk_vocab):
+    """Per-token (max, sumexp, target logit) of h's logits over this rank's rows of w."""
+    n = h.shape[0]
+    m = torch.full((n,), float("-inf"), device=h.device)
+    s = torch.zeros(n, device=h.device)
+    tgt = torch.zeros(n, device=h.device)
+    bm, bs, bt = torch.empty_like(m), torch.empty_like(m), torch.empty_like(m)
+    for v0 in range(0, w.shape[0], chunk_vocab):
+        z = _block_logits(h, w[v0:v0 + chunk_vocab])
+        grid, meta = _launch_shape(n, z.shape[1])
+        _ce_block_stats_kernel[grid](z, labels, bm, bs, bt, n, z.shape[1], vocab_start + v0, **meta)
+        m_new = torch.maximum(m, bm)
+        s = s * torch.exp(m - m_new) + bs * torch.exp(bm - m_new)
+        m, tgt = m_new, tgt + bt
+    return m, s, tgt
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper; saves h, w, labels and the per-token lse (N,) fp32."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, ignore_index: int, vocab_start: int, combine: Combine | None,
+                chunk_tokens: int, chunk_vocab: int):
+        stats = [_chunk_stats(h[t0:t0 + chunk_tokens], w, labels[t0:t0 + chunk_tokens], vocab_start, chunk_vocab)
+                 for t0 in range(0, h.shape[0], chunk_tokens)]
+        m, s, tgt = (torch.cat(x) for x in zip(*stats))  # (N,) each
+        if combine is not None:
+            m, s, tgt = combine(m, s, tgt)
+        lse = m + torch.log(s)
+        valid = labels != ignore_index
+        loss = torch.where(valid, lse - tgt, 0.0)
+        ctx.save_for_backward(h, w, labels, lse)
+        ctx.meta = (ignore_index, vocab_start, chunk_tokens, chunk_vocab)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h, w, labels, lse = ctx.saved_tensors
+        ignore_index, vocab_start, chunk_tokens, chunk_vocab = ctx.meta
+        g = torch.where(labels != ignore_index, dloss.float(), 0.0).contiguous()  # (N,)
+        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for t0 in range(0, h.shape[0], chunk_tokens):
+            hc, sl = h[t0:t0 + chunk_tokens], slice(t0, t0 + chunk_tokens)
+            for v0 in range(0, w.shape[0], chunk_vocab):
+                wb = w[v0:v0 + chunk_vocab]
+                z = _block_logits(hc, wb)  # becomes the block's dlogits in place
+                grid, meta = _launch_shape(*z.shape)
+                _ce_block_grad_kernel[grid](z, labels[sl], lse[sl], g[sl], *z.shape, vocab_start + v0, **meta)
+                zc = z.to(wb.dtype)  # 16-bit weights: 16-bit matmul operands, fp32 accumulation below
+                dh[sl] += (zc @ wb).float()
+                dw[v0:v0 + chunk_vocab] += (zc.t() @ hc.to(wb.dtype)).float()
+        return dh.to(h.dtype), dw.to(w.dtype), None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, vocab_start: int = 0, combine: Combine | None = None,
+                               chunk_tokens: int = 1024, chunk_vocab: int = 8192,
+                               vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy of ``h @ weight^T`` without the full logits (see module docstring).
+
+    h (N, C), weight (V_local, C) (this rank's vocab rows starting at ``vocab_start``), labels (N,)
+    global vocab ids -> (N,) fp32 losses, 0 at ``ignore_index``. ``combine``: None for a whole
+    vocabulary; under vocab parallelism a callable all-reducing the (N,) partial max (MAX), then
+    returning the global (max, sumexp rescaled to it, target logit) (SUM). ``vocab_size``: the
+    real V when W is padded (rows with global id >= V get no probability and a zero gradient).
+    Raises ValueError for mismatched shapes.
+    """
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or labels.shape != h.shape[:1]:
+        raise ValueError(f"linear cross-entropy shapes h {tuple(h.shape)}, weight {tuple(weight.shape)}, "
+                         f"labels {tuple(labels.shape)} do not match (N, C), (V, C), (N,)")
+    if vocab_size is not None and vocab_start + weight.shape[0] > vocab_size:
+        weight = weight[:max(0, vocab_size - vocab_start)]  # padded rows never enter a block
+    return LinearCrossEntropyFunction.apply(h, weight, labels.contiguous(), ignore_index, vocab_start, combine,
+                                            chunk_tokens, chunk_vocab)

@@ -1,0 +1,208 @@
+"""Collective timeouts and the flight recorder: every collective of ``parallel/comm.py`` and every
+message of ``parallel/pp/p2p.py`` is recorded here and waited for under a deadline.
+
+Why: a dead or hung peer otherwise leaves every other rank blocked in a collective until the
+process-group timeout (or forever), with nothing saying who stopped. Like PyTorch's NCCL flight
+recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``), each rank keeps its last N collectives -- op, mesh
+axis, bytes, per-rank sequence number, start / end time -- in a ring buffer. When a wait passes
+``parallel.collective_timeout_s`` the rank
+
+1. posts ``{"rank", "axis", "op", "seq"}`` to the process group's key-value store and waits a short
+   grace period for the peers of that group to post theirs (they time out too, at about the same
+   moment, when one peer is missing);
+2. names the peers that did not post -- the ranks that never reached (or never finished) the
+   collective: hung in compute, stuck elsewhere, or dead;
+3. writes its ring buffer to ``RUN_DIR/flight_recorder/rank{r}.json``, logs a ``collective_timeout``
+   event, and raises ``CollectiveTimeoutError`` naming this rank, the suspects, the axis and the op.
+
+The deadline is applied with ``Work.wait(timeout)``, which gloo honours on CPU. With NCCL a CPU wait
+with a timeout would serialise the host with every kernel, so on CUDA the recorder only records and
+the process group's own timeout (``init_process_group(timeout=...)``, the NCCL watchdog) is the
+deadline. The settings are per process (one recorder per rank, like NCCL's), set by
+``configure`` from ``ndtrain.train``; until then the timeout is 600 s and nothing is written.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective or p2p did not finish within ``parallel.collective_timeout_s``; the message
+    names this rank, the ranks suspected of hanging, the mesh axis, the op and its sequence number."""
+
+
+class FlightRecorder:
+    """Ring buffer of this rank's last ``capacity`` collectives (0 keeps none), with the deadline.
+
+    Entries: ``seq`` (per-rank counter of collectives issued), ``op``, ``axis``, ``bytes``,
+    ``t_start`` / ``t_end`` (Unix seconds; ``t_end`` None while in flight)."""
+
+    def __init__(self, capacity: int = 256, timeout_s: float = 600.0, run_dir: str | Path | None = None,
+                 grace_s: float | None = None):
+        self.entries: collections.deque = collections.deque(maxlen=max(capacity, 1))
+        self.capacity, self.timeout_s = capacity, float(timeout_s)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.grace_s = grace_s if grace_s is not None else min(10.0, max(1.0, 0.5 * self.timeout_s))
+        self.seq = 0
+        self.wait_s = 0.0  # seconds spent blocked in waits (the straggler report subtracts it)
+        self._lock = threading.Lock()  # pipeline receiver threads record too
+
+    def start(self, op: str, axis: str, nbytes: float, peer: int | None = None) -> dict:
+        """Record a collective being issued (``peer``: the group-local rank of a p2p's other end);
+        returns its entry (pass it to ``wait``)."""
+        with self._lock:
+            self.seq += 1
+            entry = {"seq": self.seq, "op": op, "axis": axis, "bytes": int(nbytes),
+                     "t_start": time.time(), "t_end": None, "peer": peer}
+            if self.capacity:
+                self.entries.append(entry)
+        return entry
+
+    def wait(self, work, entry: dict, group) -> None:
+        """``work.wait()`` under the deadline (gloo); on timeout report and raise
+        ``CollectiveTimeoutError``. Other errors of the wait propagate unchanged."""
+        if work is None:
+            return
+        t0 = time.perf_counter()
+        if _uses_timeout(group):
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                    raise
+                raise self.timeout_error(entry, group) from e
+        else:
+            work.wait()
+        entry["t_end"] = time.time()
+        self.wait_s += time.perf_counter() - t0
+
+    def timeout_error(self, entry: dict, group) -> CollectiveTimeoutError:
+        """Post this rank's state, find the peers that did not, dump the buffer; the error to raise."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        suspects = _suspects(group, rank, entry, self.grace_s)
+        path = self.dump(rank)
+        if suspects is None:
+            who = "the peers could not be polled (the store's host, rank 0, may be gone)"
+        elif suspects:
+            who = f"rank(s) {suspects} never reached or finished it (hung or dead)"
+        else:
+            who = "every peer of the group timed out too (a peer outside it may be stuck)"
+        msg = (f"rank {rank}: collective {entry['op']} #{entry['seq']} on mesh axis '{entry['axis']}' "
+               f"({entry['bytes']} bytes) did not finish within parallel.collective_timeout_s="
+               f"{self.timeout_s:g} s; {who}" + (f"; flight recorder: {path}" if path else ""))
+        if self.run_dir is not None:
+            from ndtrain.fault.events import log_event
+
+            log_event(self.run_dir, "collective_timeout", rank=rank, axis=entry["axis"], op=entry["op"],
+                      seq=entry["seq"], suspects=suspects, timeout_s=self.timeout_s)
+        return CollectiveTimeoutError(msg)
+
+    def dump(self, rank: int) -> Path | None:
+        """Write the buffer to ``RUN_DIR/flight_recorder/rank{rank}.json``; None without a run dir."""
+        if self.run_dir is None:
+            return None
+        path = self.run_dir / "flight_recorder" / f"rank{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            entries = [dict(e) for e in self.entries]
+        path.write_text(json.dumps({"rank": rank, "timeout_s": self.timeout_s, "entries": entries}, indent=1))
+        return path
+
+
+def _uses_timeout(group) -> bool:
+    pg = getattr(group, "pg", None)
+    try:
+        return pg is not None and dist.get_backend(pg) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _suspects(group, rank: int, entry: dict, grace_s: float) -> list[int] | None:
+    """Global ranks of ``group`` that posted no timeout of their own within ``grace_s``; None when
+    the store cannot tell (no default store, or its host -- rank 0 -- is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        peers = (dist.get_process_group_ranks(group.pg) if entry.get("peer") is None
+                 else [dist.get_global_rank(group.pg, entry["peer"])])
+        prefix = f"ndtrain/timeout/{group.name}/"
+        store.set(prefix + str(rank), json.dumps({"seq": entry["seq"], "op": entry["op"]}))
+        missing = [p for p in peers if p != rank]
+        deadline = time.monotonic() + grace_s
+        while missing and time.monotonic() < deadline:
+            missing = [p for p in missing if not store.check([prefix + str(p)])]
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - diagnosis only: the timeout error is raised regardless
+        return None
+    return missing
+
+
+RECORDER = FlightRecorder()
+
+
+def configure(timeout_s: float, capacity: int, run_dir: str | Path | None) -> FlightRecorder:
+    """Set this process's deadline, buffer size and run directory (``ndtrain.train`` calls it from
+    ``parallel.collective_timeout_s`` / ``flight_recorder_entries``); returns the recorder."""
+    global RECORDER
+    RECORDER = FlightRecorder(capacity, timeout_s, run_dir)
+    return RECORDER
+
+
+def recorder() -> FlightRecorder:
+    return RECORDER
+
+
+class _WorkList:
+    """Several Works (one ``batch_isend_irecv``) waited on as one, under one deadline."""
+
+    def __init__(self, works):
+        self.works = list(works or [])
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait(timeout=timeout) if timeout is not None else w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def run_batch_p2p(op: str, group, nbytes: float, launch, peer: int | None = None) -> TimedWork:
+    """``run_collective`` for ``launch()`` returning a list of Works (``dist.batch_isend_irecv``):
+    one recorded entry, one ``TimedWork`` whose ``wait()`` waits for all under the deadline."""
+    rec = RECORDER
+    entry = rec.start(op, group.name, nbytes, peer)
+    return TimedWork(rec, _WorkList(launch()), entry, group)
+
+
+class TimedWork:
+    """An async collective's Work whose ``wait()`` applies the deadline and closes its entry."""
+
+    def __init__(self, rec: FlightRecorder, work, entry: dict, group):
+        self.rec, self.work, self.entry, self.group = rec, work, entry, group
+
+    def wait(self, timeout=None) -> bool:
+        self.rec.wait(self.work, self.entry, self.group)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def run_collective(op: str, group, nbytes: float, launch, async_op: bool, peer: int | None = None):
+    """Issue ``launch()`` (which must start the collective with ``async_op=True``) under the
+    recorder; return a ``TimedWork`` when ``async_op``, else wait here under the deadline.
+    ``peer``: the other end of a p2p (group-local rank), the only rank a timeout can blame."""
+    rec = RECORDER
+    entry = rec.start(op, group.name, nbytes, peer)
+    work = launch()
+    if async_op:
+        return TimedWork(rec, work, entry, group)
+    rec.wait(work, entry, group)
+    return None

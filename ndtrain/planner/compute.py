@@ -1,0 +1,253 @@
+"""Compute time per operation: GEMMs by shape, FlashAttention, memory-bound ops at HBM bandwidth.
+
+One microbatch's forward on one rank is a list of operations, each timed on its own:
+
+* **GEMMs** (projections, SwiGLU, experts, output head; forward, input gradient, weight
+  gradient): FLOPs 2MNK at ``peak x gemm_efficiency x shape factor``, bounded below by the HBM
+  roofline (bytes of A, B and C once at ``hbm_efficiency`` x bandwidth; Williams et al. 2009).
+  The shape factor is the tile occupancy of the output (M x N cut into the kernel's tiles; the
+  padded tiles of the edges do no work) times the wave quantisation (``ceil(tiles / units)``
+  waves of ``units`` SMs / CUs, the last one partly idle; NVIDIA's "Matrix Multiplication
+  Background User's Guide", sections "Tile quantization" and "Wave quantization"). cuBLAS picks
+  the tile per shape, so the best of a big and a small tile counts (the small one at a lower
+  rate).
+* **Attention** (FlashAttention, Dao et al. 2022 / Dao 2023 / Shah et al. 2024): the executed
+  FLOPs (the causal half of the T x T pairs; forward 2 matmuls, backward 5 since it recomputes
+  QK^T) at ``peak x attention_efficiency``, bounded below by reading Q, K, V, O (+ dO, dQ, dK, dV
+  backward) once.
+* **Memory-bound ops** (RMSNorm, RoPE, SwiGLU's product, residual adds, fused cross entropy, MoE
+  permute / unpermute; backward twice the forward bytes): bytes at ``hbm_efficiency`` x HBM
+  bandwidth. With sequence parallelism the norms and residuals see tokens / tp.
+
+The per-generation constants (``GENERATIONS``; see docs/planner.md for the sources) are the only
+efficiency numbers; the same ones serve every model, layout and published run of a generation.
+``efficiency`` (``--efficiency``) replaces the model with v1's: every GEMM at that share of peak,
+attention at it times ``Accelerator.attention_gemm_ratio``, memory-bound ops free (absorbed).
+Units: seconds, FLOP/s, bytes, bytes/s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ndtrain.planner.hardware import COMPUTE_EFFICIENCY, Cluster
+
+
+@dataclass(frozen=True)
+class ComputeConstants:
+    """Efficiencies and GEMM geometry of one hardware generation (shares of datasheet peaks)."""
+
+    generation: str
+    gemm_efficiency: float  # large, tile-aligned 16-bit GEMMs at sustained clocks / dense peak
+    attention_efficiency: float  # FlashAttention fwd+bwd, executed FLOPs / dense peak
+    hbm_efficiency: float  # memory-bound kernels / HBM bandwidth
+    units: int  # SMs / CUs / MXU cores a GEMM's tiles are spread over (0: no quantisation)
+    tiles: tuple = ((256, 128, 1.0), (128, 128, 0.9))  # (tile M, tile N, rate relative to the big tile)
+    source: str = ""
+
+
+GENERATIONS = {
+    "ampere": ComputeConstants("ampere", 0.60, 0.45, 0.80, 108, source=(
+        "A100 SXM4: 108 SMs; cuBLAS 256x128 / 128x128 CTA tiles; FlashAttention-2 fwd+bwd 50-70% "
+        "of peak alone (Dao 2023), lower inside a training step; STREAM-like copies ~80% of HBM")),
+    "hopper": ComputeConstants("hopper", 0.58, 0.28, 0.85, 132, tiles=((128, 256, 1.0), (128, 128, 0.9)), source=(
+        "H100 / H200 / H800 / GH200 SXM: 132 SMs; wgmma 128x256 tiles; FlashAttention-3 fwd 75%, "
+        "bwd ~50% of peak alone (Shah et al. 2024), FlashAttention-2 35%")),
+    "blackwell": ComputeConstants("blackwell", 0.60, 0.40, 0.85, 148, tiles=((256, 256, 1.0), (128, 256, 0.9)),
+                                  source="B200: 148 SMs, 2-SM 256x256 tcgen05 tiles; Hopper's shares assumed"),
+    "cdna3": ComputeConstants("cdna3", 0.45, 0.30, 0.80, 304, tiles=((256, 256, 1.0), (256, 128, 0.9)), source=(
+        "MI300X: 304 CUs; hipBLASLt bf16 GEMMs reach ~45-55% of the 1,307 TFLOP/s datasheet peak "
+        "(SemiAnalysis, MI300X vs H100 training benchmark, Dec 2024); CK FlashAttention ~30%")),
+    "tpu": ComputeConstants("tpu", 0.65, 0.45, 0.85, 8, tiles=((128, 128, 1.0),), source=(
+        "TPU v4 / v5p: 2 TensorCores x 4 MXUs of 128x128 per chip (Jouppi et al. 2023); PaLM's "
+        "57.8% HFU on v4 (Chowdhery et al. 2022) bounds the GEMM share from below")),
+}
+GENERATION_OF = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100": "hopper", "H100-NVL": "hopper",
+                 "H800": "hopper", "H200": "hopper", "GH200": "hopper", "GH200-144GB": "hopper",
+                 "B200": "blackwell", "B200-NVL72": "blackwell", "MI300X": "cdna3", "TPUv4": "tpu",
+                 "TPUv5p": "tpu"}
+FLAT_EFFICIENCY = COMPUTE_EFFICIENCY  # v1's one constant: accelerators without a generation entry (cpu, custom)
+
+
+def compute_constants(acc, efficiency: float = 0.0) -> ComputeConstants | None:
+    """The constants of ``acc``'s generation, or None for the flat model (``efficiency`` > 0, or
+    an accelerator without an entry, which then runs at ``FLAT_EFFICIENCY``)."""
+    if efficiency > 0:
+        return None
+    gen = GENERATION_OF.get(acc.name)
+    return GENERATIONS[gen] if gen else None
+
+
+def gemm_shape_factor(m: int, n: int, c: ComputeConstants) -> float:
+    """Tile occupancy x wave quantisation of an (m x n) output, best over ``c.tiles`` (0..1]."""
+    if c.units <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn, rate in c.tiles:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / c.units)
+        occupancy = m * n / (tiles * tm * tn)
+        best = max(best, rate * occupancy * tiles / (waves * c.units))
+    return best
+
+
+def gemm_time(m: float, n: float, k: float, peak: float, hbm: float, c: ComputeConstants | None,
+              el_bytes: int = 2, efficiency: float = FLAT_EFFICIENCY) -> float:
+    """Seconds of one (m x k) @ (k x n) product: compute at the shape's efficiency, or the HBM
+    roofline of reading both inputs and writing the output once, whichever is longer."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k
+    if c is None:
+        return flops / (peak * efficiency)
+    rate = peak * c.gemm_efficiency * gemm_shape_factor(math.ceil(m), math.ceil(n), c)
+    io = el_bytes * (m * k + k * n + m * n) / (hbm * c.hbm_efficiency)
+    return max(flops / rate, io)
+
+
+def gemm_fwd_bwd(m: float, n: float, k: float, peak: float, hbm: float, c, el_bytes: int = 2,
+                 efficiency: float = FLAT_EFFICIENCY) -> tuple[float, float]:
+    """(forward, backward) seconds of a linear layer y = x W, x (m, k), W (k, n): backward is the
+    input gradient (m x n) @ (n x k) and the weight gradient (k x m) @ (m x n)."""
+    f = gemm_time(m, n, k, peak, hbm, c, el_bytes, efficiency)
+    b = gemm_time(m, k, n, peak, hbm, c, el_bytes, efficiency) + gemm_time(k, n, m, peak, hbm, c, el_bytes, efficiency)
+    return f, b
+
+
+@dataclass
+class OpTimes:
+    """Seconds of one microbatch on one rank by kind; ``fwd`` / ``bwd`` totals."""
+
+    gemm_fwd: float = 0.0
+    gemm_bwd: float = 0.0
+    head_fwd: float = 0.0  # output head GEMMs (16-bit even under float8)
+    head_bwd: float = 0.0
+    attn_fwd: float = 0.0
+    attn_bwd: float = 0.0
+    mem_fwd: float = 0.0  # memory-bound ops
+    mem_bwd: float = 0.0
+
+    @property
+    def fwd(self) -> float:
+        return self.gemm_fwd + self.head_fwd + self.attn_fwd + self.mem_fwd
+
+    @property
+    def bwd(self) -> float:
+        return self.gemm_bwd + self.head_bwd + self.attn_bwd + self.mem_bwd
+
+
+def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, count) of one block's forward GEMMs on one rank (TP splits n of column-parallel and
+    k of row-parallel layers; EP: the rank's E / ep experts, each fed tokens * top_k * ep / E rows)."""
+    h, a, D = spec.dim, spec.n_heads, spec.head_dim
+    if spec.kv_lora_rank:  # MLA: the down / up projections as one h-wide GEMM, then the output
+        v = spec.v_head_dim or D
+        proj = spec.attn_params - h - a * v * h
+        out = [(tokens, proj / h / tp, h, 1), (tokens, h, a * v / tp, 1)]
+    else:
+        out = [(tokens, (a + 2 * spec.n_kv_heads) * D / tp, h, 1), (tokens, h, a * D / tp, 1)]
+    if not moe:
+        f = spec.ffn_hidden / tp
+        return out + [(tokens, 2 * f, h, 1), (tokens, h, f, 1)]
+    out.append((tokens, spec.n_experts, h, 1))  # router (replicated)
+    if spec.n_shared_experts:
+        fs = spec.n_shared_experts * spec.shared_ffn_hidden / tp
+        out += [(tokens, 2 * fs, h, 1), (tokens, h, fs, 1)]
+    rows = tokens * spec.top_k * ep / spec.n_experts
+    fe, local = spec.moe_ffn_hidden / tp, max(1, spec.n_experts // ep)
+    return out + [(rows, 2 * fe, h, local), (rows, h, fe, local)]
+
+
+def block_memory_bytes(spec, tokens: float, tp: int, sp: bool, moe: bool, e: int = 2) -> float:
+    """Forward bytes of one block's memory-bound ops on one rank: 2 RMSNorms and 2 residual adds
+    (read + write h per token; tokens / tp under SP), RoPE of q and k, SwiGLU's product (read 2f,
+    write f), MoE permute + unpermute of the top-k copies."""
+    h, D = spec.dim, spec.head_dim
+    seq = tokens / tp if sp else tokens
+    norms_res = seq * e * (2 * 2 * h + 2 * 3 * h)
+    rope = tokens * e * 2 * (spec.n_heads + spec.n_kv_heads) * D / tp
+    if moe:
+        f = (spec.top_k * spec.moe_ffn_hidden + spec.n_shared_experts * spec.shared_ffn_hidden) / tp
+        perm = 4 * tokens * spec.top_k * h * e
+    else:
+        f, perm = spec.ffn_hidden / tp, 0.0
+    return norms_res + rope + tokens * e * 3 * f + perm
+
+
+def attention_times(spec, tokens: float, seq_len: int, tp: int, peak: float, hbm: float, c,
+                    ratio: float, efficiency: float = FLAT_EFFICIENCY, e: int = 2) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's FlashAttention core on one rank: ``tokens`` queries
+    each attending to half of ``seq_len`` keys on average (causal); backward 2.5x the forward FLOPs."""
+    fwd_flops = spec.attention_flops_per_layer(seq_len) / 6.0 * tokens / tp
+    d_qk = spec.head_dim + (spec.qk_rope_head_dim if spec.kv_lora_rank else 0)
+    d_v = (spec.v_head_dim or spec.head_dim) if spec.kv_lora_rank else spec.head_dim
+    qkvo = tokens * e * spec.n_heads / tp * (2 * d_qk + 2 * d_v)  # q, k, v, o (kv heads <= heads)
+    if c is None:
+        rate = peak * efficiency * ratio
+        return fwd_flops / rate, 2.5 * fwd_flops / rate
+    rate = peak * c.attention_efficiency
+    bw = hbm * c.hbm_efficiency
+    return max(fwd_flops / rate, qkvo / bw), max(2.5 * fwd_flops / rate, 2 * qkvo / bw)
+
+
+def stage_op_times(spec, cluster: Cluster, seq_len: int, lay, n_dense: int, n_moe: int, last: bool,
+                   efficiency: float = 0.0) -> tuple[OpTimes, float]:
+    """Seconds of one microbatch's forward and backward on one rank of a stage with ``n_dense`` +
+    ``n_moe`` blocks (``last``: + output head, cross entropy and MTP modules), and the forward
+    seconds of one attention layer (what a CP ring exchange overlaps with). Block GEMMs run at the
+    compute dtype's peak (FP8 under float8), the head and attention at the 16-bit peak."""
+    acc = cluster.accelerator
+    c = compute_constants(acc, efficiency)
+    eff = efficiency or FLAT_EFFICIENCY
+    lin, hi, hbm = cluster.peak_flops_per_s, cluster.mfu_peak_flops_per_s, acc.hbm_bytes_per_s
+    el = 1 if cluster.is_fp8 else 2
+    tokens = lay.microbatch * seq_len / lay.cp
+    out = OpTimes()
+    for count, moe in ((n_dense, False), (n_moe, True)):
+        if not count:
+            continue
+        for m, n, k, times in block_gemms(spec, tokens, lay.tp, lay.ep, moe):
+            f, b = gemm_fwd_bwd(m, n, k, lin, hbm, c, el, eff)
+            out.gemm_fwd += count * times * f
+            out.gemm_bwd += count * times * b
+        if c is not None:
+            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (hbm * c.hbm_efficiency)
+            out.mem_fwd += count * mem
+            out.mem_bwd += count * 2 * mem
+    n_attn = n_dense + n_moe + (spec.mtp_depth if last else 0)
+    af, ab = attention_times(spec, tokens, seq_len, lay.tp, hi, hbm, c, acc.attention_gemm_ratio, eff)
+    out.attn_fwd, out.attn_bwd = n_attn * af, n_attn * ab
+    if last:
+        _add_head(out, spec, tokens, lay, lin, hi, hbm, c, el, eff)
+    return out, af
+
+
+def _add_head(out: OpTimes, spec, tokens, lay, lin, hi, hbm, c, el, eff) -> None:
+    """Output head (x (1 + MTP depth)), fused cross entropy over V / tp logits (read bf16, fp32
+    math; backward writes the logits' gradient), and the MTP modules' projection and block."""
+    passes = 1 + spec.mtp_depth
+    f, b = gemm_fwd_bwd(tokens, spec.vocab_size / lay.tp, spec.dim, hi, hbm, c, 2, eff)
+    out.head_fwd += passes * f
+    out.head_bwd += passes * b
+    if c is not None:
+        ce = passes * tokens * spec.vocab_size / lay.tp * 2 * 2 / (hbm * c.hbm_efficiency)
+        out.mem_fwd += ce
+        out.mem_bwd += ce
+    for _ in range(spec.mtp_depth):
+        moe = spec.last_layer_is_moe
+        shapes = [(tokens, spec.dim, 2 * spec.dim / lay.tp, 1)] + block_gemms(spec, tokens, lay.tp, lay.ep, moe)
+        for m, n, k, times in shapes:
+            f, b = gemm_fwd_bwd(m, n, k, lin, hbm, c, el, eff)
+            out.gemm_fwd += times * f
+            out.gemm_bwd += times * b
+        if c is not None:
+            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (hbm * c.hbm_efficiency)
+            out.mem_fwd += mem
+            out.mem_bwd += 2 * mem
+
+
+def optimizer_seconds(state_bytes: float, acc, efficiency: float = 0.0) -> float:
+    """The optimizer step: reads and writes its local state once (``state_bytes`` moved) at HBM
+    bandwidth x the generation's ``hbm_efficiency`` (1.0 under the flat model, as in v1)."""
+    c = compute_constants(acc, efficiency)
+    return state_bytes / (acc.hbm_bytes_per_s * (c.hbm_efficiency if c else 1.0))
