@@ -45,7 +45,10 @@ def _config_cmd(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"unknown config section {args.section!r}{did_you_mean(args.section, sections)}; "
                           f"sections: {', '.join(sections)}")
-    print(format_keys(keys, args.section))
+    try:
+        print(format_keys(keys, args.section), flush=True)
+    except BrokenPipeError:  # `ndtrain config keys | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

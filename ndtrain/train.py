@@ -179,7 +179,7 @@ def _start(r: _Run) -> None:
     own = ckpt.usable_checkpoint(r.ckpt_root, r.run_dir) if c.resume else None  # verified, else the previous
     if own or c.load_from:
         path = own or Path(c.load_from)
-        key = "the run's newest checkpoint" if own else "checkpoint.load_from"
+        key = "the run's newest usable checkpoint" if own else "checkpoint.load_from"
         step = _read_meta(path, key)["step"]
         if not own:
             ckpt.require_verified(path, key)  # the run's own was verified by usable_checkpoint

@@ -129,7 +129,7 @@ def test_own_checkpoint_wins_over_load_from_and_clear_errors(tmp_path, capsys):
     assert f"resumed from {src2} (checkpoint.load_from) at step 2" in capsys.readouterr().out
     run(_cfg(tmp_path, **over, **{"checkpoint.load_from": str(src2)}), tmp_path / "b", data)
     own = tmp_path / "b" / "checkpoints" / "step_00000004"
-    assert f"resumed from {own} (the run's newest checkpoint) at step 4" in capsys.readouterr().out
+    assert f"resumed from {own} (the run's newest usable checkpoint) at step 4" in capsys.readouterr().out
     full, b = _losses(tmp_path / "other"), _losses(tmp_path / "b")
     assert sorted(b) == [3, 4, 5, 6]  # steps 3-4 once, then 5-6 after the own step-4 checkpoint
     for step in (3, 4, 5, 6):
