@@ -22,20 +22,21 @@ def default_run_dir(config: str) -> Path:
     return Path("runs") / Path(config).stem
 
 
-def _latest_step(run_dir: Path) -> int | None:
-    """Step of the newest checkpoint the resume would use: complete *and* verified against its
-    manifest (``ndtrain.fault.integrity.verify``, read-only here), so a damaged newest checkpoint
-    never makes a run look finished when the resume would fall back to the one before."""
+def _end_step(run_dir: Path, end: int) -> int | None:
+    """Step of the newest complete checkpoint, verified against its manifest only when that step
+    decides something here (>= ``end``): then a damaged checkpoint is skipped as the resume would
+    skip it (``ndtrain.fault.integrity.verify``, read-only). Below ``end`` the launch goes ahead
+    either way and the resume verifies, so the files are not read twice."""
     from ndtrain.checkpoint import complete_checkpoints
     from ndtrain.fault.integrity import verify
 
     for path in reversed(complete_checkpoints(Path(run_dir) / "checkpoints")):
-        if verify(path) is not None:
-            continue
         try:
-            return int(json.loads((Path(path) / "meta.json").read_text())["step"])
+            step = int(json.loads((Path(path) / "meta.json").read_text())["step"])
         except (OSError, ValueError, KeyError):
             continue
+        if step < end or verify(path) is None:
+            return step
     return None
 
 
@@ -47,10 +48,10 @@ def finished_message(cfg: Config, run_dir: Path) -> str | None:
     is past ``training.steps``."""
     if not cfg.checkpoint.resume:
         return None
-    step = _latest_step(run_dir)
+    t = cfg.training
+    step = _end_step(run_dir, min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps)
     if step is None:
         return None
-    t = cfg.training
     if step > t.steps:
         raise ConfigError(f"--run-dir {run_dir}: its newest checkpoint is at step {step}, past "
                           f"training.steps ({t.steps}); raise training.steps, or start a new run "

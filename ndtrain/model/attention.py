@@ -84,20 +84,31 @@ class Attention(nn.Module):
         """
         return causal_attention(q, k, v)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+    def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+        """Decoding: q (B, H, T, D) after ``past`` cached tokens, k / v (B, G, past + T, D) ->
+        (B, H, T, D). Mixers that restrict what a query sees (a sliding window) override it."""
+        return causal_attention(q, k, v, q_offset=past)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (B, T, C) -> q (B, H, T, D), k / v (B, G, T, D) with RoPE on q and k; H, G local heads."""
         b, t, _ = x.shape
         d = self.head_dim
-        q = self.wq(x).view(b, t, -1, d)  # (B, T, H, D), H local heads
+        q = self.wq(x).view(b, t, -1, d)  # (B, T, H, D)
         k = self.wk(x).view(b, t, -1, d)  # (B, T, G, D)
         v = self.wv(x).view(b, t, -1, d)  # (B, T, G, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads back to the model width: (B, H, T, D) -> wo -> (B, T, C)."""
+        b, _, t, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         if kv_cache is None:
-            out = self.core(q, k, v)  # (B, H, T, D)
-        else:
-            past = kv_cache.length
-            k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
-            out = causal_attention(q, k, v, q_offset=past)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
-        return self.wo(out)  # (B, T, C)
+            return self.merge(self.core(q, k, v))
+        past = kv_cache.length
+        k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
+        return self.merge(self.cached_core(q, k, v, past))

@@ -124,11 +124,7 @@ class SparseAttention(Attention):
         return torch.einsum("btj,btjs->bts", w, per_head), ki
 
     def forward(self, x, cos, sin, kv_cache=None):
-        b, t, _ = x.shape
-        d = self.head_dim
-        q, k, v = (w(x).view(b, t, -1, d) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
+        q, k, v = self.project(x, cos, sin)  # (B, H|G, T, D)
         train_index = kv_cache is None and self.training and torch.is_grad_enabled()
         past = kv_cache.length if kv_cache is not None else 0
         prev = kv_cache.states.get(self.layer_id, {}).get("k_index") if past else None
@@ -144,4 +140,4 @@ class SparseAttention(Attention):
             k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
             kv_cache.states[self.layer_id] = {"k_index": ki}
             out = dense_topk_attention(q, k, v, idx, valid)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
+        return self.merge(out)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.model.attention import Attention
-from ndtrain.model.rope import apply_rope
 
 
 def band_mask(t: int, s: int, window: int, q_offset: int, device) -> torch.Tensor:
@@ -65,16 +64,5 @@ class SlidingWindowAttention(Attention):
     def core(self, q, k, v):
         return window_attention(q, k, v, self.window)
 
-    def forward(self, x, cos, sin, kv_cache=None):
-        b, t, _ = x.shape
-        d = self.head_dim
-        q, k, v = (w(x).view(b, t, -1, d) for w in (self.wq, self.wk, self.wv))  # (B, T, H|G, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
-        if kv_cache is None:
-            out = self.core(q, k, v)
-        else:
-            past = kv_cache.length
-            k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
-            out = dense_window_attention(q, k, v, self.window, q_offset=past)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
+    def cached_core(self, q, k, v, past):
+        return dense_window_attention(q, k, v, self.window, q_offset=past)

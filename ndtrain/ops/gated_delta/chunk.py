@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.ops.linear_attn.chunk import chunk_pad, decay_matrix
-from ndtrain.ops.linear_attn.naive import compute_dtype
+from ndtrain.ops.linear_attn.chunk import chunk_pad, chunk_view, decay_matrix
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -33,16 +32,9 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
 
     Raises ValueError for chunk_size < 1.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    dt = compute_dtype(v)
+    dt, c, n_pad, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
     b, h, t, dk = k.shape
-    dv = v.shape[-1]
-    c = min(chunk_size, max(t, 1))
-    n_pad = (-t) % c
-    n = (t + n_pad) // c
-    qc, kc, vc = (chunk_pad(x.to(dt), n_pad).view(b, h, n, c, -1) for x in (q, k, v))  # (B, H, N, C, *)
-    g = chunk_pad(log_decay.to(dt), n_pad).view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    dv, n = v.shape[-1], qc.shape[2]
     bc = chunk_pad(beta.to(dt), n_pad).view(b, h, n, c, 1)  # (B, H, N, C, 1)
     dmat = decay_matrix(g)  # (B, H, N, C, C), gamma_i / gamma_j on and below the diagonal
     strict = torch.ones(c, c, dtype=torch.bool, device=v.device).tril(-1)

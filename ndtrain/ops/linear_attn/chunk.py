@@ -25,6 +25,29 @@ def chunk_pad(x: torch.Tensor, n_pad: int, dim: int = 2) -> torch.Tensor:
     return F.pad(x, pad)
 
 
+def chunk_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None,
+               chunk_size: int):
+    """The chunking both chunked mixers share: q, k (B, H, T, K), v (B, H, T, V), log_decay
+    (B, H, T) | None -> ``(dt, c, n_pad, qc, kc, vc, g)`` with qc / kc / vc (B, H, N, C, *) in the
+    compute dtype ``dt``, C = min(chunk_size, T), T padded by ``n_pad`` to N chunks, and g
+    (B, H, N, C) the cumulative log decay inside each chunk (zeros when ``log_decay`` is None).
+
+    Raises ValueError for chunk_size < 1."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
+    dt = compute_dtype(v)
+    b, h, t, _ = k.shape
+    c = min(chunk_size, max(t, 1))
+    n_pad = (-t) % c
+    n = (t + n_pad) // c
+    qc, kc, vc = (chunk_pad(x.to(dt), n_pad).view(b, h, n, c, -1) for x in (q, k, v))  # (B, H, N, C, *)
+    if log_decay is None:
+        g = torch.zeros(b, h, n, c, dtype=dt, device=v.device)
+    else:
+        g = chunk_pad(log_decay.to(dt), n_pad).view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    return dt, c, n_pad, qc, kc, vc, g
+
+
 def decay_matrix(g: torch.Tensor) -> torch.Tensor:
     """(..., C) cumulative log decays -> (..., C, C) with e^(g_i - g_j) on and below the diagonal, 0
     above (masked before the exponential so no inf appears, in the forward or the backward)."""
@@ -43,19 +66,9 @@ def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Raises ValueError for chunk_size < 1.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
-    dt = compute_dtype(v)
+    dt, c, _, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
     b, h, t, dk = k.shape
-    dv = v.shape[-1]
-    c = min(chunk_size, max(t, 1))
-    n_pad = (-t) % c
-    n = (t + n_pad) // c
-    qc, kc, vc = (chunk_pad(x.to(dt), n_pad).view(b, h, n, c, -1) for x in (q, k, v))  # (B, H, N, C, *)
-    if log_decay is None:
-        g = torch.zeros(b, h, n, c, dtype=dt, device=v.device)
-    else:
-        g = chunk_pad(log_decay.to(dt), n_pad).view(b, h, n, c).cumsum(-1)  # (B, H, N, C)
+    dv, n = v.shape[-1], qc.shape[2]
     intra = (qc @ kc.transpose(-1, -2)) * decay_matrix(g)  # (B, H, N, C, C)
     k_to_end = kc * (g[..., -1:] - g).exp()[..., None]  # (B, H, N, C, K)
     state = (torch.zeros(b, h, dk, dv, dtype=dt, device=v.device) if initial_state is None
