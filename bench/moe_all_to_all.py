@@ -48,9 +48,9 @@ def _rank(rank: int, world: int) -> dict:
     sent = []  # rows this rank sent to other ranks per dispatch
     orig = ep_mod.AllToAllV.apply
 
-    def spy(x, out_splits, in_splits, group):
+    def spy(x, out_splits, in_splits, group, *rest):
         sent.append(sum(in_splits) - in_splits[group.rank])
-        return orig(x, out_splits, in_splits, group)
+        return orig(x, out_splits, in_splits, group, *rest)
 
     ep_mod.AllToAllV.apply = spy
     x = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(rank))
@@ -66,6 +66,7 @@ def _rank(rank: int, world: int) -> dict:
     res = {"ep": ep, "rank": rank, "tokens_per_rank": n, "theory_per_direction": theory,
            "measured_fwd": fwd, "exact_fwd": exact_fwd, "measured_fwd_bwd": fwd + bwd,
            "ratio_fwd_vs_2x_theory": fwd / (2 * theory), "ratio_fwd_bwd_vs_4x_theory": (fwd + bwd) / (4 * theory),
+           "tally_fwd_bwd": moe_layers(model)[0].stats.a2a_bytes,  # the per-layer counter behind moe_a2a_bytes
            "load_max_mean": float(moe_layers(model)[0].stats.counts.max() / moe_layers(model)[0].stats.counts.mean())}
     return res
 

@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from ndtrain.config import load_config
 from ndtrain.planner.calibrate import compare_with_runs, format_comparison, load_run, predict_memory
-from ndtrain.planner.eager_axes_time import rate_spec
+from ndtrain.planner.eager_axes_time import axis_collective_gap, rate_spec
 from ndtrain.planner.measure import measure_collectives, measure_matmul_flops, measure_sync_latency
 from ndtrain.planner.measure_eager import measure_eager_rates, measure_trainer_baseline_rss
+from ndtrain.planner.measure_ep import measure_ep_imbalance
 from ndtrain.planner.model_spec import from_model_config
 
 MODEL = {"model.vocab_size": 512, "model.dim": 384, "model.n_layers": 6, "model.n_heads": 6,
@@ -80,6 +81,45 @@ def _train(run_dir: Path, nproc: int, extra: dict, steps: int, env: dict) -> flo
     if res.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def _rates(rspec, lcfg, mb: int, t_local: int, nproc: int, moe) -> dict:
+    """``measure_eager_rates`` at one rank's shapes, and for each axis with blocking collectives in
+    the step (tp, cp, ep) the cost of one of them at the layout's message size and compute gap
+    (``<axis>_collective_s``, ``measure_sync_latency``; ``<axis>_gap_s`` the gap asked for,
+    ``<axis>_gap_measured_s`` the loop's)."""
+    p = lcfg.parallel
+    rates = measure_eager_rates(rspec, mb, t_local, 1, nproc, cp=p.cp, moe_model=moe, tp=p.tp, ep=p.ep)
+    for axis in ("tp", "cp", "ep"):
+        if getattr(p, axis) > 1:
+            where = axis_collective_gap(from_model_config(lcfg.model), lcfg, rates, axis)
+            sync = measure_sync_latency(world=nproc, nbytes=where["nbytes"], gap_s=where["gap_s"])
+            rates.update({f"{axis}_collective_s": sync["per_collective_s"], f"{axis}_gap_s": where["gap_s"],
+                          f"{axis}_gap_measured_s": sync["gap_measured_s"]})
+    return rates
+
+
+def _busy_and_wait(runs: list, per_run: list) -> dict:
+    """Measured: the median over timed steps of the slowest rank's busy time (its step minus its
+    waits in collectives and pipeline receives: the trainer's flight recorder) and the rest of
+    the step, and the ranks' mean busy time (what the compute parts predict when the ranks' work
+    differs, as under skewed EP routing); predicted: the parts that compute and those that wait
+    (communication, bubble, the wait for the busiest EP rank)."""
+    busy, wait, mean_busy = [], [], []
+    for run in runs:
+        for r in load_run(run)[1][2:]:
+            if r.get("per_rank"):
+                b = max(x[2] for x in r["per_rank"])
+                busy.append(b)
+                wait.append(r["step_time_s"] - b)
+                mean_busy.append(statistics.fmean(x[2] for x in r["per_rank"]))
+    waits = [sum(v for k, v in r["step_breakdown_s"].items() if k.endswith("comm") or k in ("bubble", "ep_imbalance"))
+             for r in per_run]
+    comp = [r["predicted_step_s"] - w for r, w in zip(per_run, waits)]
+    return {"measured_busy_s": statistics.median(busy) if busy else None,
+            "measured_busy_mean_s": statistics.median(mean_busy) if mean_busy else None,
+            "measured_wait_s": statistics.median(wait) if wait else None,
+            "predicted_compute_s": statistics.fmean(comp), "predicted_wait_s": statistics.fmean(waits)}
 
 
 def _mean(a: dict, b: dict) -> dict:
@@ -126,9 +166,9 @@ def main(argv=None) -> int:
             rspec = rate_spec(from_model_config(lcfg.model), lcfg)  # one rank's local shapes
             cp = lcfg.parallel.cp
             moe = dataclasses.asdict(lcfg.model) if lcfg.model.moe_experts else None
-            before = measure_eager_rates(rspec, mb, T // cp, 1, nproc, cp=cp, moe_model=moe)
+            before = _rates(rspec, lcfg, mb, T // cp, nproc, moe)
             wall = _train(run, nproc, extra, args.steps, env)
-            after = measure_eager_rates(rspec, mb, T // cp, 1, nproc, cp=cp, moe_model=moe)
+            after = _rates(rspec, lcfg, mb, T // cp, nproc, moe)
             runs_here = [run]
             if rnd == 0:  # RSS with glibc returning freed blocks (short run)
                 runs_here.append(root / f"{name}-rss")
@@ -136,10 +176,22 @@ def main(argv=None) -> int:
             for r in runs_here:
                 worlds[str(r)], bases[str(r)] = nproc, info[name]["baseline_bytes"]
             rates[str(run)] = _mean(before, after)
+            if lcfg.parallel.ep > 1:  # the run's routing skew, replayed in one process (measure_ep)
+                lcfg.training.steps = args.steps
+                imb = measure_ep_imbalance(lcfg, nproc, skip_first=2)
+                rates[str(run)]["moe_imbalance"] = imb["moe_imbalance"]
+                info[name].setdefault("moe_imbalance_per_step", []).append(imb["per_step"])
             info[name]["runs"].append(str(run))
             info[name]["rates"] += [before, after]
-            print(f"{name} (round {rnd}): {wall:.0f} s, matmul at the model's shapes "
-                  f"{before['gemm_flops_per_s'] / 1e9:.0f} -> {after['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s",
+            info[name].setdefault("load_avg_1min", []).append(os.getloadavg()[0])
+            tp_sync = "".join(f", {a} collective at a {before[a + '_gap_s'] * 1e3:.1f} ms gap "
+                              f"{before[a + '_collective_s'] * 1e3:.2f} -> {after[a + '_collective_s'] * 1e3:.2f} ms"
+                              for a in ("tp", "cp", "ep") if a + "_collective_s" in before)
+            if "moe_imbalance" in rates[str(run)]:
+                tp_sync += (f", ep experts {before['moe_experts_s'] * 1e3:.1f} ms of the MoE layer's "
+                            f"{before['moe_mlp_s'] * 1e3:.1f} ms, routing skew {rates[str(run)]['moe_imbalance']:.2f}")
+            print(f"{name} (round {rnd}): {wall:.0f} s, load {os.getloadavg()[0]:.1f}, matmul at the model's shapes "
+                  f"{before['gemm_flops_per_s'] / 1e9:.0f} -> {after['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s{tp_sync}",
                   flush=True)
     rows = []
     for name in names:  # memory from round 0; step time: mean prediction vs median of all timed steps
@@ -151,6 +203,7 @@ def main(argv=None) -> int:
         row["step_rel_err"] = row["predicted_step_s"] / row["measured_step_s"] - 1
         row["per_round"] = [{k: r[k] for k in ("predicted_step_s", "measured_step_s", "step_rel_err")}
                             for r in per_run]
+        row.update(_busy_and_wait(info[name]["runs"], per_run))
         _, rr = load_run(root / f"{name}-rss")
         rss = max(r["peak_mem_bytes"] for r in rr)
         row.update(measured_rss_fixed_threshold_bytes=rss, rss_fixed_rel_err=row["predicted_mem_bytes"] / rss - 1)
@@ -165,8 +218,15 @@ def main(argv=None) -> int:
                      f"{row['measured_rss_fixed_threshold_bytes'] / 2**20:6.0f}M {row['rss_fixed_rel_err']:+7.1%}  "
                      f"{row['activation_peak_at']} / {row['live_peak_at']} / "
                      + ", ".join(f"{r['step_rel_err']:+.0%}" for r in row["per_round"]))
+    lines.append(f"\n{'layout':<16} {'compute: pred':>13} {'busy meas':>9} {'(rank mean)':>11} {'wait: pred':>10} "
+                 f"{'meas':>6}")
+    for name, row in zip(names, rows):
+        b, bm, w = row["measured_busy_s"], row["measured_busy_mean_s"], row["measured_wait_s"]
+        lines.append(f"{name:<16} {row['predicted_compute_s']:12.2f}s " + (f"{b:8.2f}s" if b else f"{'-':>9}")
+                     + (f" {bm:10.2f}s" if bm else f" {'-':>11}")
+                     + f" {row['predicted_wait_s']:9.2f}s " + (f"{w:5.2f}s" if w is not None else f"{'-':>6}"))
     print("\n".join(lines))
-    out = {"model": MODEL, "steps": args.steps, "rounds": args.rounds, "threads_per_rank": 1, "comm": comm,
+    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "model": MODEL, "steps": args.steps, "rounds": args.rounds, "threads_per_rank": 1, "comm": comm,
            "matmul_peak_flops_per_s": mm["peak"], "layouts": names, "rows": rows, "details": info,
            "predicted_memory": {n: {k: v for k, v in predict_memory(load_run(r)[0], worlds[str(r)],
                                                                      bases[str(r)]).items()

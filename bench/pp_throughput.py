@@ -2,7 +2,7 @@
 
 Three measurements, 4 gloo processes on this machine:
 
-A. Throughput vs m (GPipe, 1F1B, interleaved v = 2, ZB-H1) on a toy pipeline whose stages do
+A. Throughput vs m (GPipe, 1F1B, interleaved v = 2, ZB-H1, DualPipeV for m >= 2p) on a toy pipeline whose stages do
    equal, deterministic work (sleeps: F = t, B = t input grad + t weight grad per rank's share,
    halved per chunk for v = 2), so the numbers show the schedule, not this machine's CPU.
    Reported per (schedule, m): microbatches/s of the fastest of ``--steps`` steps, the mean
@@ -11,12 +11,14 @@ A. Throughput vs m (GPipe, 1F1B, interleaved v = 2, ZB-H1) on a toy pipeline who
 B. Peak activation memory per stage, real tiny Transformer (dim 128, 8 layers, T 128, one sequence
    per microbatch, float32, m = 8): ``ndtrain.mem_account.ActivationMeter`` on each rank for every
    schedule, and the ratio to the same stage's peak with m = 1 (one microbatch in flight). GPipe
-   holds all m microbatches; 1F1B at most p - r on rank r (Narayanan 2021).
+   holds all m microbatches; 1F1B at most p - r on rank r (Narayanan 2021). DualPipeV needs
+   m >= 2p, so its ratio is to 1F1B's m = 1 peak on the same rank (both hold 2 of the 8 layers).
 C. Timeline PNGs (``--docs``): planned (simulated) and measured (toy, m = 8) for each schedule in
    ``docs/pp_<planned|measured>_<schedule>.png``.
 
-Usage: ``python bench/pp_throughput.py [--ms 1,2,4,8,16] [--t 0.01] [--steps 3] [--docs]``; writes
-``bench/results/pp_throughput.json``.
+Usage: ``python bench/pp_throughput.py [--ms 1,2,4,8,16] [--t 0.01] [--steps 3] [--docs]
+[--scheds dualpipev,...]``; writes ``bench/results/pp_throughput.json`` (with ``--scheds``, only
+those schedules' entries are replaced in the existing file).
 """
 from __future__ import annotations
 
@@ -36,10 +38,14 @@ from tests.dist_utils import run_ranks
 from tests.parallel.test_pp import SleepStage
 
 P = 4
-SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("dualpipev", 2))
 
 
-def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool) -> dict:
+def _ms(sched: str, ms: list[int]) -> list[int]:
+    return [m for m in ms if sched != "dualpipev" or m >= 2 * P]  # DualPipeV: m >= 2p
+
+
+def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: set, scheds) -> dict:
     from ndtrain.mesh import ParallelDims
     from ndtrain.parallel.pp.observe import ActionTimer
     from ndtrain.parallel.pp.runtime import PipelineRuntime
@@ -47,12 +53,12 @@ def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool)
 
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()
     out = {}
-    for sched, v in SCHEDS:
+    for sched, v in scheds:
         chunks = [SleepStage(t / v, first=(rank == 0 and c == 0)) for c in range(v)]
         rt = PipelineRuntime(chunks, mesh.group("pp"), sched, lambda y, _: y.sum())
         timer = ActionTimer()  # timing is an observer: the runtime itself does no timing
         rt.observers.append(timer)
-        for m in ms:
+        for m in _ms(sched, ms):
             x = torch.zeros(m, 2, dtype=torch.long)
             best = None
             for _ in range(steps + 1):  # + 1 warm-up step
@@ -63,7 +69,7 @@ def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool)
             span = best.end - best.start
             row = {"span_s": span, "mb_per_s": m / span, "bubble_mean": sum(best.bubbles()) / world,
                    "bubble_per_rank": best.bubbles(), "formula": bubble_formula(sched, world, m, v)}
-            if docs and m == 8 and rank == 0:
+            if sched in docs and m == 8 and rank == 0:
                 render_png(best, ROOT / "docs" / f"pp_measured_{sched}.png",
                            f"measured {sched} (toy stages, F = {1000 * t / v:.0f} ms per chunk): p={world}, m=8"
                            + (f", v={v}" if v > 1 else ""))
@@ -72,7 +78,7 @@ def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: bool)
     return out
 
 
-def _memory(rank: int, world: int, m_values: list[int]) -> dict:
+def _memory(rank: int, world: int, m_values: list[int], scheds) -> dict:
     from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
     from ndtrain.mesh import ParallelDims
     from ndtrain.train import Trainer
@@ -80,13 +86,14 @@ def _memory(rank: int, world: int, m_values: list[int]) -> dict:
     torch.set_num_threads(1)
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()
     out = {}
-    for sched, v in SCHEDS:
-        for m in m_values:
+    for sched, v in scheds:
+        for m in _ms(sched, m_values):
             cfg = Config(model=ModelConfig(vocab_size=256, dim=128, n_layers=8, n_heads=4, ffn_hidden=344,
                                            max_seq_len=128, rope_theta=10000.0),
                          data=DataConfig(seq_len=128),
                          training=TrainingConfig(dtype="float32", global_batch_size=m, micro_batch_size=1),
-                         parallel=ParallelConfig(pp=world, pp_schedule=sched, pp_virtual_stages=v,
+                         parallel=ParallelConfig(pp=world, pp_schedule=sched,
+                                                 pp_virtual_stages=v if sched == "interleaved" else 1,
                                                  pp_microbatches=m))
             tr = Trainer(cfg, mesh, torch.device("cpu"))
             tr.measure_memory = True  # the step meters live activation storages per stage
@@ -108,37 +115,50 @@ def main() -> None:
     ap.add_argument("--t", type=float, default=0.01, help="toy F time per rank share, seconds")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--docs", action="store_true", help="write timeline PNGs into docs/")
+    ap.add_argument("--scheds", default="", help="comma-separated subset (merged into the existing JSON)")
     args = ap.parse_args()
     ms = [int(x) for x in args.ms.split(",")]
+    scheds = tuple(sv for sv in SCHEDS if not args.scheds or sv[0] in args.scheds.split(","))
+    out = ROOT / "bench" / "results" / "pp_throughput.json"
     res = {"p": P, "t_s": args.t, "machine": "CPU, gloo, 4 local processes"}
+    if args.scheds and out.exists():
+        res = json.loads(out.read_text())
 
-    toy = run_ranks(_toy, P, ms, args.t, args.steps, args.docs, timeout_s=1200)[0]
+    docs = {s for s, _ in scheds} if args.docs else set()  # PNGs of the requested schedules only
+    if not any(s == "gpipe" for s, _ in scheds):  # the ratio to GPipe needs its rows
+        scheds = (("gpipe", 1),) + scheds
+    toy = run_ranks(_toy, P, ms, args.t, args.steps, docs, scheds, timeout_s=1200)[0]
     ideal = 1.0 / (3 * args.t)  # microbatches / s with no bubble: each rank works 3 t per microbatch
     print(f"A. toy pipeline, p={P}, F={1000 * args.t:.0f} ms, B=2F: microbatches/s (ratio to bubble-free "
           f"{ideal:.1f}/s; idle measured vs formula)")
-    print(f"{'m':>4} " + " ".join(f"{s:>30}" for s, _ in SCHEDS))
+    print(f"{'m':>4} " + " ".join(f"{s:>30}" for s, _ in scheds))
     for m in ms:
         cells = []
-        for s, _ in SCHEDS:
-            r = toy[f"{s}/m{m}"]
+        for s, _ in scheds:
+            r = toy.get(f"{s}/m{m}")
+            if r is None:
+                cells.append("-")
+                continue
             r["ratio_to_ideal"] = r["mb_per_s"] / ideal
             r["ratio_to_gpipe"] = r["mb_per_s"] / toy[f"gpipe/m{m}"]["mb_per_s"]
             cells.append(f"{r['mb_per_s']:6.1f} ({r['ratio_to_ideal']:.2f}) {100 * r['bubble_mean']:4.1f}%"
                          f"/{100 * r['formula']:4.1f}%")
         print(f"{m:>4} " + " ".join(f"{c:>30}" for c in cells))
-    res["toy"] = {k: {kk: vv for kk, vv in v.items() if kk != "text"} for k, v in toy.items()}
-    for s, _ in SCHEDS:
+    res.setdefault("toy", {}).update({k: {kk: vv for kk, vv in v.items() if kk != "text"} for k, v in toy.items()})
+    for s, _ in scheds:
         if "text" in toy.get(f"{s}/m8", {}):
             print(toy[f"{s}/m8"]["text"])
             res.setdefault("timelines_text", {})[s] = toy[f"{s}/m8"]["text"]
 
-    mem = run_ranks(_memory, P, [1, 8], timeout_s=1200)
+    if not any(s == "1f1b" for s, _ in scheds):  # DualPipeV's memory unit is 1F1B's m = 1 peak
+        scheds = scheds + (("1f1b", 1),)
+    mem = run_ranks(_memory, P, [1, 8], scheds, timeout_s=1200)
     print("B. peak activation bytes per stage, tiny Transformer (dim 128, 8 layers, T 128, mb 1), m = 8"
           " (ratio to the same stage with m = 1)")
-    res["memory"] = {}
-    for s, _ in SCHEDS:
+    res.setdefault("memory", {})
+    for s, _ in scheds:
         row = [mem[r][f"{s}/m8"]["peak_act_bytes"] for r in range(P)]
-        unit = [mem[r][f"{s}/m1"]["peak_act_bytes"] for r in range(P)]
+        unit = [mem[r][f"{s if s != 'dualpipev' else '1f1b'}/m1"]["peak_act_bytes"] for r in range(P)]
         ratio = [a / b for a, b in zip(row, unit)]
         res["memory"][s] = {"peak_act_bytes_m8": row, "peak_act_bytes_m1": unit, "ratio": ratio,
                             "step_s_m8": [mem[r][f"{s}/m8"]["step_s"] for r in range(P)]}
@@ -147,9 +167,8 @@ def main() -> None:
     if args.docs:
         from ndtrain.parallel.pp.viz import planned_timeline, render_png
 
-        for s, v in SCHEDS:
+        for s, v in (sv for sv in scheds if sv[0] in docs):
             render_png(planned_timeline(s, P, 8, v), ROOT / "docs" / f"pp_planned_{s}.png")
-    out = ROOT / "bench" / "results" / "pp_throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")

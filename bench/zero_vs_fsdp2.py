@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--override", nargs="*", default=[], help="section.key=value")
+    ap.add_argument("--out", default=None, help="result path (default bench/results/zero_vs_fsdp2_<dtype>.json)")
     args = ap.parse_args()
     from ndtrain.spawn import spawn
 
@@ -125,7 +126,7 @@ def main() -> None:
     res = spawn(_worker, args.nproc, (args,), backend="gloo", threads=threads)[0]  # rank 0's numbers
     res.update(baseline="torch.distributed.fsdp.fully_shard (FSDP2), gloo", config=args.config,
                overrides=args.override, torch=torch.__version__)
-    dest = ROOT / "bench" / "results" / f"zero_vs_fsdp2_{res['dtype']}.json"
+    dest = Path(args.out) if args.out else ROOT / "bench" / "results" / f"zero_vs_fsdp2_{res['dtype']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

@@ -1,6 +1,7 @@
 """``ndtrain`` command line: ``train``, ``plan``, ``config keys`` and ``--version``.
 
-    ndtrain train --config PRESET_OR_PATH [--nproc N] [--run-dir DIR] [--print-config] [--section.key=value ...]
+    ndtrain train --config PRESET_OR_PATH [--nproc N] [--run-dir DIR] [--print-config]
+                  [--profile | --profile-steps A:B] [--section.key=value ...]
     ndtrain config keys [--section SECTION]
     ndtrain --version
 
@@ -23,7 +24,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     world = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise ConfigError(f"--nproc ({world}) must be >= 1")
-    cfg = load_config(args.config, parse_cli_overrides(extra), world_size=world)
+    over = parse_cli_overrides(extra)
+    if args.profile_steps is not None:  # sugar for --logging.profile_steps (ndtrain.profiling)
+        over["logging.profile_steps"] = args.profile_steps
+    cfg = load_config(args.config, over, world_size=world)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
@@ -74,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-restarts", type=int, default=0,
                     help="restart all local ranks from the newest checkpoint after one dies, at most this "
                          "many times (events in RUN_DIR/events.jsonl; under torchrun use torchrun's flag)")
+    from ndtrain.profiling import DEFAULT_WINDOW
+
+    tr.add_argument("--profile-steps", "--profile", dest="profile_steps", nargs="?", const=DEFAULT_WINDOW,
+                    default=None, metavar="A:B",
+                    help="write a torch.profiler Chrome trace of optimizer steps A..B (inclusive) to "
+                         "RUN_DIR/profile/trace_steps_A-B_rank_R.json; --profile alone traces "
+                         f"{DEFAULT_WINDOW} (= --logging.profile_steps=A:B)")
     tr.add_argument("--print-config", action="store_true",
                     help="print the resolved config (preset + overrides, validated) as YAML and exit")
     cf = sub.add_parser("config", help="list every config key with its default and meaning")

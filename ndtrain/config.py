@@ -128,13 +128,28 @@ def parse_cli_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (plain YAML keeps the last one
+    silently, so a repeated section would hide an edit to the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(preset: str = "default", overrides: dict[str, Any] | None = None,
                 world_size: int | None = None) -> Config:
     """Read a preset, apply overrides, validate (against ``world_size`` when given)."""
     cfg = Config()
     path = resolve_preset(preset)
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:  # one line naming file and line, not a parser traceback
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

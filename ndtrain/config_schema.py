@@ -33,11 +33,18 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest position the RoPE table covers
     tie_embeddings: bool = False  # output head shares the token embedding
     init_std: float = 0.02  # std of the normal init of linear / embedding weights
+    attn_head_dim: int = 0  # softmax-attention head dim D (0 = dim / n_heads); Qwen3 uses 128 at dim 2048, 32 heads
+    qk_norm: bool = False  # RMSNorm (weight of head_dim, eps norm_eps) on each q / k head before RoPE (Qwen3)
+    block_ffn: bool = True  # false: blocks are norm + token mixer only, no ffn_norm / feed_forward (Mamba-2)
+    attn_output_gate: bool = False  # gated attention: heads' output times sigmoid(wg x) per channel before wo (Qwen3-Next)
+    rope_partial_factor: float = 1.0  # RoPE rotates the first int(head_dim * f) dims of each head, the rest pass (Qwen3-Next 0.25)
     # --- Mixture of Experts (ndtrain.model.moe); moe_experts == 0 keeps every layer dense ---
     moe_experts: int = 0  # routed experts E per MoE layer (0 = dense model)
     moe_top_k: int = 2  # routed experts per token, 1..8
     moe_shared_experts: int = 0  # always-on experts per MoE layer, each moe_ffn_hidden wide (DeepSeekMoE)
     moe_ffn_hidden: int = 0  # SwiGLU hidden of one expert (0 = ffn_dim; smaller = fine-grained experts)
+    moe_shared_ffn_hidden: int = 0  # SwiGLU hidden of the shared experts together (0 = moe_shared_experts * moe_ffn_hidden; Qwen3-Next's own size)
+    moe_shared_gate: bool = False  # shared-expert output times sigmoid(x w_g), one scalar per token (Qwen3-Next shared_expert_gate)
     moe_score: str = "softmax"  # softmax | sigmoid: router score function (sigmoid: DeepSeek-V3)
     moe_renormalize: bool = True  # rescale the selected top-k scores to sum to 1
     moe_route_scale: float = 1.0  # multiplies the routed weights (DeepSeek-V3 routed_scaling_factor)
@@ -69,9 +76,11 @@ class ModelConfig:
     linear_value_heads: int = 0  # gated_deltanet value heads, a multiple of linear_heads (0 = linear_heads)
     linear_value_head_dim: int = 0  # gated_deltanet value head dim V (0 = linear_key_head_dim)
     linear_conv_kernel: int = 4  # short causal depthwise convolution width (mamba2, gated_deltanet)
+    linear_norm_eps: float = 1e-6  # gated_deltanet output (gated) RMSNorm epsilon (Qwen3-Next: rms_norm_eps)
     mamba_state_dim: int = 16  # mamba2 SSM state size N per head
     mamba_head_dim: int = 0  # mamba2 head dim P (0 = head_dim)
     mamba_expand: int = 2  # mamba2 inner width = mamba_expand * dim
+    mamba_groups: int = 1  # mamba2 B / C groups (HF n_groups): heads share B, C and the gated-norm group per group
     swa_window: int = 0  # sliding_window: each query sees itself and the previous swa_window - 1 tokens
     dsa_top_k: int = 0  # dsa: keys each query attends to (chosen by the indexer)
     dsa_index_heads: int = 4  # dsa: indexer heads (head dim = head_dim)
@@ -90,9 +99,17 @@ class ModelConfig:
         return self.moe_ffn_hidden or self.ffn_dim
 
     @property
+    def shared_ffn_dim(self) -> int:
+        """SwiGLU hidden of an MoE layer's shared experts together (0 without shared experts)."""
+        if not self.moe_shared_experts:
+            return 0
+        return self.moe_shared_ffn_hidden or self.moe_shared_experts * self.expert_ffn_dim
+
+    @property
     def rope_dim(self) -> int:
-        """Dims per head that RoPE rotates: head_dim, or MLA's decoupled slice."""
-        return self.mla_rope_dim if self.attention == "mla" else self.head_dim
+        """Dims per head that RoPE rotates: head_dim (its first ``rope_partial_factor`` share), or
+        MLA's decoupled slice."""
+        return self.mla_rope_dim if self.attention == "mla" else int(self.head_dim * self.rope_partial_factor)
 
     @property
     def kv_heads(self) -> int:
@@ -100,7 +117,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -145,6 +162,9 @@ class TrainingConfig:
     grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
     activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
     kernels: str = "eager"  # eager | triton | auto: op implementations (ndtrain.ops.select; auto = triton with CUDA)
+    fused_loss: bool = False  # output head + cross-entropy fused, chunked, never the (B, T, V) logits (Triton with kernels=triton, else PyTorch; ndtrain.parallel.fused_head)
+    compile: bool = False  # torch.compile each transformer block's forward (hooks, checkpointing and ZeRO stay eager; ndtrain.parallel.compile)
+    fp8: bool = False  # torchao float8 training of the blocks' linear layers (CUDA sm89+, pip install 'ndtrain[fp8]'); MFU then uses the fp8 peak
     eval_every: int = 0  # steps between validation passes (0 = only at the end)
     eval_batches: int = 4  # global batches per validation pass
     sample_every: int = 0  # steps between generated samples (0 = only at the end)
@@ -174,9 +194,10 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # zero_stage 3: free gathered params after each unit's forward
     keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
+    expert_tp: int = 1  # MoE experts under tp: 1 = whole experts per tp rank, tp = each expert's hidden split over tp
     cp_impl: str = "ring"  # ring | ulysses
     cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev (2 chunks per rank in a V)
     pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
     pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
     bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
@@ -203,6 +224,7 @@ class LoggingConfig:
     peak_flops_per_s: float = 0.0  # override the accelerator peak used for MFU (0 = table / bench)
     progress: str = "auto"  # auto | rich | plain (auto: rich live bar on a terminal; plain lines off a TTY or under CI)
     tensorboard: bool = False  # also write every metric to RUN_DIR/tensorboard (needs the tensorboard package)
+    profile_steps: str = ""  # "A:B": torch.profiler Chrome trace of steps A..B to RUN_DIR/profile/ ("" = off; ndtrain.profiling)
 
 
 @dataclass

@@ -3,8 +3,10 @@
 * ``to_hf``: a run directory's checkpoint (any layout: it stores whole tensors under single-process
   names) -> a Hugging Face folder (safetensors shards, config.json, generation_config.json,
   tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load in one
-  call; Llama, Mixtral or DeepSeek-V3 by the model (``ndtrain.hf.save_hf_checkpoint``).
-* ``from_hf``: a Hugging Face Llama / Mixtral / DeepSeek-V3 folder -> an ndtrain checkpoint folder
+  call; Llama, Mixtral, DeepSeek-V3, Qwen3-MoE, Mamba-2 or Qwen3-Next by the model
+  (``ndtrain.hf.save_hf_checkpoint``).
+* ``from_hf``: a Hugging Face Llama / Mixtral / DeepSeek-V3 / Qwen3-MoE / Mamba-2 / Qwen3-Next
+  folder (by its ``model_type``; ``ndtrain.hf.load_hf_checkpoint``) -> an ndtrain checkpoint folder
   for ``checkpoint.init_weights_from`` (or ``load_from``-style inspection):
 
       OUT/meta.json            step 0, the source folder (what ``init_weights_from`` checks)

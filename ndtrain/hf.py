@@ -6,7 +6,9 @@ writes both the transformers 4 keys (``rope_theta``, ``rope_scaling``) and the t
 (``rope_parameters``); import accepts either. Llama 3.1 RoPE scaling maps to ``rope_type: llama3``.
 Fields a config.json omits take ``transformers.LlamaConfig``'s defaults (``hf_common.with_family_defaults``;
 without transformers a missing numeric field raises ValueError). Mixtral / DeepSeek-V3 folders are
-imported by ``ndtrain.hf_moe`` and MoE / MLA models exported by ``ndtrain.hf_moe_export``.
+imported by ``ndtrain.hf_moe`` and MoE / MLA models exported by ``ndtrain.hf_moe_export``;
+Qwen3-MoE by ``ndtrain.hf_qwen3_moe``, Mamba-2 by ``ndtrain.hf_mamba2`` (both ways, by model_type /
+model options).
 """
 from __future__ import annotations
 
@@ -27,9 +29,35 @@ from ndtrain.hf_common import (
     with_family_defaults,
     write_hf_folder,
 )
+from ndtrain.hf_mamba2 import (
+    config_from_hf_mamba2,
+    config_to_hf_mamba2,
+    is_mamba2,
+    state_dict_from_hf_mamba2,
+    state_dict_to_hf_mamba2,
+)
 from ndtrain.hf_moe import load_hf_moe_checkpoint
 from ndtrain.hf_moe_export import config_to_hf_moe, is_hf_moe_exportable, state_dict_to_hf_moe
+from ndtrain.hf_qwen3_moe import (
+    config_from_hf_qwen3_moe,
+    config_to_hf_qwen3_moe,
+    is_qwen3_moe,
+    state_dict_from_hf_qwen3_moe,
+    state_dict_to_hf_qwen3_moe,
+)
+from ndtrain.hf_qwen3_next import (
+    config_from_hf_qwen3_next,
+    config_to_hf_qwen3_next,
+    is_qwen3_next_exportable,
+    state_dict_from_hf_qwen3_next,
+    state_dict_to_hf_qwen3_next,
+)
 from ndtrain.model import Transformer
+
+# model_type -> (config.json dict -> ModelConfig, (HF state dict, cfg) -> ndtrain state dict)
+_IMPORTERS = {"qwen3_moe": (config_from_hf_qwen3_moe, state_dict_from_hf_qwen3_moe),
+              "mamba2": (config_from_hf_mamba2, state_dict_from_hf_mamba2),
+              "qwen3_next": (config_from_hf_qwen3_next, state_dict_from_hf_qwen3_next)}
 
 # ndtrain block-relative name -> HF name within "model.layers.{i}."
 _LAYER_MAP = {
@@ -142,8 +170,9 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
     hf = json.loads((folder / "config.json").read_text())
     if hf.get("model_type") in ("mixtral", "deepseek_v3"):  # MoE families: ndtrain.hf_moe
         return load_hf_moe_checkpoint(folder, device, dtype)
-    cfg = config_from_hf(hf)
-    return cfg, model_from_state_dict(cfg, state_dict_from_hf(read_safetensors(folder), cfg), device, dtype)
+    to_cfg, to_sd = _IMPORTERS.get(hf.get("model_type"), (config_from_hf, state_dict_from_hf))
+    cfg = to_cfg(hf)
+    return cfg, model_from_state_dict(cfg, to_sd(read_safetensors(folder), cfg), device, dtype)
 
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path, tokenizer=None,
@@ -152,18 +181,27 @@ def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path,
     safetensors (sharded past ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and,
     given an ndtrain ``tokenizer``, its files for ``AutoTokenizer.from_pretrained`` (and its EOS id
     in both configs). Llama for a dense MHA / GQA model, Mixtral / DeepSeek-V3 for an MoE / MLA one
-    (``ndtrain.hf_moe_export``); ValueError if it fits none of them (e.g. a ``model.layer_pattern``
-    with linear / Mamba-2 / Gated DeltaNet / window / sparse mixers: no exported family has them)."""
+    (``ndtrain.hf_moe_export``), Qwen3-MoE for a ``qk_norm`` one (``ndtrain.hf_qwen3_moe``), Mamba-2
+    for an all-``M`` mixer-only one (``ndtrain.hf_mamba2``), Qwen3-Next for Gated DeltaNet / gated
+    attention (``ndtrain.hf_qwen3_next``); ValueError if it fits none of them (e.g.
+    a hybrid ``model.layer_pattern``, or mixer-only blocks with other mixers)."""
     from ndtrain.mixer_spec import non_softmax_mixers
 
-    others = non_softmax_mixers(cfg)
-    if others:
-        raise ValueError(f"Hugging Face export covers softmax-attention models (Llama, Mixtral, "
-                         f"DeepSeek-V3); this model's layer_pattern {cfg.layer_pattern!r} uses "
-                         f"{', '.join(others)}")
     sd = model.state_dict()
     dtype = next(iter(sd.values())).dtype
-    if is_hf_moe_exportable(cfg):
+    others = non_softmax_mixers(cfg)
+    if is_mamba2(cfg):  # ndtrain.hf_mamba2
+        hf_sd, hf_cfg = state_dict_to_hf_mamba2(sd, cfg), config_to_hf_mamba2(cfg, dtype)
+    elif is_qwen3_next_exportable(cfg):  # Gated DeltaNet / gated attention: ndtrain.hf_qwen3_next
+        hf_sd, hf_cfg = state_dict_to_hf_qwen3_next(sd, cfg), config_to_hf_qwen3_next(cfg, dtype)
+    elif others or not cfg.block_ffn:
+        raise ValueError(f"Hugging Face export covers softmax-attention models with feed-forwards (Llama, "
+                         f"Mixtral, DeepSeek-V3, Qwen3-MoE), Qwen3-Next and all-Mamba-2 mixer-only ones "
+                         f"(block_ffn false); this model's layer_pattern {cfg.layer_pattern!r} uses "
+                         f"{', '.join(others) or 'attention'}, block_ffn {cfg.block_ffn}")
+    elif is_qwen3_moe(cfg):  # QK-norm attention: ndtrain.hf_qwen3_moe
+        hf_sd, hf_cfg = state_dict_to_hf_qwen3_moe(sd, cfg), config_to_hf_qwen3_moe(cfg, dtype)
+    elif is_hf_moe_exportable(cfg):
         hf_sd, hf_cfg = state_dict_to_hf_moe(sd, cfg), config_to_hf_moe(cfg, dtype)
     else:
         hf_sd, hf_cfg = state_dict_to_hf(sd, cfg), config_to_hf(cfg, dtype)

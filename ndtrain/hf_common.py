@@ -13,7 +13,8 @@ from ndtrain.config import ModelConfig
 from ndtrain.model import Transformer
 
 # model_type -> the transformers config class whose defaults fill fields a config.json omits
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "deepseek_v3": "DeepseekV3Config"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mixtral": "MixtralConfig", "deepseek_v3": "DeepseekV3Config",
+                  "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config", "qwen3_next": "Qwen3NextConfig"}
 
 
 def with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:

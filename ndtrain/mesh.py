@@ -13,9 +13,11 @@ ranks. Two more groups follow:
 
 * ``ep``  = one chunk: the ranks that split the experts between them (all-to-all dispatch);
 * ``edp`` = dp_replicate x (dp_shard x cp / ep): ranks holding the *same* experts, over which
-  expert gradients are reduced (the expert-data-parallel group).
+  expert gradients are reduced (the expert-data-parallel group);
+* ``edp_shard`` = dp_shard x cp / ep: the part of ``edp`` inside one dp_shard x cp block, over
+  which ZeRO shards the expert parameters (``ndtrain.parallel.zero.domains``).
 
-With ep = 1, ``ep`` has size 1 and ``edp`` is ``dp_cp``.
+With ep = 1, ``ep`` has size 1, ``edp`` is ``dp_cp`` and ``edp_shard`` is ``dp_shard_cp``.
 
 ``ParallelDims`` of all ones works in one process without ``init_process_group``: every group is a
 size-1 ``AxisGroup`` whose collectives are no-ops. The mesh is an explicit value passed down, never
@@ -165,6 +167,8 @@ class Mesh:
             self._groups["ep"] = AxisGroup("ep", 1, 0, None, self.stats)
             dp_cp = self._groups["dp_cp"]
             self._groups["edp"] = AxisGroup("edp", dp_cp.size, dp_cp.rank, dp_cp.pg, self.stats)
+            sc = self._groups["dp_shard_cp"]
+            self._groups["edp_shard"] = AxisGroup("edp_shard", sc.size, sc.rank, sc.pg, self.stats)
             return
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -174,6 +178,10 @@ class Mesh:
         self.ep_device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         ep_mesh = self.ep_device_mesh["ep"]
         self._groups["ep"] = AxisGroup("ep", d.ep, ep_mesh.get_local_rank(), ep_mesh.get_group(), self.stats)
+        n_shard = d.dp_shard * d.cp // d.ep
+        sub = self.ep_device_mesh["edp_shard"] if n_shard > 1 else None
+        self._groups["edp_shard"] = AxisGroup("edp_shard", n_shard, sub.get_local_rank() if sub else 0,
+                                              sub.get_group() if sub else None, self.stats)
         edp_size = d.dp_replicate * d.dp_shard * d.cp // d.ep
         if edp_size == 1:
             self._groups["edp"] = AxisGroup("edp", 1, 0, None, self.stats)

@@ -15,7 +15,10 @@ T x T pairs (causal masking not subtracted, as in PaLM). Recompute from activati
     MFU = model FLOPs per token * tokens per second / (peak FLOP/s per device * devices)
 
 Peak FLOP/s comes from a datasheet table for known accelerators (dense, no sparsity) or, on CPU, a
-short matmul benchmark at start-up for the run's dtype, cached per CPU model / thread count.
+short matmul benchmark at start-up for the run's dtype, cached per CPU model / thread count. With
+``training.fp8`` the peak is the device's dense fp8 peak (twice bf16 on Hopper), so fp8 MFU is not
+inflated by the faster matmuls. Each row names its peak in ``mfu_peak`` (``peak_basis``), e.g.
+"H100 fp8 datasheet", "cpu float32 measured", "override".
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ PEAK_FLOPS = {
 }
 
 
+# Dense fp8 (e4m3) tensor-core peak per device, same sources; absent = no fp8 tensor cores.
+FP8_PEAK_FLOPS = {"H100": 1978.9e12, "H200": 1978.9e12, "B200": 4500e12, "MI300X": 2614.9e12}
+
+
 class UnknownPeak(ValueError):
     """The accelerator is not in the table; MFU is reported as unknown rather than wrong."""
 
@@ -67,12 +74,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         d_qk, d_v = dn + dr, dv
     else:
         hd, kv = cfg.head_dim, cfg.kv_heads
-        attn = d * h * hd * 2 + d * kv * hd * 2  # wq, wo, wk, wv
+        attn = d * h * hd * 2 + d * kv * hd * 2 + (2 * hd if cfg.qk_norm else 0)  # wq, wo, wk, wv (q/k norms)
+        attn += d * h * hd if cfg.attn_output_gate else 0  # wg (Qwen3-Next gated attention)
         d_qk = d_v = hd
 
     def layer(i: int) -> int:
+        if not cfg.block_ffn:  # mixer-only block (Mamba-2): one norm, no feed-forward
+            return attn + d
         if cfg.is_moe_layer(i):  # router + (top_k routed + shared) SwiGLU experts
-            ffn = d * cfg.moe_experts + 3 * d * cfg.expert_ffn_dim * (cfg.moe_top_k + cfg.moe_shared_experts)
+            ffn = d * cfg.moe_experts + 3 * d * (cfg.expert_ffn_dim * cfg.moe_top_k + cfg.shared_ffn_dim)
+            ffn += d if cfg.moe_shared_gate and cfg.moe_shared_experts else 0  # Qwen3-Next shared-expert gate
         else:
             ffn = 3 * d * cfg.ffn_dim
         return attn + ffn + 2 * d  # + two norms
@@ -98,7 +109,7 @@ def _block_forward_flops(cfg: ModelConfig, seq_len: int) -> list[tuple[float, fl
     out, prev = [], flops_per_token(dataclasses.replace(base, n_layers=0), seq_len)
     for i in range(cfg.n_layers):  # a prefix of i + 1 layers keeps the pattern (partial periods count)
         cur = flops_per_token(dataclasses.replace(base, n_layers=i + 1), seq_len)
-        width = cfg.expert_ffn_dim * (cfg.moe_top_k + cfg.moe_shared_experts) if cfg.is_moe_layer(i) else cfg.ffn_dim
+        width = cfg.expert_ffn_dim * cfg.moe_top_k + cfg.shared_ffn_dim if cfg.is_moe_layer(i) else cfg.ffn_dim
         out.append(((cur - prev) / 3.0, 2.0 * cfg.dim * width,  # last matmul: the down projection(s)
                     core if kinds[i] == "attention" else 0.0))
         prev = cur
@@ -143,12 +154,29 @@ def hfu_factor(cfg: ModelConfig, seq_len: int, policy: str) -> float:
     return 1.0 + recompute_flops_per_token(cfg, seq_len, policy) / flops_per_token(cfg, seq_len)
 
 
-def gpu_peak_flops(name: str, dtype: str) -> float:
-    """Peak FLOP/s of a GPU by device name (e.g. "NVIDIA H100 80GB HBM3"); raises UnknownPeak."""
-    for key, table in PEAK_FLOPS.items():
-        if key in name.upper().replace(" ", ""):
-            return table[dtype]
-    raise UnknownPeak(f"unknown peak FLOP/s for {name!r}; set logging.peak_flops_per_s")
+def _gpu_key(name: str) -> str | None:
+    return next((key for key in PEAK_FLOPS if key in name.upper().replace(" ", "")), None)
+
+
+def gpu_peak_flops(name: str, dtype: str, fp8: bool = False) -> float:
+    """Peak FLOP/s of a GPU by device name (e.g. "NVIDIA H100 80GB HBM3") for ``dtype``, or its fp8
+    peak with ``fp8``; raises UnknownPeak."""
+    key = _gpu_key(name)
+    if key is not None and (not fp8 or key in FP8_PEAK_FLOPS):
+        return FP8_PEAK_FLOPS[key] if fp8 else PEAK_FLOPS[key][dtype]
+    raise UnknownPeak(f"unknown {'fp8 ' if fp8 else ''}peak FLOP/s for {name!r}; set logging.peak_flops_per_s")
+
+
+def peak_basis(device: torch.device, dtype: str, override: float = 0.0, fp8: bool = False) -> str:
+    """Which peak ``peak_flops`` returns, in words (the ``mfu_peak`` field of metrics rows):
+    "override", "<GPU> <fp8|dtype> datasheet", "cpu <dtype> measured", or "unknown"."""
+    if override > 0:
+        return "override"
+    if device.type == "cuda":
+        key = _gpu_key(torch.cuda.get_device_name(device))
+        ok = key is not None and (not fp8 or key in FP8_PEAK_FLOPS)
+        return f"{key} {'fp8' if fp8 else dtype} datasheet" if ok else "unknown"
+    return f"cpu {'best of bfloat16 / float32' if dtype == 'float16' else dtype} measured"
 
 
 def _cache_dir() -> Path:
@@ -192,13 +220,14 @@ def cpu_peak_flops(dtype: str, n: int = 1024, seconds: float = 0.4) -> float:
     return best
 
 
-def peak_flops(device: torch.device, dtype: str, override: float = 0.0) -> float | None:
-    """Peak FLOP/s of one device: override, datasheet table, or CPU benchmark; None if unknown."""
+def peak_flops(device: torch.device, dtype: str, override: float = 0.0, fp8: bool = False) -> float | None:
+    """Peak FLOP/s of one device: override, datasheet table (the fp8 peak with ``fp8``), or CPU
+    benchmark; None if unknown. ``peak_basis`` names which."""
     if override > 0:
         return override
     if device.type == "cuda":
         try:
-            return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+            return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, fp8)
         except UnknownPeak:
             return None
     if dtype == "float16":
@@ -261,15 +290,29 @@ def format_line(row: dict) -> str:
     parts = [f"step {row['step']:>5}"]
     parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[:5] if key in row]
     if "mfu" in row:
-        parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
+        basis = f" of {row['mfu_peak']} peak" if row.get("mfu_peak") and row["mfu"] is not None else ""
+        parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%{basis}")
     if row.get("hfu") is not None:
         parts.append(f"hfu {100 * row['hfu']:.1f}%")
     parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[5:] if key in row]
     if "moe_load_max_mean" in row:
-        parts.append(f"load max/mean {row['moe_load_max_mean']:.2f} drop {100 * row['moe_dropped_frac']:.1f}%")
+        parts.append(_moe_part(row))
     if "peak_mem_bytes" in row:
         parts.append(f"mem {row['peak_mem_bytes'] / 2**20:,.0f} MiB")
     return " | ".join(parts)
+
+
+def _moe_part(row: dict) -> str:
+    """MoE load of the step (``ndtrain.model.moe_balance.end_step``): max/mean ratio, the busiest
+    expert's and the mean tokens per expert over the global batch, dropped share, and the expert-
+    parallel all-to-all bytes of the step summed over ranks (shown when non-zero)."""
+    part = f"load max/mean {row['moe_load_max_mean']:.2f}"
+    if "moe_tokens_per_expert_max" in row:
+        part += f" ({row['moe_tokens_per_expert_max']:,.0f}/{row['moe_tokens_per_expert_mean']:,.0f} tok)"
+    part += f" drop {100 * row['moe_dropped_frac']:.1f}%"
+    if row.get("moe_a2a_bytes"):
+        part += f" a2a {row['moe_a2a_bytes'] / 2**20:,.1f} MiB"
+    return part
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

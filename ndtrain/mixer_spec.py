@@ -69,7 +69,8 @@ def linear_dims(m) -> dict[str, int]:
     p = m.mamba_head_dim or m.dim // m.n_heads
     return {"k_heads": hk, "k_dim": dk, "v_heads": m.linear_value_heads or hk,
             "v_dim": m.linear_value_head_dim or dk, "conv": m.linear_conv_kernel,
-            "d_inner": d_inner, "m_heads": d_inner // p, "m_head_dim": p, "m_state": m.mamba_state_dim}
+            "d_inner": d_inner, "m_heads": d_inner // p, "m_head_dim": p, "m_state": m.mamba_state_dim,
+            "m_groups": getattr(m, "mamba_groups", 1)}
 
 
 def mixer_params(m, kind: str, attention_params: int) -> int:
@@ -84,9 +85,9 @@ def mixer_params(m, kind: str, attention_params: int) -> int:
     if kind == "linear":
         return 4 * d * m.n_heads * (d // m.n_heads)
     if kind == "mamba2":
-        di, n, nh, kc = x["d_inner"], x["m_state"], x["m_heads"], x["conv"]
-        conv_ch = di + 2 * n
-        return d * (2 * di + 2 * n + nh) + conv_ch * (kc + 1) + 3 * nh + di + di * d
+        di, gn, nh, kc = x["d_inner"], x["m_groups"] * x["m_state"], x["m_heads"], x["conv"]
+        conv_ch = di + 2 * gn
+        return d * (2 * di + 2 * gn + nh) + conv_ch * (kc + 1) + 3 * nh + di + di * d
     if kind == "gated_deltanet":
         key, val, hv = x["k_heads"] * x["k_dim"], x["v_heads"] * x["v_dim"], x["v_heads"]
         return d * (2 * key + 2 * val) + d * 2 * hv + (2 * key + val) * x["conv"] + 2 * hv + x["v_dim"] + val * d
@@ -118,20 +119,38 @@ def non_softmax_mixers(m) -> tuple[str, ...]:
     return tuple(sorted(set(parse_pattern(m.layer_pattern)) - {"attention"}))
 
 
-def check_mixer_layout(mixers: tuple[str, ...], tp: int = 1, cp: int = 1, pp: int = 1) -> None:
-    """Parallel composition of the non-softmax mixers (state-passing CP, head-split TP, PP stages)
-    is not built yet: tp / cp / pp > 1 are rejected for them (ZeRO, DDP, activation checkpointing
-    and bf16 need nothing from a mixer). Raises ``ConfigError`` naming the rule."""
+def check_mixer_layout(mixers: tuple[str, ...], tp: int = 1, cp: int = 1, pp: int = 1, m=None) -> None:
+    """Parallel composition of the non-softmax mixers (ZeRO, DDP, activation checkpointing and bf16
+    need nothing from a mixer; TP splits each by heads, PP by layers). ``m`` (a ``ModelConfig`` /
+    ``MixerFields``; None skips the size rules) gives the head counts checked against ``tp``.
+    Raises ``ConfigError`` naming the rule."""
     from ndtrain.errors import require
 
     if not mixers:
         return
-    if set(mixers) & set(LINEAR_MIXERS):
-        require(cp == 1, "model.layer_pattern with linear mixers needs cp == 1 (state-passing CP is not built yet)")
-    others = list(mixers)
-    require(cp == 1, f"model.layer_pattern with {others} needs cp == 1 (not built yet)")
-    require(tp == 1, f"model.layer_pattern with {others} needs tp == 1 (head-split TP of these mixers is not built yet)")
-    require(pp == 1, f"model.layer_pattern with {others} needs pp == 1 (not built yet)")
+    # cp: linear mixers pass states, sliding windows their last keys (ndtrain.parallel.cp.rules)
+    require(cp == 1 or "dsa" not in mixers, "model.layer_pattern with dsa needs cp == 1 (the indexer "
+                                            "scores every earlier key: not built under cp)")
+    # tp: every mixer splits by heads (ndtrain.parallel.tp.mixer_plan); pp: mixers are per-layer
+    # modules, so stages need nothing from them. Only head / group counts must split over tp.
+    if tp > 1 and m is not None:
+        check_mixer_tp(m, mixers, tp)
+
+
+def check_mixer_tp(m, mixers: tuple[str, ...], tp: int) -> None:
+    """The head counts each mixer splits over ``tp`` (the softmax family's n_heads / n_kv_heads are
+    ``ndtrain.parallel.tp.rules``'): Gated DeltaNet's key heads, Mamba-2's B / C groups (heads of a
+    group share B, C and the gated-norm group, so whole groups go to one rank; ``mamba_ssm`` has the
+    same rule). ``m``: a ``ModelConfig`` / ``MixerFields``. Raises ``ConfigError`` naming the rule."""
+    from ndtrain.errors import require
+
+    x = linear_dims(m)
+    if "gated_deltanet" in mixers:
+        require(x["k_heads"] % tp == 0, f"gated_deltanet key heads (linear_heads {x['k_heads']}) are not "
+                                        f"divisible by tp ({tp})")
+    if "mamba2" in mixers:
+        require(x["m_groups"] % tp == 0, f"mamba2 with tp ({tp}) > 1 needs mamba_groups ({x['m_groups']}) "
+                                         f"divisible by tp: a B / C group's heads stay on one rank")
 
 
 def check_mixers(m) -> None:
@@ -163,6 +182,8 @@ def check_mixers(m) -> None:
                 f"mamba_expand * dim ({x['d_inner']}) must be a positive multiple of mamba_head_dim "
                 f"({x['m_head_dim']})")
         require(m.mamba_state_dim >= 1, f"mamba_state_dim ({m.mamba_state_dim}) must be >= 1")
+        require(m.mamba_groups >= 1 and x["m_heads"] % m.mamba_groups == 0,
+                f"mamba_groups ({m.mamba_groups}) must be >= 1 and divide the mamba2 heads ({x['m_heads']})")
     if "sliding_window" in kinds:
         require(m.swa_window >= 1, f"layer_pattern uses sliding_window: swa_window ({m.swa_window}) must be >= 1")
     if "dsa" in kinds:
@@ -186,6 +207,7 @@ class MixerFields:
     mamba_state_dim: int = 16
     mamba_head_dim: int = 0
     mamba_expand: int = 2
+    mamba_groups: int = 1
     swa_window: int = 0
     dsa_top_k: int = 0
     dsa_index_heads: int = 4
@@ -209,3 +231,14 @@ def seq_flops_total(m, seq_len: int, d_qk: int, d_v: int) -> float:
     """Sum over layers of ``mixer_seq_flops_per_token`` (FLOPs per token, forward + backward)."""
     return sum(mixer_seq_flops_per_token(m, k, seq_len, d_qk, d_v)
                for k in layer_mixers(m.layer_pattern, m.n_layers))
+
+
+def stage_seq_costs(m, seq_len: int) -> list[float]:
+    """Forward sequence-mixing FLOPs per token of each layer, as the pipeline balance counts them
+    (``parallel/pp/stage.layer_costs`` and the planner's split alike, on top of 2 x the block's
+    parameters): 4 T C for softmax attention, a third of ``mixer_seq_flops_per_token`` (the
+    forward share of forward + backward) for the other mixers, so a linear layer has no T term
+    and a window layer min(w, T). ``m``: a ``ModelConfig`` / ``MixerFields``."""
+    hd = m.dim // m.n_heads
+    return [4.0 * seq_len * m.dim if kind == "attention" else mixer_seq_flops_per_token(m, kind, seq_len, hd, hd) / 3
+            for kind in layer_mixers(m.layer_pattern, m.n_layers)]

@@ -1,4 +1,5 @@
-"""Configuration sweep: model features x ZeRO stage x layout x activation checkpointing x dtype.
+"""Configuration sweep: model features x ZeRO stage x layout x activation checkpointing x dtype x
+fused loss.
 
 Each combination (``Combo``) is first validated the way ``ndtrain train`` validates it
 (``load_config("debug", overrides, world_size)``, no processes). A rejected combination records the
@@ -42,16 +43,31 @@ COMPARED = ("loss", "grad_norm", "aux_loss", "mtp_loss")  # per-step values chec
 # their global statistics are what layouts get wrong).
 BASE_MODEL = {"vocab_size": V, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48,
               "max_seq_len": 64, "rope_theta": 10000.0, "tie_embeddings": False, "moe_experts": 0,
-              "attention": "mha", "mtp_depth": 0}
+              "attention": "mha", "mtp_depth": 0, "layer_pattern": ""}
+_MLA = {"attention": "mla", "mla_q_rank": 16, "mla_kv_rank": 16, "mla_rope_dim": 4, "mla_nope_dim": 8,
+        "mla_v_dim": 8}
+_MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden": 16, "moe_aux_loss_coef": 0.01,
+        "moe_z_loss_coef": 0.001, "moe_bias_update_rate": 0.01}
 FEATURES: dict[str, dict] = {
     "dense": {},
     "tied": {"tie_embeddings": True},
-    "moe": {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden": 16, "moe_aux_loss_coef": 0.01,
-            "moe_z_loss_coef": 0.001, "moe_bias_update_rate": 0.01},
-    "mla": {"attention": "mla", "mla_q_rank": 16, "mla_kv_rank": 16, "mla_rope_dim": 4, "mla_nope_dim": 8,
-            "mla_v_dim": 8},
+    "moe": _MOE,
+    "mla": _MLA,
     "mtp": {"mtp_depth": 1},
+    # one layer of each linear-family mixer, then softmax attention: linear (elu+1, Katharopoulos
+    # 2020), Mamba-2 (Dao & Gu 2024; 2 B / C groups so tp2 splits them), Gated DeltaNet (Yang et al.
+    # 2024; 2 key, 4 value heads); chunk 3 divides neither the 8 nor the 4 tokens of a cp rank, so
+    # chunk and cp boundaries disagree (state passing must not care). Sliding-window and DSA layers
+    # are not in the sweep (tests/parallel/test_mixers_cp.py covers the window under cp)
+    "hybrid": {"layer_pattern": "LMGA", "linear_chunk_size": 3, "linear_heads": 2, "linear_key_head_dim": 8,
+               "linear_value_heads": 4, "linear_value_head_dim": 8, "mamba_state_dim": 8, "mamba_head_dim": 8,
+               "mamba_groups": 2},
+    # DeepSeek-V3's combination (MLA + MoE + MTP: the MTP depth's MoE layer under cp masks its padded
+    # tail); its parts have the full product, the combination only the representative layouts
+    "deepseek": {**_MLA, **_MOE, "mtp_depth": 1},
 }
+# features crossed with every layout of the layout tier; the others only with REPRESENTATIVE there
+FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
 # micro batch 1: every layout cuts the global batch into the same microbatches (the MoE Switch loss
 # is computed per microbatch); clipping at 0.05 is active, so the global gradient norm matters
 TRAINING = {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "lr": 1e-2, "warmup_steps": 1,
@@ -59,7 +75,7 @@ TRAINING = {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "lr":
 ZERO_STAGES = (0, 1, 2, 3)
 AC_POLICIES = ("none", "full", "every:2", "sqrt", "selective")
 DTYPES = ("float64", "float32", "bfloat16", "float16")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -74,18 +90,20 @@ class Combo:
     ac: str = "none"
     dtype: str = "float64"
     tier: str = "layout"  # which part of the sweep generated it (see ``enumerate_combos``)
+    fused: bool = False  # training.fused_loss (output head + cross-entropy, chunked)
 
     @property
     def key(self) -> str:
-        return f"{self.feature} | {self.layout} | zero{self.zero} | ac={self.ac} | {self.dtype}"
+        return (f"{self.feature} | {self.layout} | zero{self.zero} | ac={self.ac} | {self.dtype}"
+                + (" | fused_loss" if self.fused else ""))
 
     def overrides(self) -> dict:
         """``section.key`` overrides of the ``debug`` preset for this combination."""
         out = {f"model.{k}": v for k, v in {**BASE_MODEL, **FEATURES[self.feature]}.items()}
         out.update({f"training.{k}": v for k, v in TRAINING.items()})
         out.update({"training.dtype": self.dtype, "training.activation_checkpoint": self.ac,
-                    "data.seq_len": T, "parallel.zero_stage": self.zero, "parallel.dp_shard": -1,
-                    "parallel.bucket_size_bytes": 4096})
+                    "training.fused_loss": self.fused, "data.seq_len": T, "parallel.zero_stage": self.zero,
+                    "parallel.dp_shard": -1, "parallel.bucket_size_bytes": 4096})
         out.update({f"parallel.{k}": v for k, v in self.par})
         return out
 
@@ -100,6 +118,8 @@ class Combo:
             extra["training.activation_checkpoint"] = self.ac
         if self.dtype != "float32":  # the debug preset's dtype
             extra["training.dtype"] = self.dtype
+        if self.fused:
+            extra["training.fused_loss"] = True
         args = " ".join(f"--{k}={_fmt(v)}" for k, v in extra.items())
         return f"ndtrain train --config debug --nproc {self.world} {args}"
 
@@ -159,7 +179,8 @@ def _variants(deg: dict[str, int]) -> list[dict]:
 
 
 def layout_name(par: dict) -> str:
-    """``{"dp_shard": 2, "tp": 2, "sequence_parallel": True}`` -> ``"dp_shard2 x tp2+sp"``."""
+    """``{"dp_shard": 2, "tp": 2, "sequence_parallel": True}`` -> ``"dp_shard2 x tp2+sp"``; ``+etp``:
+    ``expert_tp`` = tp (every expert's hidden split over tp)."""
     parts = []
     for ax in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
         if par.get(ax, 1) > 1:
@@ -168,7 +189,10 @@ def layout_name(par: dict) -> str:
                 s += f":{par['pp_schedule']}" + (f"(v{par['pp_virtual_stages']})"
                                                  if par["pp_virtual_stages"] > 1 else "")
             s += f":{par['cp_impl']}" if ax == "cp" else ""
+            s += f"({par['cp_layout']})" if ax == "cp" and "cp_layout" in par else ""
             s += "+sp" if ax == "tp" and par.get("sequence_parallel") else ""
+            etp = par.get("expert_tp", 1) if ax == "tp" else 1
+            s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""
             parts.append(s)
     return " x ".join(parts) or "single"
 
@@ -208,51 +232,91 @@ def enumerate_layouts(max_world: int = 4) -> list[tuple[int, dict]]:
     return sorted(out, key=lambda wv: (wv[0], layout_name(wv[1])))
 
 
-TIERS = ("layout", "ac", "dtype")
+def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """The ``layouts`` with tp > 1 again with ``expert_tp`` = tp (MoE only: each expert's hidden
+    split over tp instead of whole experts per tp rank), leaving out pp (stages add nothing to how
+    an expert is split)."""
+    return [(w, {**par, "expert_tp": par["tp"]}) for w, par in layouts
+            if par.get("tp", 1) > 1 and par.get("pp", 1) == 1]
+
+
+def feature_layouts(feature: str) -> list[tuple[int, dict]]:
+    """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
+    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``."""
+    out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
+    if FEATURES[feature].get("moe_experts", 0):
+        out += expert_tp_layouts(out)
+    return out
+
+
+TIERS = ("layout", "ac", "dtype", "fused")
+
+
+def layout_zeros(world: int, par: dict) -> tuple[int, ...]:
+    """ZeRO stages a layout of the layout tier is crossed with: 0-3 on 1 and 2 ranks, and on 4 ranks
+    where ZeRO-1/2 shard over two groups (expert parallel: experts over edp, the rest over dp;
+    HSDP: dp_replicate x dp_shard); {0, 3} on the other 4-rank layouts (ZeRO-1/2 then shard like
+    on 2 ranks, and 4 ranks cost about twice as much as 2 on a small machine)."""
+    if world <= 2 or "ep" in par or ("dp_replicate" in par and "dp_shard" in par):
+        return ZERO_STAGES
+    return (0, 3)
 
 
 def enumerate_combos(tiers: tuple[str, ...] = TIERS) -> list[Combo]:
-    """The sweep's product, as the union of three parts (``tier``):
+    """The sweep's product, as the union of four parts (``tier``):
 
-    * ``layout``: every feature x every layout of ``enumerate_layouts`` (world 1, 2, 4) x ZeRO 0-3,
-      plus every feature x ``WORLD8`` x ZeRO {0, 3}; float64, no activation checkpointing;
-    * ``ac``: every feature x ``REPRESENTATIVE`` x each checkpointing policy x ZeRO {0, 3}; float64;
-    * ``dtype``: every feature x ``REPRESENTATIVE`` x bfloat16 / float16 x ZeRO 0-3, and x float32 x
-      ZeRO {0, 3}.
+    * ``layout``: every feature of ``FULL_PRODUCT`` x every layout of ``enumerate_layouts`` (world
+      1, 2, 4; MoE also with expert_tp = tp) x ``layout_zeros``, plus x ``WORLD8`` x ZeRO {0, 3};
+      the other features (combinations of those) x ``REPRESENTATIVE`` x ZeRO 0-3; float64, no
+      activation checkpointing;
+    * ``ac``: every ``FULL_PRODUCT`` feature x ``REPRESENTATIVE`` x each checkpointing policy x
+      ZeRO {0, 3}; float64;
+    * ``dtype``: the same features x ``REPRESENTATIVE`` x float32 / bfloat16 / float16 x ZeRO {0, 3};
+    * ``fused``: the same features x ``REPRESENTATIVE`` x ZeRO {0, 3} with ``training.fused_loss``;
+      float64.
     """
     out = []
     for f in FEATURES:
         if "layout" in tiers:
-            out += [make_combo(f, w, par, zero=z) for w, par in enumerate_layouts() for z in ZERO_STAGES]
-            out += [make_combo(f, 8, par, zero=z) for par in WORLD8 for z in (0, 3)]
+            out += [make_combo(f, w, par, zero=z) for w, par in feature_layouts(f)
+                    for z in (layout_zeros(w, par) if f in FULL_PRODUCT else ZERO_STAGES)]
+            if f in FULL_PRODUCT:
+                out += [make_combo(f, 8, par, zero=z) for par in WORLD8 for z in (0, 3)]
+        if f not in FULL_PRODUCT:
+            continue
         for w, par in REPRESENTATIVE:
             if "ac" in tiers:
                 out += [make_combo(f, w, par, "ac", zero=z, ac=a) for a in AC_POLICIES[1:] for z in (0, 3)]
             if "dtype" in tiers:
-                out += [make_combo(f, w, par, "dtype", zero=z, dtype=d) for d in DTYPES[1:]
-                        for z in (ZERO_STAGES if d != "float32" else (0, 3))]
+                out += [make_combo(f, w, par, "dtype", zero=z, dtype=d) for d in DTYPES[1:] for z in (0, 3)]
+            if "fused" in tiers:
+                out += [make_combo(f, w, par, "fused", zero=z, fused=True) for z in (0, 3)]
     return out
 
 
 # the default test suite's share (tests/integration/test_sweep.py): every axis, schedule, model
-# feature, ZeRO stage, checkpointing policy and dtype at least once, on 1 or 2 ranks
+# feature, ZeRO stage, checkpointing policy and dtype at least once, on 1 or 2 ranks, and one
+# representative of each composition made to work lately (EP x ZeRO-3, MoE x TP with split experts,
+# MLA + MTP x CP, linear mixers x CP / TP, MTP x ZeRO-3, MTP x DualPipeV, fused loss x PP)
+_PP = {"pp": 2, "pp_virtual_stages": 1}
 SUBSET = (
     ("dense", 2, {"dp_shard": 2}, {"zero": 2}),
     ("dense", 2, {"dp_replicate": 2}, {"zero": 3, "dtype": "bfloat16"}),
-    ("tied", 2, {"tp": 2}, {"zero": 0}),
-    ("dense", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 1, "ac": "full"}),
-    ("dense", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 3, "ac": "selective"}),
+    ("mla", 2, {"tp": 2}, {"zero": 1, "ac": "selective"}),
+    ("moe", 2, {"tp": 2, "sequence_parallel": True, "expert_tp": 2}, {"zero": 0}),
+    ("hybrid", 2, {"tp": 2}, {"zero": 1, "ac": "full"}),  # each mixer split by heads
+    ("hybrid", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 3, "ac": "selective"}),  # state passing
     ("dense", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 0, "ac": "every:2"}),
-    ("tied", 2, {"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 1}, {"zero": 1}),
-    ("dense", 2, {"pp": 2, "pp_schedule": "gpipe", "pp_virtual_stages": 1}, {"zero": 0, "ac": "sqrt"}),
+    ("tied", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1, "fused": True}),  # head + tied embedding
+    ("dense", 2, {**_PP, "pp_schedule": "gpipe"}, {"zero": 0, "ac": "sqrt"}),
     ("dense", 2, {"pp": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2}, {"zero": 2}),
-    ("dense", 2, {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 1}, {"zero": 3}),
-    ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 0}),
+    ("dense", 2, {**_PP, "pp_schedule": "zero_bubble"}, {"zero": 3}),
+    ("mtp", 2, {**_PP, "pp_schedule": "dualpipev"}, {"zero": 1}),  # MoE-free MTP, V
+    ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 3}),
     ("moe", 2, {"dp_shard": 2}, {"zero": 3, "dtype": "float16"}),
-    ("moe", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # Switch-loss loads counted over cp
-    ("mla", 2, {"dp_shard": 2}, {"zero": 1, "ac": "selective"}),
+    ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
     ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),
-    ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # the issue's report: must be rejected or train
+    ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit
 )
 
 

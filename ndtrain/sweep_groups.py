@@ -5,10 +5,13 @@ One spawned group trains many combinations in turn (spawning is the expensive pa
 per rank). Ranks never use a collective to agree on how a combination ended, since after a failure
 a collective could pair with a peer's pending one: each rank writes its outcome to a file and waits
 for its peers' files. If any rank failed, every rank exits and the parent starts a fresh group at
-the next combination; a group that makes no progress for ``timeout_s`` (a hang: one rank waits in a
-collective its peers never reach) is killed, the combination recorded as ``timeout``, and a fresh
-group continues. Process groups a combination created are destroyed after it, and a rank whose
-thread count still grows past ``MAX_THREADS`` makes the parent start a fresh group too.
+the next combination; when a rank failed and its peers have not reported ``FAILED_GRACE_S`` later
+(they wait in a collective the failed rank never reaches), the parent records the error and kills
+the group without waiting for the hang timeout; a group that makes no progress for ``timeout_s``
+(a hang: one rank waits in a collective its peers never reach) is killed, the combination recorded
+as ``timeout``, and a fresh group continues. Process groups a combination created are destroyed
+after it, and a rank whose thread count still grows past ``MAX_THREADS`` makes the parent start a
+fresh group too.
 
 ``ndtrain.spawn`` (the package's launcher) returns only when every rank has ended; the sweep needs
 each combination's outcome as it lands, to tell a hang from a long group and to go on after it.
@@ -84,6 +87,9 @@ class Result:
 
 
 MAX_THREADS = 300  # a rank above this many native threads asks for a fresh group (see _run_one)
+# after a rank reported an error, how long its peers may take to report theirs (a peer that raised
+# too writes within a second or two; one stuck in a collective with the failed rank never does)
+FAILED_GRACE_S = 5.0
 
 
 def _native_threads() -> int:
@@ -151,13 +157,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gen: int, combos: li
     os._exit(0)  # no teardown collectives: they could hang after a failure
 
 
-def _judge(combo: Combo, outs: list[dict]) -> Result:
-    secs = max(o["seconds"] for o in outs)
-    failed = [(r, o) for r, o in enumerate(outs) if not o["ok"]]
+def _judge(combo: Combo, outs: list[dict | None]) -> Result:
+    """``outs``: each rank's outcome, None for a rank that never reported (stuck behind a failure)."""
+    secs = max(o["seconds"] for o in outs if o is not None)
+    failed = [(r, o) for r, o in enumerate(outs) if o is not None and not o["ok"]]
     if failed:
         r, o = failed[0]
-        return Result(combo, "error", detail=f"rank {r}: {o['error']}", seconds=secs,
-                      extra={"traceback": o["tb"], "failed_ranks": [r for r, _ in failed]})
+        extra = {"traceback": o["tb"], "failed_ranks": [r for r, _ in failed]}
+        stuck = [r for r, o in enumerate(outs) if o is None]
+        if stuck:
+            extra["stuck_ranks"] = stuck
+        return Result(combo, "error", detail=f"rank {r}: {o['error']}", seconds=secs, extra=extra)
     status, rel, where = compare(combo, [o["rows"] for o in outs], reference(combo.feature, combo.dtype))
     return Result(combo, status, rel, where, secs)
 
@@ -182,7 +192,7 @@ def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=pri
                 p.start()
             done, state = _watch(procs, Path(tmp), gen, todo, timeout_s, results, log)
             # a finished group is exiting by itself; a hung or broken one is killed at once
-            stop_processes(procs, grace_s=5.0 if state != "timeout" else 0.0)
+            stop_processes(procs, grace_s=0.0 if state in ("timeout", "stuck") else 5.0)
             if state in ("timeout", "crash"):
                 reported = [r for r in range(world) if (Path(tmp) / f"g{gen}_c{done}_r{r}.json").exists()]
                 detail = (f"no progress in {timeout_s:.0f} s" if state == "timeout" else
@@ -196,18 +206,26 @@ def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=pri
 
 def _watch(procs, tmp: Path, gen: int, todo: list[Combo], timeout_s: float, results: list, log):
     """Collect the outcomes of group ``gen`` as they appear. Returns (combinations finished, how the
-    group ended: "done" | "restart" (a failure, or too many threads) | "timeout" | "crash")."""
-    world, done, last = len(procs), 0, time.monotonic()
+    group ended: "done" | "restart" (a failure, or too many threads) | "stuck" (a failure whose
+    peers never reported: kill the group) | "timeout" | "crash")."""
+    world, done, last, failed_at = len(procs), 0, time.monotonic(), None
     while done < len(todo):
         alive = any(p.is_alive() for p in procs)  # sampled first: a rank writes, then exits
         files = [tmp / f"g{gen}_c{done}_r{r}.json" for r in range(world)]
-        if all(f.exists() for f in files):
-            outs = [json.loads(f.read_text()) for f in files]
+        outs = [json.loads(f.read_text()) if f.exists() else None for f in files]  # os.replace: whole files
+        if all(o is not None for o in outs):
             results.append(_judge(todo[done], outs))
             log(results[-1])
-            done, last = done + 1, time.monotonic()
+            done, last, failed_at = done + 1, time.monotonic(), None
             if not all(o["ok"] for o in outs) or max(o["threads"] for o in outs) > MAX_THREADS:
                 return done, "restart"  # the ranks exit by themselves (same rule as _worker)
+        elif any(o is not None and not o["ok"] for o in outs):
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > FAILED_GRACE_S:
+                results.append(_judge(todo[done], outs))
+                log(results[-1])
+                return done + 1, "stuck"
+            time.sleep(0.02)
         elif not alive:
             return done, "crash"
         elif time.monotonic() - last > timeout_s:

@@ -30,6 +30,7 @@ from ndtrain.data import GlobalBatchSampler, TokenData
 from ndtrain.fault import bad_steps, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.parallel import comm, flight_recorder
+from ndtrain.profiling import StepProfiler
 from ndtrain.rundir import sample_model, write_run_files
 from ndtrain.trainer import IGNORE_INDEX, Trainer
 
@@ -93,7 +94,8 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     _start(r)
     log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count, echo=con.row)
     fpt = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s)
+    peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)
+    basis = metrics.peak_basis(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)  # rows' mfu_peak
     _print_header(r, fpt, peak)
     if trainer.step_count == 0:
         log.log({"step": 0, "val_loss": _val_loss(r)})
@@ -104,13 +106,16 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     con.begin(first_step, stop)
     guard = bad_steps.BadStepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
     strag = straggler.StragglerMonitor(trainer.world, r.device)
+    prof = StepProfiler(cfg.logging.profile_steps, r.run_dir, r.rank, r.device.type)  # --profile-steps
     while trainer.step_count < stop:
         step = trainer.step_count + 1
+        prof.begin(step)
         t_data = time.perf_counter()
         inputs, labels = r.local(r.sampler.next_global(), "train")
         t_data = time.perf_counter() - t_data
         trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
         out, dt = _timed_step(r, inputs, labels)
+        prof.end(step)
         con.step(step, out)
         strag.record(dt, t_data)
         if bad_steps.after_step(guard, step, out, r.run_dir, r.rank,
@@ -124,6 +129,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         row = None
         if step % cfg.logging.log_every == 0 or step == stop:
             row = _log_row(r, step, out, window, fpt, peak)
+            row["mfu_peak"] = basis
             row.update(strag.report(r.run_dir, step))  # collective: per-rank time percentiles
             window = [0.0, 0]
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
@@ -135,6 +141,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
             _save(r, step)
         if t.sample_every and step % t.sample_every == 0:
             _sample(r, f"sample @ {step}", quiet=True)
+    prof.close()  # a window past this job's last step ends here
     if trainer.step_count == t.steps:
         _sample(r, "sample", quiet=False)
         if r.rank == 0 and cfg.logging.plot and log.rows:

@@ -38,10 +38,21 @@ class ExtraLosses:
         self.cfg, self.model, self.mesh, self.device = cfg, model, mesh, device
         self.depth = cfg.model.mtp_depth
         self.group = mesh.group("dp_cp")
+        # MTP logits under tensor parallel are vocab-parallel (B, T', Vp / tp): the batch plan's loss
+        self.loss_sum = None
+        if self.depth and mesh.group("tp").size > 1:
+            from ndtrain.parallel.batch import BatchPlan
+
+            self.loss_sum = BatchPlan(mesh, cfg).loss_sum
+
+    def _shift(self):
+        """The model's ``mtp_shift`` hook (sequence / context parallel; ``ndtrain.model.mtp``)."""
+        return getattr(self.model, "mtp_shift", None)
 
     def begin_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         """Global counts: routed tokens and valid labels per MTP depth (one all-reduce)."""
-        counts = torch.tensor([float(inputs.numel())] + [float(c) for c in mtp_valid_counts(labels, self.depth)],
+        valid = mtp_valid_counts(labels, self.depth, shift=self._shift())  # collective under cp
+        counts = torch.tensor([float(inputs.numel())] + [float(c) for c in valid],
                               dtype=torch.float64, device=self.device)
         comm.all_reduce(counts, self.group)
         self.n_routed = max(counts[0].item(), 1.0)
@@ -58,7 +69,8 @@ class ExtraLosses:
         mtp_logits = getattr(self.model, "mtp_logits", None) or []
         if mtp_logits:
             w = self.cfg.model.mtp_loss_weight / self.depth
-            for k, s in enumerate(mtp_loss_sums(mtp_logits, labels)):
+            sums = mtp_loss_sums(mtp_logits, labels, shift=self._shift(), loss_sum=self.loss_sum)
+            for k, s in enumerate(sums):
                 term = s / self.mtp_denoms[k]
                 self.acc[1 + k] += term.detach().double()
                 total = total + w * term
@@ -68,6 +80,7 @@ class ExtraLosses:
     def end_step(self) -> dict[str, float]:
         comm.all_reduce(self.acc, self.group)
         out: dict[str, float] = {}
+        n_moe = sum(m.stats.counts is not None for m in moe_balance.moe_layers(self.model))
         if self.cfg.model.is_moe:
             out["aux_loss"] = self.acc[0].item()
             reduce = (lambda t: comm.all_reduce(t, self.group)) if self.group.size > 1 else None
@@ -79,4 +92,8 @@ class ExtraLosses:
             per_depth = self.acc[1:].tolist()
             out["mtp_loss"] = sum(per_depth) / self.depth
             out.update({f"mtp_loss_{k + 1}": v for k, v in enumerate(per_depth)})
+        if self.mesh.dims.pp > 1:  # each stage saw its own layers (and the head's stage MTP): combine
+            from ndtrain.parallel.pp.stage_metrics import combine_over_stages
+
+            out = combine_over_stages(out, n_moe, self.mesh.group("pp"), self.device)
         return out

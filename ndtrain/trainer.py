@@ -17,7 +17,13 @@ import contextlib
 import torch
 
 from ndtrain.config import Config
-from ndtrain.fault.bad_steps import agree_bad_ranks, inject_faults, is_finite, world_group
+from ndtrain.fault.bad_steps import (
+    agree_bad_ranks,
+    agree_bad_ranks_and_sum,
+    inject_faults,
+    is_finite,
+    world_group,
+)
 from ndtrain.mem_account import MemorySampler, StateMemory, state_tensors
 from ndtrain.mesh import Mesh
 from ndtrain.optim import build_scheduler
@@ -56,7 +62,8 @@ class Trainer:
     ``GradSync``) and ``pipeline``; ``optimizer``, ``scheduler``, ``scaler`` (fp16), ``step_count``.
 
     Bad steps (``ndtrain.fault.bad_steps``): a non-finite local loss or gradient norm on any rank
-    skips the optimizer and LR step on every rank (one all-reduce over the world agrees); the
+    skips the optimizer and LR step on every rank (one all-reduce over the world agrees; when the
+    loss group is the world it also sums the loss, so ``_finish`` issues no second one); the
     step counter still advances, so the batch is skipped. Test hooks (``bad_steps.inject_faults``),
     1-based steps firing once each: ``nan_steps`` (this rank's loss and a gradient become NaN),
     ``spike_steps`` (this rank's reported loss x 100); set them on one rank's instance, or on the
@@ -93,6 +100,9 @@ class Trainer:
         self.outer = (DiLoCo(self.model, mesh, t.local_sgd_steps, t.outer_lr, t.outer_momentum)
                       if t.local_sgd_steps else None)
         self.loss_group = "dp_shard_cp" if self.outer is not None else "dp_cp"
+        # the loss group is the whole world (plain data parallel): the loss sum rides in the
+        # bad-step agreement's all-reduce, one blocking collective per step instead of two
+        self.fold_loss = self.world.size > 1 and self.mesh.group(self.loss_group).size == self.world.size
 
     def _forward_ctx(self):
         return (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
@@ -100,12 +110,12 @@ class Trainer:
 
     def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,)."""
-        with self._forward_ctx():
-            logits = self.model(inputs, positions)  # (B, T, V), or (B, T, V / tp) under tp
-        if logits.dtype != self.param_dtype:
-            logits = logits.to(self.param_dtype)
-        return self.plan.loss_sum(logits, labels)
+        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,).
+        Under ``training.fused_loss`` the armed head returns that sum itself (no logits)."""
+        batch = self.plan.batch
+        with self._forward_ctx(), batch.labelled(labels):
+            out = self.model(inputs, positions)  # (B, T, V), (B, T, V / tp) under tp, or the fused 0-d sum
+        return batch.stage_loss(out, labels, self.param_dtype)
 
     def _agree_on_batch(self, labels: torch.Tensor) -> float:
         """Valid labels of the global batch, after checking that every dp x cp rank holds the same
@@ -156,6 +166,8 @@ class Trainer:
         if self.nan_steps or self.spike_steps:  # test hooks (class docstring)
             loss_sum = inject_faults(self, loss_sum)
         out = self._update(self.pipeline.clip_grad_norm, loss_sum)
+        if "loss_sum" in out:
+            loss_sum = out.pop("loss_sum")  # already summed over the loss group
         out.update(self.mem.report())
         if self.measure_memory:  # live activation storages of the whole step on this stage
             self.activation_peak_bytes = runtime.peak_activation_bytes
@@ -174,8 +186,11 @@ class Trainer:
             self.scaler.update(ok)
         grad_norm = clip_fn(self.cfg.training.grad_clip) if ok else float("nan")
         # an fp16 overflow is the loss scaler's business (ok False), not a bad step
-        bad_ranks = agree_bad_ranks(not is_finite(loss_sum) or (ok and not is_finite(grad_norm)),
-                                    self.world, self.device)
+        local_bad = not is_finite(loss_sum) or (ok and not is_finite(grad_norm))
+        if self.fold_loss:
+            bad_ranks, loss_total = agree_bad_ranks_and_sum(local_bad, loss_sum, self.world, self.device)
+        else:
+            bad_ranks = agree_bad_ranks(local_bad, self.world, self.device)
         ok = ok and not bad_ranks
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
@@ -185,6 +200,8 @@ class Trainer:
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         self.optimizer.zero_grad(set_to_none=True)
         out = {"grad_norm": grad_norm, "lr": lr, "bad_step": bool(bad_ranks)}
+        if self.fold_loss:
+            out["loss_sum"] = loss_total
         if bad_ranks:
             out["bad_ranks"] = bad_ranks
         if self.scaler is not None:
@@ -192,7 +209,8 @@ class Trainer:
         return out
 
     def _finish(self, out: dict, loss_sum: torch.Tensor, n_valid: float) -> dict:
-        comm.all_reduce(loss_sum, self.mesh.group(self.loss_group))
+        if not self.fold_loss:
+            comm.all_reduce(loss_sum, self.mesh.group(self.loss_group))
         self.step_count += 1
         out.update({"loss": loss_sum.item() / max(n_valid, 1.0), "n_tokens": n_valid})
         if self.outer is not None:  # the replicas' mean loss (every rank the same); then maybe sync

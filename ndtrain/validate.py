@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from ndtrain.errors import ConfigError, require
-from ndtrain.mixer_spec import check_mixer_layout, check_mixers, non_softmax_mixers
+from ndtrain.mixer_spec import MixerFields, check_mixer_layout, check_mixers, non_softmax_mixers
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.dp import rules as dp_rules
 from ndtrain.parallel.ep import rules as ep_rules
@@ -26,6 +26,7 @@ from ndtrain.parallel.pp import rules as pp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
 from ndtrain.parallel.tp import rules as tp_rules
 from ndtrain.parallel.zero import rules as zero_rules
+from ndtrain.profiling import parse_profile_steps
 
 __all__ = ["ConfigError", "ModelFacts", "check_activation_checkpoint", "check_axes", "validate"]
 
@@ -63,7 +64,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(lg.progress in ("auto", "rich", "plain"), f"logging.progress ({lg.progress}) must be auto|rich|plain")
     _check(not lg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "logging.tensorboard=true needs the tensorboard package (pip install 'ndtrain[tensorboard]')")
+    parse_profile_steps(lg.profile_steps)  # "A:B" or "" (ndtrain.profiling)
     check_mixers(m)
+    _validate_block_options(m, cfg.parallel)
     _validate_axes(cfg, world_size)
 
 
@@ -81,6 +84,7 @@ def _validate_training(cfg) -> None:
     check_activation_checkpoint(t.activation_checkpoint)
     _validate_fault(cfg)
     _validate_kernels(t)
+    _validate_speed(cfg)
     if t.dtype == "float16":  # dynamic loss scaling (ndtrain.precision)
         _check(t.loss_scale_init > 0, f"training.loss_scale_init ({t.loss_scale_init}) must be > 0")
         _check(t.loss_scale_growth_interval >= 1,
@@ -117,6 +121,26 @@ def _validate_kernels(t) -> None:
                "interpreter, slow: for tests); use kernels=auto to fall back to eager")
 
 
+def _validate_speed(cfg) -> None:
+    """``training.fused_loss`` / ``compile`` / ``fp8`` (``ndtrain.parallel.fused_head``,
+    ``ndtrain.parallel.compile``): the fused head serves the main loss only, so no MTP; fp8 needs
+    torchao and a CUDA GPU of compute capability >= 8.9, and no float64."""
+    t, m = cfg.training, cfg.model
+    _check(not (t.fused_loss and m.mtp_depth),
+           f"training.fused_loss=true with model.mtp_depth ({m.mtp_depth}) > 0: the MTP depths would "
+           "still materialise their logits through the head; use fused_loss=false with MTP")
+    if t.compile and t.kernels == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise ConfigError("training.compile=true with kernels=triton under TRITON_INTERPRET=1: Triton's "
+                          "CPU interpreter cannot run inside compiled code; use kernels=eager")
+    if t.fp8:
+        _check(t.dtype in ("bfloat16", "float32"),
+               f"training.fp8=true needs training.dtype bfloat16 or float32 (got {t.dtype})")
+        from ndtrain.parallel.compile import fp8_support  # torch: only when fp8 is asked for
+
+        why = fp8_support(t.device)
+        _check(not why, why)
+
+
 def _validate_axes(cfg, world_size: int | None) -> None:
     """Each axis's own ``check`` via ``check_axes`` (the planner calls the same), then the
     world-size rules."""
@@ -127,6 +151,8 @@ def _validate_axes(cfg, world_size: int | None) -> None:
 
         dims = ParallelDims.from_config(p, world_size)  # checks the degrees multiply to world_size
         dp_rules.check_batch(t.global_batch_size, dims.dp, t.micro_batch_size, p.pp, p.pp_microbatches)
+        local = t.global_batch_size // dims.dp  # DualPipeV's ramps need >= 2 pp microbatches
+        pp_rules.check_microbatches(p.pp, p.pp_schedule, p.pp_microbatches or local // (t.micro_batch_size or local))
 
 
 @dataclass(frozen=True)
@@ -144,12 +170,16 @@ class ModelFacts:
     seq_aux_loss: bool = False  # DeepSeek-V3 sequence-wise balance loss on
     capacity: bool = False  # MoE token dropping (capacity factor > 0)
     mixers: tuple[str, ...] = ()  # token mixers other than softmax attention (model.layer_pattern)
+    cp_halo: int = 0  # tokens a cp rank takes from its predecessor (cp rules.left_context)
+    mixer_fields: object = None  # mixer_spec.MixerFields (head counts the tp rules of the mixers read)
+    moe_ffn: tuple[int, int] = (0, 0)  # (expert hidden, shared-experts hidden) of an MoE layer; 0 = unknown
 
     @classmethod
     def of_config(cls, m) -> ModelFacts:
         return cls(m.n_heads, m.kv_heads, m.ffn_dim, m.n_layers, m.moe_experts, m.attention == "mla",
                    m.mtp_depth, m.moe_seq_aux_loss_coef > 0, m.is_moe and m.moe_capacity_factor > 0,
-                   non_softmax_mixers(m))
+                   non_softmax_mixers(m), cp_rules.left_context(m), MixerFields.from_model_config(m),
+                   moe_ffn=(m.expert_ffn_dim, m.shared_ffn_dim) if m.is_moe else (0, 0))
 
 
 def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "none", dp: int | None = None,
@@ -158,10 +188,10 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     (its field names); raises ``ConfigError`` naming the first rule that fails. ``dp`` given: the
     batch rules too. ``runtime=False`` keeps only the arithmetic every implementation needs
     (divisibility, ranges) and drops what ndtrain's runtime does not implement yet (MoE / MLA / MTP
-    under tp, cp or pp; ep with ZeRO; ZeRO-3 with MTP; all-gather CP; DualPipeV; pipeline end
-    chunks holding only the embedding / head): the planner models such layouts and marks them."""
-    if runtime:  # linear / window / sparse mixers: single-device layers for now (mixer_spec)
-        check_mixer_layout(f.mixers, p.tp, p.cp, p.pp)
+    under tp or cp; ZeRO-3 with MTP; all-gather CP; DualPipeV's m >= 2 pp; pipeline
+    end chunks holding only the embedding / head): the planner models such layouts and marks them."""
+    if runtime:  # linear / window / sparse mixers: their tp / cp / pp rules (mixer_spec)
+        check_mixer_layout(f.mixers, p.tp, p.cp, p.pp, f.mixer_fields)
     moe, mla, mtp = (f.moe_experts > 0, f.mla, f.mtp_depth > 0) if runtime else (False, False, False)
     cp_impl, sched, v = p.cp_impl, p.pp_schedule, p.pp_virtual_stages
     if not runtime:
@@ -169,14 +199,19 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
         sched, v = ("interleaved", 2) if sched == "dualpipev" else (sched, v)  # 2 chunks per rank
     zero_rules.check(p.zero_stage, f.mtp_depth if runtime else 0)
     tp_rules.check(p.tp, f.n_heads, f.kv_heads, f.ffn_dim, p.sequence_parallel, moe=moe, mla=mla, mtp=mtp)
+    tp_rules.check_moe(p.tp, getattr(p, "expert_tp", 1), *f.moe_ffn, seq_len=seq_len if moe else 0, cp=p.cp)
     cp_rules.check(p.cp, seq_len, cp_impl, p.cp_layout, f.n_heads, p.tp, p.sequence_parallel, mla=mla,
-                   mtp=mtp, seq_aux_loss=f.seq_aux_loss and runtime, capacity=f.capacity and runtime)
+                   mtp=mtp, seq_aux_loss=f.seq_aux_loss and runtime, capacity=f.capacity and runtime,
+                   mixers=f.mixers, halo=f.cp_halo, moe=moe)
     pp_rules.check(p.pp, f.n_layers, sched, v, p.pp_microbatches, activation_checkpoint, moe=moe,
                    mtp=mtp, end_stages_may_hold_no_block=not runtime)
     dp_shard = None if p.dp_shard == -1 else p.dp_shard
     ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0)
     if dp is not None:
         dp_rules.check_batch(global_batch_size, dp, micro_batch_size, p.pp, p.pp_microbatches)
+        if runtime:  # DualPipeV's ramps need >= 2 pp microbatches
+            local = global_batch_size // dp
+            pp_rules.check_microbatches(p.pp, sched, p.pp_microbatches or local // (micro_batch_size or local))
 
 
 def _validate_moe_mla_mtp(cfg) -> None:
@@ -185,7 +220,7 @@ def _validate_moe_mla_mtp(cfg) -> None:
     _check(m.moe_experts >= 0, f"model.moe_experts ({m.moe_experts}) must be >= 0")
     if m.is_moe:
         e, k = m.moe_experts, m.moe_top_k
-        _check(1 <= k <= min(8, e), f"moe_top_k ({k}) must be in 1..min(8, moe_experts={e})")
+        _check(1 <= k <= e, f"moe_top_k ({k}) must be in 1..moe_experts ({e})")
         _check(m.moe_score in ("softmax", "sigmoid"), f"moe_score ({m.moe_score}) must be softmax|sigmoid")
         _check(m.moe_shared_experts >= 0, f"moe_shared_experts ({m.moe_shared_experts}) must be >= 0")
         _check(m.moe_ffn_hidden >= 0, f"moe_ffn_hidden ({m.moe_ffn_hidden}) must be >= 0")
@@ -211,3 +246,24 @@ def _validate_moe_mla_mtp(cfg) -> None:
     _check(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight ({m.mtp_loss_weight}) must be >= 0")
     _check(m.mtp_depth < cfg.data.seq_len,
            f"mtp_depth ({m.mtp_depth}) must be < data.seq_len ({cfg.data.seq_len})")
+
+
+def _validate_block_options(m, p) -> None:
+    """Rules of ``model.attn_head_dim``, ``qk_norm`` and ``block_ffn`` (the Qwen3 / Mamba-2 block
+    shapes of ``ndtrain.hf_qwen3_moe`` / ``ndtrain.hf_mamba2``)."""
+    _check(m.attn_head_dim >= 0, f"model.attn_head_dim ({m.attn_head_dim}) must be >= 0")
+    if m.attn_head_dim or m.qk_norm:
+        _check(m.attention == "mha", "model.attn_head_dim / qk_norm apply to attention: mha (MLA has "
+                                     "its own head dims and latent norms)")
+        odd = sorted(set(non_softmax_mixers(m)) & {"sliding_window", "dsa"})
+        _check(not odd, f"model.attn_head_dim / qk_norm are built for full softmax attention only, "
+                        f"not the layer_pattern's {odd}")
+    # qk_norm / attn_output_gate / block_ffn false under tp: ndtrain.parallel.tp.mixer_plan (the
+    # shared QK-norm gains' gradients summed over tp, wg split by heads, no feed-forward to split)
+    # Qwen3-Next options (ndtrain.hf_qwen3_next)
+    _check(not m.attn_output_gate or m.attention == "mha", "model.attn_output_gate needs attention: mha")
+    _check(0.0 < m.rope_partial_factor <= 1.0, f"model.rope_partial_factor ({m.rope_partial_factor}) must be in (0, 1]")
+    _check(m.moe_shared_ffn_hidden >= 0, f"model.moe_shared_ffn_hidden ({m.moe_shared_ffn_hidden}) must be >= 0")
+    if not m.block_ffn:
+        _check(not m.is_moe and m.mtp_depth == 0, "model.block_ffn false (mixer-only blocks) needs "
+                                                  "moe_experts == 0 and mtp_depth == 0")

@@ -1,6 +1,6 @@
 """Configuration sweep: validate the whole product, train what validates, write docs/compatibility.md.
 
-    python scripts/sweep.py                  # full sweep (~10-15 min on 2 CPU cores), writes the doc
+    python scripts/sweep.py                  # full sweep (~15-20 min on 2 idle CPU cores), writes the doc
     python scripts/sweep.py --only "KEY"     # rerun one combination (key as printed), print only
     python scripts/sweep.py --match "moe |"  # every combination whose key contains the text
     python scripts/sweep.py --list           # validation only: each combination and its rule
@@ -41,6 +41,10 @@ def _uses(c: Combo) -> set[str]:
         out.add(f"cp {p['cp_impl']}")
     if p.get("tp", 1) > 1:
         out.add("tp+sp" if p.get("sequence_parallel") else "tp")
+    if p.get("expert_tp", 1) > 1:
+        out.add("expert_tp")
+    if c.fused:
+        out.add("fused loss")
     if p.get("pp", 1) > 1:
         out.add(f"pp {p['pp_schedule']}")
     out |= {f"ZeRO-{c.zero}", f"AC {c.ac}", c.dtype}
@@ -48,8 +52,8 @@ def _uses(c: Combo) -> set[str]:
 
 
 COLUMNS = ["1 rank", "dp_replicate", "dp_shard", "cp ring", "cp ulysses", "tp", "tp+sp",
-           *[f"pp {s}" for s in S.PP_SCHEDULES], "ep", "ZeRO-1", "ZeRO-2", "ZeRO-3",
-           *[f"AC {a}" for a in S.AC_POLICIES[1:]], *S.DTYPES[1:]]
+           *[f"pp {s}" for s in S.PP_SCHEDULES], "ep", "expert_tp", "ZeRO-1", "ZeRO-2", "ZeRO-3",
+           *[f"AC {a}" for a in S.AC_POLICIES[1:]], *S.DTYPES[1:], "fused loss"]
 
 
 def rule_key(rule: str) -> str:
@@ -133,13 +137,16 @@ single-process run of the same model config:
 * `✗` mismatch, `E` error (a rank raised), `T` timeout (hang), `C` crash (a rank died), `N`
   non-finite loss: see *Known failures*. Nothing is marked passing that was not run.
 
-The product (`ndtrain.sweep.enumerate_combos`): model features {features} x (a) every layout with
+The product (`ndtrain.sweep.enumerate_combos`): model features {full} x (a) every layout with
 degrees in {{1, 2, 4}} of pp, dp_replicate, dp_shard, cp, tp on <= 4 ranks (both cp implementations, tp
-with and without SP, each pp schedule, ep dividing dp_shard x cp) x ZeRO 0-3, and 8 layouts on 8
-ranks x ZeRO {{0, 3}}; (b) 9 representative layouts x each activation-checkpointing policy x ZeRO
-{{0, 3}}; (c) the same 9 layouts x bfloat16 / float16 x ZeRO 0-3 and float32 x ZeRO {{0, 3}}. The
-default test suite runs the {n_subset} combinations of `ndtrain.sweep.SUBSET`
-(`tests/integration/test_sweep.py`).
+with and without SP, each pp schedule, ep dividing dp_shard x cp; MoE also with expert_tp = tp
+where there is no pp) x ZeRO 0-3 on 1-2 ranks and on 4-rank layouts with ep or HSDP, ZeRO {{0, 3}} on
+the other 4-rank layouts, and 8 layouts on 8 ranks x ZeRO {{0, 3}}; (b) {n_rep} representative
+layouts x each activation-checkpointing policy x ZeRO {{0, 3}}; (c) the same {n_rep} layouts x
+float32 / bfloat16 / float16 x ZeRO {{0, 3}}; (d) the same {n_rep} layouts x ZeRO {{0, 3}} with
+`training.fused_loss`. Combined features ({combined}) run (a) on the {n_rep} representative layouts
+x ZeRO 0-3 only. Model features: {features}. The default test suite runs the {n_subset}
+combinations of `ndtrain.sweep.SUBSET` (`tests/integration/test_sweep.py`).
 
 Totals: {totals}.
 
@@ -152,7 +159,24 @@ Each cell sums every combination of that feature that uses that axis value (with
 
 # What the sweep's failures mean, by a pattern of their detail (written after reading them; the
 # lead routes the fixes). Unmatched failures are listed without a note.
-NOTES: dict[str, str] = {}  # e.g. {r"^moe \| .*cp[24]": "why these fail, where to fix"}
+NOTES: dict[str, str] = {  # e.g. {r"^moe \| .*cp[24]": "why these fail, where to fix"}
+    r"^(moe|deepseek|hybrid) \| pp\d:(zero_bubble|dualpipev).* \| zero3 ": (
+        "seen 2026-12-01 (spot runs) on `moe` / `deepseek` / `hybrid` x pp2:zero_bubble and pp2:dualpipev "
+        "x ZeRO-3, with any other axis: the split backward's deferred W pass "
+        "(`ndtrain/parallel/pp/split_backward.py` `accumulate_weight_grads`) differentiates through "
+        "views of parameters whose ZeRO-3 storage is already freed (`setStorage ... storage of size 0`): "
+        "the stacked expert weights (MoE: [32, 16] at expert 3) and linear-mixer projections (hybrid: "
+        "[32, 64], [32, 32]); dense, "
+        "tied, MLA and MTP pass the same layouts, so these are parameters the W pass finds resharded"),
+}
+
+
+def _feature_text() -> str:
+    """Each feature with what it changes of the base model (first keys only)."""
+    def short(over: dict) -> str:
+        keys = [f"{k}={v}" for k, v in over.items() if not k.startswith(("mla_", "moe_z", "moe_bias"))]
+        return ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return "; ".join(f"`{f}` ({short(o) or 'base'})" for f, o in S.FEATURES.items())
 
 
 def report(results: list[Result], seconds: float, out: Path) -> None:
@@ -171,8 +195,10 @@ def report(results: list[Result], seconds: float, out: Path) -> None:
     head = HEADER.format(
         date=datetime.date.today(), torch=torch.__version__, python=platform.python_version(),
         minutes=seconds / 60, steps=S.STEPS, layers=S.BASE_MODEL["n_layers"], vocab=S.V, seq=S.T,
-        batch=S.G, rtol=S.RTOL, rtol32=S.TOLERANCE["float32"], features=", ".join(S.FEATURES),
-        n_subset=len(S.SUBSET), totals=", ".join(f"{v} {k}" for k, v in sorted(by_status.items())))
+        batch=S.G, rtol=S.RTOL, rtol32=S.TOLERANCE["float32"], features=_feature_text(),
+        full=", ".join(S.FULL_PRODUCT), combined=", ".join(f for f in S.FEATURES if f not in S.FULL_PRODUCT),
+        n_rep=len(S.REPRESENTATIVE), n_subset=len(S.SUBSET),
+        totals=", ".join(f"{v} {k}" for k, v in sorted(by_status.items())))
     L = [head, "| feature | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for f in S.FEATURES:
         rs = [(r, _uses(r.combo)) for r in results if r.combo.feature == f]
@@ -235,7 +261,8 @@ def _per_combo(results: list[Result], ids: dict[str, int]) -> list[str]:
     feats = list(S.FEATURES)
     for tier, title, zeros in (("layout", "float64, no activation checkpointing", S.ZERO_STAGES),
                                ("ac", "float64, by activation-checkpointing policy", (0, 3)),
-                               ("dtype", "by dtype", S.ZERO_STAGES)):
+                               ("dtype", "by dtype", (0, 3)),
+                               ("fused", "float64, training.fused_loss", (0, 3))):
         rows = sorted({k[1:5] for k in cell if k[0] == tier}, key=lambda k: (k[0], k[1], k[2], k[3]))
         if not rows:
             continue
@@ -269,7 +296,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "sweep" / "results.json")
     ap.add_argument("--only", action="append", default=[], help="exact combination key (repeatable)")
     ap.add_argument("--match", default="", help="run combinations whose key contains this text")
-    ap.add_argument("--tiers", default=",".join(S.TIERS), help="layout,ac,dtype")
+    ap.add_argument("--tiers", default=",".join(S.TIERS), help="layout,ac,dtype,fused")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one combination may take")
     ap.add_argument("--list", action="store_true", help="validate only; print each combination")
     ap.add_argument("--from-json", type=Path, help="write the doc from saved results")

@@ -6,6 +6,8 @@ Three parts, used by ``ndtrain.trainer`` (the skip) and ``ndtrain.train`` (the r
   setting its own slot when its local loss or gradient norm is not finite. Every rank learns the
   same list of bad ranks, so all of them skip the optimizer step together (a rank-local fault --
   a flipped bit, a bad kernel on one GPU -- would otherwise desynchronise the replicas).
+  ``agree_bad_ranks_and_sum`` does the same and sums the step's loss in the same all-reduce (plain
+  data parallel, where the loss group is the world: one blocking collective per step, not two).
 * ``BadStepGuard``: counts consecutive bad steps (``training.max_bad_steps``) and keeps a window of
   ``training.spike_window`` good losses; a loss whose z-score against that window exceeds
   ``training.spike_zscore`` is a spike. Either asks for a rollback. The loss it sees is the
@@ -51,6 +53,20 @@ def agree_bad_ranks(local_bad: bool, group: AxisGroup, device: torch.device) -> 
     flags[group.rank] = float(local_bad)
     comm.all_reduce(flags, group)
     return [i for i, f in enumerate(flags.tolist()) if f > 0]
+
+
+def agree_bad_ranks_and_sum(local_bad: bool, value: torch.Tensor, group: AxisGroup,
+                            device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """``agree_bad_ranks`` and the sum of the 0-d ``value`` over ``group``, in the same all-reduce
+    of ``group.size + 1`` float64s (a data-parallel step's loss sum rides along with the bad-step
+    flags instead of costing a second blocking collective). Returns (bad ranks, summed value as
+    a 0-d float64 tensor); the same on every rank."""
+    buf = torch.zeros(group.size + 1, dtype=torch.float64, device=device)
+    buf[group.rank] = float(local_bad)
+    buf[-1] = value.detach().to(torch.float64)
+    comm.all_reduce(buf, group)
+    flags = buf[:-1].tolist()
+    return [i for i, f in enumerate(flags) if f > 0], buf[-1]
 
 
 def is_finite(x) -> bool:

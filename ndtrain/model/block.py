@@ -21,7 +21,9 @@ class TransformerBlock(nn.Module):
     ``attention`` is the layer's token mixer (``cfg.layer_pattern``): ``Attention`` (MHA / GQA) or
     ``MLAttention`` (``cfg.attention == "mla"``) for softmax layers, else a mixer of
     ``ndtrain.model.mixers`` (linear, mamba2, gated_deltanet, sliding_window, dsa);
-    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``).
+    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``). With
+    ``cfg.block_ffn`` false the block is ``x + attention(attention_norm(x))`` only (Mamba-2's
+    mixer-only block; ``ffn_norm`` and ``feed_forward`` are None).
 
     Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
     """
@@ -34,10 +36,15 @@ class TransformerBlock(nn.Module):
         kinds = mixer_kinds(cfg)  # token mixer per layer by model.layer_pattern; MTP blocks: attention
         self.mixer = kinds[index] if index < len(kinds) else "attention"
         self.attention = build_mixer(cfg, layer_id, self.mixer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.ffn_norm: RMSNorm | None = None
+        self.feed_forward: nn.Module | None = None
+        if cfg.block_ffn:
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCacheLike | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)  # (B, T, C)
+        if self.feed_forward is None:
+            return h
         return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)

@@ -65,11 +65,15 @@ class AttachLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=dtype, device=device)
 
 
-def indexer_kl(picked_scores: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def indexer_kl(picked_scores: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor,
+               reduce_heads=None) -> torch.Tensor:
     """The indexer loss: sum over sequences of the mean over queries of KL(p || softmax(I)) on the
     selected keys. picked_scores / valid (B, T, k); probs (B, G, R, T, k) main attention (detached).
-    Returns a 0-d tensor."""
+    ``reduce_heads``: None, or a callable adding the heads held elsewhere to the (B, T, k) head sum
+    (tensor parallel's all-reduce), so p always sums all H heads. Returns a 0-d tensor."""
     p = probs.detach().sum((1, 2))  # (B, T, k) summed over heads
+    if reduce_heads is not None:
+        p = reduce_heads(p)
     p = (p / p.sum(-1, keepdim=True)).to(picked_scores.dtype)
     logq = picked_scores.masked_fill(~valid, float("-inf")).log_softmax(-1).masked_fill(~valid, 0.0)
     kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1)  # (B, T); p = 0 on unselected slots
@@ -108,6 +112,8 @@ class SparseAttention(Attention):
     def __init__(self, cfg, layer_id: str = "0"):
         super().__init__(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id)
         self.top_k, self.index_heads = cfg.dsa_top_k, cfg.dsa_index_heads
+        # the KL target sums every head; tensor parallel (heads split) sets an all-reduce over tp here
+        self.reduce_heads = None
         self.wq_index = nn.Linear(cfg.dim, cfg.dsa_index_heads * self.head_dim, bias=False)
         self.wk_index = nn.Linear(cfg.dim, self.head_dim, bias=False)
         self.w_index = nn.Linear(cfg.dim, cfg.dsa_index_heads, bias=False)
@@ -133,7 +139,7 @@ class SparseAttention(Attention):
         idx, valid = select_topk(scores.detach(), self.top_k, q_offset=past)  # discrete: no gradient
         if train_index:
             out, probs = topk_attention(q, k, v, idx, valid, return_probs=True)
-            out = AttachLoss.apply(out, indexer_kl(scores.gather(-1, idx), valid, probs))
+            out = AttachLoss.apply(out, indexer_kl(scores.gather(-1, idx), valid, probs, self.reduce_heads))
         elif kv_cache is None:
             out = topk_attention(q, k, v, idx, valid)
         else:

@@ -23,6 +23,7 @@ from ndtrain.model.mixer_common import (
     LINEAR_IMPL,
     GatedRMSNorm,
     causal_conv,
+    conv_context,
     get_state,
     identity_conv_,
     make_conv,
@@ -55,6 +56,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     ndtrain_normal_init = True  # A_log / dt_bias get a placeholder draw, then init_buffers
+    state_passer = None  # context parallel's hook (mixer_common.StatePasser); None: whole sequence
 
     def __init__(self, cfg, layer_id: str = "0"):
         super().__init__()
@@ -68,7 +70,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = make_conv(2 * self.key_dim + self.value_dim, x["conv"], bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))  # (H_v,)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))  # (H_v,)
-        self.norm = GatedRMSNorm(self.head_v_dim, 1e-6)
+        # Qwen3-Next uses its rms_norm_eps here; configs without the field keep the 1e-6 of before
+        self.norm = GatedRMSNorm(self.head_v_dim, getattr(cfg, "linear_norm_eps", 1e-6))
         self.out_proj = nn.Linear(self.value_dim, cfg.dim, bias=False)
 
     @torch.no_grad()
@@ -92,8 +95,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cos=None, sin=None, kv_cache=None) -> torch.Tensor:
         bsz, t, _ = x.shape
         q, k, v, z, bb, a = self._split(x)
-        st = get_state(kv_cache, self.layer_id)
-        qkv, conv_state = causal_conv(torch.cat([q, k, v.flatten(2)], dim=-1), self.conv1d, st.get("conv"))
+        st, passer = get_state(kv_cache, self.layer_id), (self.state_passer if kv_cache is None else None)
+        qkv = torch.cat([q, k, v.flatten(2)], dim=-1)  # (B, T, 2 H_k K + H_v V)
+        qkv, conv_state = causal_conv(qkv, self.conv1d, conv_context(passer, qkv, self.conv1d, st.get("conv")))
         q, k, v = F.silu(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.num_v_heads // self.num_k_heads
         q = q.view(bsz, t, self.num_k_heads, self.head_k_dim).repeat_interleave(r, dim=2)  # (B, T, H_v, K)
@@ -103,8 +107,12 @@ class GatedDeltaNet(nn.Module):
         beta = bb.sigmoid().transpose(1, 2)  # (B, H_v, T)
         sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         g = (-self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))).transpose(1, 2)
-        o, state = run_gated_delta(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g, beta,
-                                   st.get("s"), self.chunk_size)  # (B, H_v, T, V)
+
+        def run(q_, k_, v_, s_):  # the local sequence op, from state s_
+            return run_gated_delta(q_, k_, v_, g, beta, s_, self.chunk_size)
+
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H_v, T, K|V)
+        o, state = run(q, k, v, st.get("s")) if passer is None else passer.scan(run, q, k, v, delta=True)
         if kv_cache is not None:
             kv_cache.states[self.layer_id] = {"conv": conv_state, "s": state}
         o = self.norm(o.transpose(1, 2), z)  # (B, T, H_v, V)

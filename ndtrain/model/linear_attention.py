@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.model.mixer_common import get_state, run_linear
+from ndtrain.model.mixer_common import get_state, scan_linear
 
 
 class LinearAttention(nn.Module):
@@ -19,6 +19,8 @@ class LinearAttention(nn.Module):
 
     Shapes: x (B, T, C) -> (B, T, C); cos / sin are ignored.
     """
+
+    state_passer = None  # context parallel's hook (mixer_common.StatePasser); None: whole sequence
 
     def __init__(self, cfg, layer_id: str = "0"):
         super().__init__()
@@ -35,7 +37,8 @@ class LinearAttention(nn.Module):
         q, k, v = (w(x).view(b, t, -1, d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))  # (B, H, T, D)
         q, k = F.elu(q) + 1, F.elu(k) + 1
         v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, D + 1)
-        o, state = run_linear(q, k, v1, None, get_state(kv_cache, self.layer_id).get("s"), self.chunk_size)
+        passer = self.state_passer if kv_cache is None else None
+        o, state = scan_linear(passer, q, k, v1, None, get_state(kv_cache, self.layer_id).get("s"), self.chunk_size)
         if kv_cache is not None:
             kv_cache.states[self.layer_id] = {"s": state}
         o = o[..., :d] / (o[..., d:] + 1e-6)  # (B, H, T, D)

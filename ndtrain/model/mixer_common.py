@@ -7,6 +7,7 @@ dispatch. ``LINEAR_IMPL`` selects the sequence form of the linear family: "chunk
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -94,3 +95,33 @@ def run_linear(q, k, v, log_decay, state, chunk_size: int):
     if LINEAR_IMPL["impl"] == "naive":
         return naive_linear_attn(q, k, v, log_decay, state)
     return chunk_linear_attn(q, k, v, log_decay, state, chunk_size)
+
+
+class StatePasser(Protocol):
+    """What a linear mixer's ``state_passer`` attribute holds (class default None: the whole
+    sequence is on this device). Context parallel installs one from outside
+    (``ndtrain.parallel.cp.state_passing``) when a mixer sees one contiguous shard of each sequence:
+    the short convolution's left context and the recurrent state of the earlier tokens then come
+    from the ranks holding them."""
+
+    def conv_state(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
+        """x (B, T, Ch) this shard's conv input -> (B, width-1, Ch) the inputs just before it."""
+        ...
+
+    def scan(self, run, q, k, v, log_decay=None, delta: bool = False):
+        """``run(q, k, v, initial_state) -> (o, state)`` continued from the earlier shards' state;
+        ``log_decay`` (B, H, T) the scalar decay (``delta``: a delta-rule op instead)."""
+        ...
+
+
+def conv_context(passer: StatePasser | None, x: torch.Tensor, conv: nn.Conv1d, state):
+    """The left context of ``causal_conv``: the cached ``state``, or the passer's when installed."""
+    return state if passer is None else passer.conv_state(x, conv.weight.shape[-1])
+
+
+def scan_linear(passer: StatePasser | None, q, k, v, log_decay, state, chunk_size: int):
+    """``run_linear``, continued from the earlier shards' state when a passer is installed."""
+    if passer is None:
+        return run_linear(q, k, v, log_decay, state, chunk_size)
+    return passer.scan(lambda q_, k_, v_, s_: run_linear(q_, k_, v_, log_decay, s_, chunk_size),
+                       q, k, v, log_decay)

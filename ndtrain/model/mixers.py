@@ -41,7 +41,8 @@ def build_mixer(cfg, layer_id: str, kind: str) -> nn.Module:
     exactly as before (so a model without a pattern is bitwise unchanged)."""
     if kind == "attention":
         return (MLAttention(cfg, layer_id) if cfg.attention == "mla"
-                else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id))
+                else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id, cfg.attn_head_dim, cfg.qk_norm,
+                               cfg.norm_eps, cfg.attn_output_gate))
     builders = {"linear": LinearAttention, "mamba2": Mamba2, "gated_deltanet": GatedDeltaNet,
                 "sliding_window": SlidingWindowAttention, "dsa": SparseAttention}
     return builders[kind](cfg, layer_id)

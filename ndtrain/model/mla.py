@@ -21,6 +21,12 @@ Parameter names: ``wq`` (full-rank) or ``wq_a`` / ``q_norm`` / ``wq_b``; ``wkv_a
 ``wkv_b``, ``wo``. Heads are read from ``wkv_b``'s shape at forward time. RoPE uses the
 rotate-half pairing of ``ndtrain.model.rope``; ``ndtrain.hf_moe`` permutes the RoPE rows of
 interleaved (DeepSeek-layout) checkpoints on import.
+
+Parallelism hooks (the code stays single-device): ``enter_heads`` separates the replicated latent
+path (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) from the per-head projections (``wq_b`` / ``wq``,
+``wkv_b``, ``wo``), where tensor parallel splits heads (``ndtrain.parallel.tp.mla_plan``); ``core``
+takes q, k (B, H, T, d_n+d_r) and v (B, H, T, d_v), where context parallel runs ring or Ulysses
+attention (``ndtrain.parallel.cp``).
 """
 from __future__ import annotations
 
@@ -68,11 +74,6 @@ class MLAttention(nn.Module):
         """Causal attention: q, k (B, H, T, d_n+d_r), v (B, H, T, d_v) -> (B, H, T, d_v)."""
         return causal_attention(q, k, v)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "wq"):
-            return self.wq(x)
-        return self.wq_b(self.q_norm(self.wq_a(x)))  # (B, T, H*(d_n+d_r))
-
     def expand_kv(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents c_kv (B, S, d_c) (normalised) and rotated k_rope (B, S, d_r) -> k (B, H, S, d_n+d_r),
         v (B, H, S, d_v)."""
@@ -83,14 +84,26 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, h, self.rope_dim)], dim=-1)  # (B, S, H, d_n+d_r)
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    def enter_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Hook between the replicated latent path and the per-head projections: identity on one
+        device. Tensor parallel installs Megatron's f operator here (``ndtrain.parallel.tp.mla_plan``),
+        so the down-projections and their norms run before the head split, as in Megatron-Core.
+        x (B, T, d_q + d_c + d_r) (or C + d_c + d_r without a query latent) -> the same (with
+        sequence parallel: (B, T/tp, .) -> (B, T, .))."""
+        return x
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCacheLike | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.queries(x).view(b, t, -1, self.nope_dim + self.rope_dim)  # (B, T, H, d_n+d_r)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1).transpose(1, 2)  # (B, H, T, d_n+d_r)
+        latent = hasattr(self, "wq_a")
+        q_in = self.q_norm(self.wq_a(x)) if latent else x  # (B, T, d_q) or (B, T, C)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, d_c), (B, T, d_r)
-        c_kv = self.kv_norm(c_kv)
+        # one f for the query input and the kv latent: (B, T, d_q | C) + (B, T, d_c + d_r)
+        qkv = self.enter_heads(torch.cat([q_in, self.kv_norm(c_kv), k_rope], dim=-1))
+        q_in, c_kv, k_rope = qkv.split([q_in.shape[-1], self.kv_rank, self.rope_dim], dim=-1)
+        b, t, _ = qkv.shape
+        q = (self.wq_b(q_in) if latent else self.wq(q_in)).view(b, t, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (B, T, H, d_n), (B, T, H, d_r)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1).transpose(1, 2)  # (B, H, T, d_n+d_r)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # (B, T, d_r)
         if kv_cache is None:
             k, v = self.expand_kv(c_kv, k_rope)

@@ -14,13 +14,20 @@ float32 / bfloat16, 16-byte aligned rows) when available, else ``grouped_mm_loop
 one matmul per expert over its segment; always used for float64). ``tests/unit/test_moe.py`` pins
 the two together, outputs and gradients.
 
+**Token mask.** ``MoE.token_mask`` (None: every token routes) is a (B, T) bool of the tokens that
+belong to the layer's routed set, set by the caller for one forward (``ndtrain.model.mtp`` sets it
+for the MTP depths run padded to the full sequence under sequence / context parallel, whose last k
+positions are not part of the single process's (B, T - k) input). A masked token goes to no expert
+(its routed output is 0; shared experts still run on it) and is left out of everything statistical:
+the Switch, sequence-wise and z losses, the loads, the capacity and its ranking, the bias update.
+The result equals the single process's on the unmasked tokens alone. ``forward_tokens(x, valid)``
+takes the mask explicitly (tensor parallel passes each rank its slice).
+
 ``MoE.run_experts(xs, counts)`` calls ``self.experts``, the module expert parallel replaces per instance
 (as context parallel replaces ``Attention.core``): given tokens sorted by global expert id and the count per
 expert, return the expert outputs in the same order. This file never communicates.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +37,7 @@ from ndtrain.config import ModelConfig
 from ndtrain.model import moe_balance
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.moe_balance import moe_layers  # noqa: F401  (re-exported)
+from ndtrain.model.moe_capacity import SequenceShards, capacity_keep
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -69,7 +77,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
     if not _fused_ok(x, w):
         raise RuntimeError(f"torch._grouped_mm cannot run on {x.dtype} {tuple(x.shape)} x {tuple(w.shape)}")
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each group
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # (M, N)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))  # (M, N)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``_grouped_mm``'s backward
+    rejects stride-0 gradients (e.g. from ``out.sum().backward()``: "Invalid strides/sizes")."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
 
 
 class GroupedExperts(nn.Module):
@@ -101,7 +122,9 @@ class MoE(nn.Module):
 
     Parameters: ``router`` Linear C -> E (computed in float32, or float64 in a float64 model),
     ``experts`` GroupedExperts, ``shared`` FeedForward of hidden ``moe_shared_experts *
-    moe_ffn_hidden`` or None. Buffer ``expert_bias`` (E,): the aux-loss-free selection bias.
+    moe_ffn_hidden`` (or ``moe_shared_ffn_hidden``) or None, ``shared_gate`` Linear C -> 1 or None
+    (``moe_shared_gate``: the shared output times its sigmoid, Qwen3-Next). Buffer ``expert_bias``
+    (E,): the aux-loss-free selection bias.
 
     Shapes: x (B, T, C) -> (B, T, C). In training (``self.training`` and grad enabled) the forward
     also records, via ``moe_balance``, the auxiliary-loss token sums (``aux_sum``) and the load
@@ -115,12 +138,16 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)  # (E, C)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_ffn_dim)
-        self.shared = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_ffn_dim)
-                       if cfg.moe_shared_experts else None)
+        self.shared = FeedForward(cfg.dim, cfg.shared_ffn_dim) if cfg.moe_shared_experts else None
+        # Qwen3-Next: the shared output is scaled per token by sigmoid(x w_g), w_g (1, C)
+        gated = cfg.moe_shared_gate and self.shared is not None
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if gated else None
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
         self.load_reducer = None  # set by parallel code: sums a (E,) count tensor over the aux-loss scope's ranks
+        self.seq_shards: SequenceShards | None = None  # set under cp: how each sequence is split over ranks
         self.stats = moe_balance.LoadStats(cfg.moe_experts)
         self.aux_sum: torch.Tensor | None = None  # weighted aux-loss token sum of the last forward
+        self.token_mask: torch.Tensor | None = None  # (B, T) bool, routed tokens; None = all (docstring)
 
     def init_buffers(self) -> None:
         """Zero the aux-loss-free bias (called by ``init_weights``)."""
@@ -159,25 +186,20 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return scores, idx, weights * c.moe_route_scale
 
-    def capacity_keep(self, idx: torch.Tensor) -> torch.Tensor | None:
-        """Which assignments fit the expert capacity ``ceil(cf * N * k / E)`` (None: dropless).
-
-        Priority is deterministic (GShard's): all first choices in token order, then all second
-        choices, and so on; an expert keeps its first ``capacity`` assignments in that order.
-        idx (N, k) -> keep (N, k) bool.
+    def capacity_keep(self, idx: torch.Tensor, shape: tuple[int, int] | None = None,
+                      valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Which assignments fit the expert capacity ``ceil(cf * B T k / E)`` of the microbatch
+        (None: dropless, or not training). GShard's priority: all first choices in (sequence,
+        position) order, then all second choices, and so on; an expert keeps its first
+        ``capacity`` assignments in that order. Under context parallel (``seq_shards``) the
+        decision is the single process's on the whole sequences (``ndtrain.model.moe_capacity``).
+        idx (N, k), shape (B, T_local) (default (1, N)), valid (N,) bool or None (the token mask:
+        masked tokens neither count nor are kept) -> keep (N, k) bool.
         """
         cf = self.cfg.moe_capacity_factor
         if cf <= 0 or not self.training:
             return None
-        n, k = idx.shape
-        cap = math.ceil(cf * n * k / self.n_experts)
-        slot_major = idx.t().reshape(-1)  # (k*N,) first choices of all tokens first
-        order = torch.argsort(slot_major, stable=True)
-        counts = torch.bincount(slot_major, minlength=self.n_experts)  # (E,)
-        starts = torch.cumsum(counts, 0) - counts  # (E,)
-        rank = torch.empty_like(slot_major)
-        rank[order] = torch.arange(slot_major.numel(), device=idx.device) - starts[slot_major[order]]
-        return (rank < cap).view(k, n).t()  # (N, k)
+        return capacity_keep(idx, shape or (1, idx.shape[0]), self.n_experts, cf, self.seq_shards, valid)
 
     # ---- experts ---------------------------------------------------------------------------------
     def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -185,15 +207,26 @@ class MoE(nn.Module):
         return self.experts(xs, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_tokens(x, self.token_mask)
+
+    def forward_tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """x (B, T, C), valid (B, T) bool or None (module docstring) -> (B, T, C).
+        Raises ValueError when ``valid`` is not (B, T)."""
         b, t, c = x.shape
+        if valid is not None and tuple(valid.shape) != (b, t):
+            raise ValueError(f"MoE token mask {tuple(valid.shape)} does not match the tokens {(b, t)}")
         flat = x.reshape(-1, c)  # (N, C)
         n, k, e = flat.shape[0], self.top_k, self.n_experts
         logits = self.router_logits(flat)  # (N, E)
         scores, idx, weights = self.route(logits)
-        keep = self.capacity_keep(idx)
+        valid = None if valid is None else valid.reshape(-1)  # (N,)
+        # the unmasked call keeps capacity_keep's two-argument form, which tests wrap to record decisions
+        keep = self.capacity_keep(idx, (b, t)) if valid is None else self.capacity_keep(idx, (b, t), valid)
+        if keep is None and valid is not None:
+            keep = valid.unsqueeze(1).expand(n, k)  # dropless: every valid assignment is kept
         assign = idx.reshape(-1)  # (N*k,) expert of assignment (token i, slot j) at i*k + j
         if keep is not None:
-            assign = assign.masked_fill(~keep.reshape(-1), e)  # dropped -> sentinel E, sorts last
+            assign = assign.masked_fill(~keep.reshape(-1), e)  # dropped / masked -> sentinel E, sorts last
         order = torch.argsort(assign, stable=True)  # (N*k,)
         counts = torch.bincount(assign, minlength=e + 1)[:e]  # (E,) kept assignments per expert
         kept = int(counts.sum())
@@ -204,12 +237,15 @@ class MoE(nn.Module):
         out_dtype = torch.promote_types(ys.dtype, weights.dtype)
         out = (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, C)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)  # (N, C)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
         if self.training and torch.is_grad_enabled():
             # An activation-checkpoint recompute (inside backward) rebuilds the same aux graph, so
             # the recomputed saved tensors line up, but must not count loads or losses twice.
             first = torch._C._current_graph_task_id() == -1
-            aux = moe_balance.record(self, logits, scores, idx, keep, (b, t), update_stats=first)
+            aux = moe_balance.record(self, logits, scores, idx, keep, (b, t), update_stats=first, valid=valid)
             if first:
                 self.aux_sum = aux
         return out.view(b, t, c)

@@ -16,7 +16,9 @@ as a *token sum* -- the loss of its statistics scope times the tokens it covers 
 divides the weighted sum by the global number of routed tokens (global batch x T). The total is
 then independent of how microbatches are spread over ranks whenever the statistics scope is:
 
-* sequence-wise loss and z-loss: per sequence / per token, so always partition-independent;
+* sequence-wise loss and z-loss: per sequence / per token, so always partition-independent (under
+  context parallel the (B, E) per-sequence counts are summed over the cp ranks holding the chunks of
+  those sequences, ``MoE.seq_shards``, and ``f`` uses the full sequence length);
 * Switch loss, ``moe_aux_scope = "microbatch"`` (default): ``f`` and ``P`` over one microbatch;
   the step's value is the token-weighted mean of the microbatch losses. It depends on the
   microbatch partition of the global batch (dp degree x micro_batch_size), not on ep or cp: under
@@ -27,6 +29,11 @@ then independent of how microbatches are spread over ranks whenever the statisti
 
 The gradient of the Switch loss only flows through ``P`` (``f`` is a count), so the token-sum form
 ``E * sum_i f_i * sum_t p_ti`` summed over ranks equals the scope's loss times its tokens exactly.
+
+**Token mask** (``MoE.token_mask``; MTP depths run padded under sequence / context parallel): the
+masked tokens leave every sum above (counts, ``P``, z, the per-sequence length ``T`` of the
+sequence-wise loss, which becomes the sequence's valid count), so each term is the single process's
+over its (B, T - k) MTP input.
 
 **Aux-loss-free balancing** (DeepSeek-V3, Wang et al. 2024): after each optimizer step the per-
 expert assignment counts of the whole global batch (all microbatches, all-reduced over dp_cp) give
@@ -46,7 +53,9 @@ class LoadStats:
 
     ``counts`` (E,) float64: router demand (assignments per expert, before capacity dropping);
     ``dropped`` / ``assigned``: assignments dropped by capacity / made; ``terms``: unweighted aux
-    token sums (switch, seq, z) for logging. Reset by ``end_step``.
+    token sums (switch, seq, z) for logging; ``a2a_bytes``: bytes this rank sent to other ranks in
+    the layer's expert-parallel all-to-alls (dispatch and combine, forward and backward, activation
+    recompute included: real traffic), added by the parallel experts module. Reset by ``end_step``.
     """
 
     def __init__(self, n_experts: int):
@@ -57,26 +66,32 @@ class LoadStats:
         self.counts: torch.Tensor | None = None
         self.dropped = 0.0
         self.assigned = 0.0
+        self.recorded = 0  # recording forwards (a rank whose tokens are all masked still counts one)
         self.terms: dict[str, float] = {}
+        self.a2a_bytes = 0.0
 
 
 def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
-           keep: torch.Tensor | None, shape: tuple[int, int], update_stats: bool = True) -> torch.Tensor | None:
+           keep: torch.Tensor | None, shape: tuple[int, int], update_stats: bool = True,
+           valid: torch.Tensor | None = None) -> torch.Tensor | None:
     """Return the weighted auxiliary-loss token sum (None if no aux loss) and, if
     ``update_stats``, add this forward's loads and aux values to ``moe.stats``.
 
     Args: logits / scores (N, E) router outputs; idx (N, k) chosen experts; keep (N, k) or None;
-    shape (B, T) with N = B*T.
+    shape (B, T) with N = B*T; valid (N,) bool or None: the token mask (``MoE.token_mask``):
+    masked tokens are left out of every count and loss, so the result equals the single process's
+    on the valid tokens alone (per-sequence lengths are the valid counts, summed over the cp shards).
     """
     c, st = moe.cfg, moe.stats
-    n, k = idx.shape
     e = scores.shape[1]
-    counts = torch.bincount(idx.reshape(-1), minlength=e).to(torch.float64)  # (E,)
+    sel = idx if valid is None else idx[valid]  # (N_valid, k) assignments that count
+    counts = torch.bincount(sel.reshape(-1), minlength=e).to(torch.float64)  # (E,)
     if update_stats:
         st.counts = counts if st.counts is None else st.counts + counts
-        st.assigned += n * k
+        st.assigned += sel.numel()
+        st.recorded += 1
         if keep is not None:
-            st.dropped += float((~keep).sum())
+            st.dropped += float((~keep).sum()) if valid is None else float((~keep[valid]).sum())
     probs = scores if c.moe_score == "softmax" else scores / scores.sum(-1, keepdim=True)  # (N, E)
     terms: dict[str, torch.Tensor] = {}
     if c.moe_aux_loss_coef > 0:
@@ -84,15 +99,13 @@ def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
         if moe.load_reducer is not None:  # (E,) summed over the scope's ranks (set by parallel code)
             cnt = moe.load_reducer(counts.clone())
         f = (cnt / cnt.sum().clamp(min=1)).to(probs.dtype)  # (E,) fraction of assignments
-        terms["switch"] = (c.moe_aux_loss_coef, e * (f * probs.sum(0)).sum())
+        p_sum = probs.sum(0) if valid is None else probs[valid].sum(0)  # (E,)
+        terms["switch"] = (c.moe_aux_loss_coef, e * (f * p_sum).sum())
     if c.moe_seq_aux_loss_coef > 0:
-        b, t = shape
-        cnt_seq = torch.zeros(b, e, dtype=probs.dtype, device=probs.device)
-        cnt_seq.scatter_add_(1, idx.view(b, t * k), torch.ones(b, t * k, dtype=probs.dtype, device=probs.device))
-        f_seq = cnt_seq * (e / (k * t))  # (B, E)
-        terms["seq"] = (c.moe_seq_aux_loss_coef, (f_seq * probs.view(b, t, e).sum(1)).sum())
+        terms["seq"] = (c.moe_seq_aux_loss_coef, _seq_term(moe, probs, idx, shape, valid))
     if c.moe_z_loss_coef > 0:
-        terms["z"] = (c.moe_z_loss_coef, torch.logsumexp(logits, dim=-1).pow(2).sum())
+        z_logits = logits if valid is None else logits[valid]
+        terms["z"] = (c.moe_z_loss_coef, torch.logsumexp(z_logits, dim=-1).pow(2).sum())
     if not terms:
         return None
     total = None
@@ -101,6 +114,36 @@ def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
             st.terms[name] = st.terms.get(name, 0.0) + float(value.detach())
         total = coef * value if total is None else total + coef * value
     return total
+
+
+def _seq_term(moe, probs: torch.Tensor, idx: torch.Tensor, shape: tuple[int, int],
+              valid: torch.Tensor | None) -> torch.Tensor:
+    """The sequence-wise balance loss's token sum (DeepSeek-V3 eq. 17-20): probs (N, E), idx (N, k),
+    shape (B, T), valid (N,) or None. Under cp the (B, E) counts (and, with a mask, the (B,) valid
+    lengths) are summed over the ranks holding the chunks of each sequence."""
+    b, t = shape
+    k = idx.shape[1]
+    e = probs.shape[1]
+    shards = moe.seq_shards if moe.seq_shards is not None and moe.seq_shards.size > 1 else None
+    ones = torch.ones(b, t * k, dtype=probs.dtype, device=probs.device)
+    if valid is None:
+        cnt_seq = probs.new_zeros(b, e).scatter_add_(1, idx.view(b, t * k), ones)  # (B, E)
+        t_seq = t  # the whole sequence's length
+        if shards is not None:  # cp: count over the whole sequences
+            cnt_seq, t_seq = shards.all_reduce(cnt_seq), t * shards.size
+        f_seq = cnt_seq * (e / (k * t_seq))  # (B, E)
+        return (f_seq * probs.view(b, t, e).sum(1)).sum()
+    v = valid.view(b, t)
+    src = ones.view(b, t, k) * v.unsqueeze(-1).to(probs.dtype)  # (B, T, k): masked tokens add 0
+    cnt_len = probs.new_zeros(b, e + 1)  # (B, E) counts and (B,) valid length, one reduction
+    cnt_len[:, :e].scatter_add_(1, idx.view(b, t * k), src.view(b, t * k))
+    cnt_len[:, e] = v.sum(1).to(probs.dtype)
+    if shards is not None:
+        cnt_len = shards.all_reduce(cnt_len)
+    t_seq = cnt_len[:, e:].clamp(min=1)  # (B, 1) valid tokens of each sequence
+    # tensor / tensor (one rounding, as the unmasked Python-float scale); ``e / tensor`` would not be
+    f_seq = cnt_len[:, :e] * (torch.full_like(t_seq, float(e)) / (k * t_seq))  # (B, E)
+    return (f_seq * probs.masked_fill(~valid.unsqueeze(1), 0).view(b, t, e).sum(1)).sum()
 
 
 def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -133,36 +176,42 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
 
     Returns (empty for a dense model): ``moe_load_max_mean`` (max/mean expert load over the global
     batch, averaged over MoE layers), ``moe_load_max_mean_worst`` (worst layer),
-    ``moe_dropped_frac`` (dropped / assigned), and ``aux_<name>_sum`` for each of ``AUX_TERMS``:
+    ``moe_tokens_per_expert_max`` (the most assignments any expert of any layer got from the global
+    batch, before dropping), ``moe_tokens_per_expert_mean`` (B T k / E of the global batch),
+    ``moe_dropped_frac`` (dropped / assigned), ``moe_a2a_bytes`` (bytes of the expert-parallel
+    token all-to-alls of the step, all layers, summed over the ranks; 0 without ep; see
+    ``LoadStats``), and ``aux_<name>_sum`` for each of ``AUX_TERMS``:
     the unweighted token sum over the global batch and all MoE layers (divide by routed tokens for
     the mean).
     """
     layers = [m for m in moe_layers(model) if m.stats.counts is not None]
     if not layers:
         return {}
-    e, extra = layers[0].n_experts, 2 + len(AUX_TERMS)
+    e, extra = layers[0].n_experts, 3 + len(AUX_TERMS)
     rows = []
     for m in layers:
         st = m.stats
-        tail = [st.dropped, st.assigned] + [st.terms.get(name, 0.0) for name in AUX_TERMS]
+        tail = [st.dropped, st.assigned, st.a2a_bytes] + [st.terms.get(name, 0.0) for name in AUX_TERMS]
         rows.append(torch.cat([st.counts.cpu(), torch.tensor(tail, dtype=torch.float64)]))
-    packed = torch.cat(rows).to(layers[0].expert_bias.device)  # (L_moe * (E + 5),)
+    packed = torch.cat(rows).to(layers[0].expert_bias.device)  # (L_moe * (E + 6),)
     if all_reduce is not None:
         all_reduce(packed)
-    ratios, dropped, assigned = [], 0.0, 0.0
+    ratios, dropped, assigned, a2a, peak, means = [], 0.0, 0.0, 0.0, 0.0, []
     terms = dict.fromkeys(AUX_TERMS, 0.0)
     for i, m in enumerate(layers):
         row = packed[i * (e + extra):(i + 1) * (e + extra)]
         counts = row[:e]  # (E,) load of this step over the global batch
         mean = counts.mean()
         ratios.append(float(counts.max() / mean.clamp(min=1e-12)))
-        dropped, assigned = dropped + float(row[e]), assigned + float(row[e + 1])
+        peak, means = max(peak, float(counts.max())), means + [float(mean)]
+        dropped, assigned, a2a = dropped + float(row[e]), assigned + float(row[e + 1]), a2a + float(row[e + 2])
         for j, name in enumerate(AUX_TERMS):
-            terms[name] += float(row[e + 2 + j])
+            terms[name] += float(row[e + 3 + j])
         if bias_update_rate > 0:
             m.expert_bias += (bias_update_rate * torch.sign(mean - counts)).to(m.expert_bias.dtype)
         m.stats.reset()
     out = {"moe_load_max_mean": sum(ratios) / len(ratios), "moe_load_max_mean_worst": max(ratios),
-           "moe_dropped_frac": dropped / max(assigned, 1.0)}
+           "moe_tokens_per_expert_max": peak, "moe_tokens_per_expert_mean": sum(means) / len(means),
+           "moe_dropped_frac": dropped / max(assigned, 1.0), "moe_a2a_bytes": a2a}
     out.update({f"aux_{name}_sum": v for name, v in terms.items()})
     return out

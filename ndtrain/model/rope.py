@@ -67,8 +67,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         cos, sin: (T, D/2) or (B, T, D/2), already gathered at the tokens' positions; cast to
             x's dtype here (as Hugging Face does).
 
-    Returns: (B, T, H, D), dtype of x.
+    Returns: (B, T, H, D), dtype of x. Partial RoPE (Qwen3-Next, GPT-NeoX ``rotary_pct``): when
+    cos / sin cover R/2 < D/2 pairs, the first R dims are rotated and the last D - R pass unchanged.
     """
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     cos = cos.to(x.dtype).unsqueeze(-2)  # (T, 1, D/2) or (B, T, 1, D/2)
     sin = sin.to(x.dtype).unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each

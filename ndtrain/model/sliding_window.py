@@ -27,24 +27,34 @@ def dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """Blocked sliding-window attention over one full sequence: q (B, H, T, D), k / v (B, G, T, D)
-    -> (B, H, T, D), equal to ``dense_window_attention`` (tested)."""
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                     kv_prev: torch.Tensor | None = None, prev_len: int = 0) -> torch.Tensor:
+    """Blocked sliding-window attention over one sequence: q (B, H, T, D), k / v (B, G, T, D)
+    -> (B, H, T, D), equal to ``dense_window_attention`` (tested).
+
+    ``kv_prev`` (2, B, G, window - 1, D): keys / values of the window - 1 positions just before
+    this sequence (context parallel: the previous rank's last tokens), of which the last
+    ``prev_len`` are real and the rest masked (0: the sequence's start, e.g. cp rank 0)."""
     b, h, t, d = q.shape
-    g, w = k.shape[1], min(window, t)
+    g = k.shape[1]
+    w = window if kv_prev is not None else min(window, t)  # a block must reach window - 1 back
     n = -(-t // w)
     pad = n * w - t
     qb = F.pad(q, (0, 0, 0, pad)).view(b, h, n, w, d).transpose(1, 2).reshape(b * n, h, w, d)
-    kp, vp = (F.pad(x, (0, 0, w, pad)) for x in (k, v))  # (B, G, w + n*w, D): one block of front padding
+    if kv_prev is None:  # one block of front padding, masked below
+        kp, vp = (F.pad(x, (0, 0, w, pad)) for x in (k, v))  # (B, G, w + n*w, D)
+    else:  # the front block: one masked slot, then the previous window - 1 positions
+        front = F.pad(kv_prev, (0, 0, 1, 0))  # (2, B, G, w, D)
+        kp, vp = (torch.cat([f, F.pad(x, (0, 0, 0, pad))], dim=2) for f, x in zip(front, (k, v)))
 
     def two_blocks(x: torch.Tensor) -> torch.Tensor:  # block i sees padded blocks i and i + 1
         blocks = x.view(b, g, n + 1, w, d)
         return torch.cat([blocks[:, :, :-1], blocks[:, :, 1:]], dim=3).transpose(1, 2).reshape(b * n, g, 2 * w, d)
 
     kb, vb = two_blocks(kp), two_blocks(vp)
-    qpos = torch.arange(n * w, device=q.device).view(n, w, 1)  # absolute query positions
+    qpos = torch.arange(n * w, device=q.device).view(n, w, 1)  # query positions in this sequence
     kpos = (torch.arange(n, device=q.device)[:, None] * w + torch.arange(2 * w, device=q.device) - w).view(n, 1, 2 * w)
-    mask = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0)  # (N, w, 2w)
+    mask = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= -prev_len)  # (N, w, 2w)
     mask = mask[None, :, None].expand(b, n, 1, w, 2 * w).reshape(b * n, 1, w, 2 * w)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=g != h)  # (B*N, H, w, D)
     return out.view(b, n, h, w, d).transpose(1, 2).reshape(b, h, n * w, d)[:, :, :t]

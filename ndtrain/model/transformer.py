@@ -22,7 +22,7 @@ from ndtrain.config import ModelConfig
 from ndtrain.model.attention import KVCacheLike
 from ndtrain.model.block import TransformerBlock
 from ndtrain.model.init import init_weights
-from ndtrain.model.mtp import MTPModule, mtp_forward
+from ndtrain.model.mtp import MTPModule, mtp_forward, mtp_token_ids
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import rope_tables
 
@@ -92,7 +92,8 @@ class Transformer(nn.Module):
         their auxiliary losses (``ndtrain.model.moe_balance.pop_aux_loss``).
         Raises ValueError if a cached forward would run past ``max_seq_len``.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()  # a pipeline stage's
+        h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, C); head stage: MTP's embedding copy
         t = h.shape[1]
         if positions is None:
             start = kv_cache.length if kv_cache is not None else 0
@@ -105,9 +106,10 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(t)
         self.mtp_logits = []
+        ids = mtp_token_ids(self, tokens)  # the token ids (a pipeline's head stage: fed by the runtime)
         if (self.mtp is not None and kv_cache is None and self.training and torch.is_grad_enabled()
-                and self.tok_embeddings is not None and self.output is not None):
-            self.mtp_logits = mtp_forward(self, tokens, h, cos, sin)
+                and ids is not None and self.tok_embeddings is not None and self.output is not None):
+            self.mtp_logits = mtp_forward(self, ids, h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V) or (B, T, C)

@@ -1,6 +1,6 @@
 """The per-batch hooks of a layout: cutting a rank's batch (context parallel) and the loss
-(tensor parallel: vocab-parallel cross-entropy; ``fused_loss_sum``: fused with the output head).
-Built by ``ndtrain.parallel.parallelize``."""
+(tensor parallel: vocab-parallel cross-entropy; ``fused_loss_sum``: fused with the output head,
+``training.fused_loss``, ``ndtrain.parallel.fused_head``). Built by ``ndtrain.parallel.parallelize``."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ndtrain.mesh import Mesh
+from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel import comm
 from ndtrain.parallel.cp.rules import resolve_layout
 
@@ -20,14 +21,21 @@ class BatchPlan:
     shifted, so cutting after the shift keeps every (input, label) pair together.
     ``loss_sum(logits, labels)``: sum of token cross-entropies over valid labels (0-d tensor);
     logits (B, T, V), or (B, T, Vp / tp) under tensor parallel (vocab-parallel, never gathered).
+    ``fused_impl``: "chunk" (PyTorch, any device / dtype) or "triton" kernels of ``fused_loss_sum``.
+    ``head``: the model's ``FusedLossHead`` under ``training.fused_loss`` (set by ``parallelize``),
+    else None; ``labelled(labels)`` arms it around a forward and ``stage_loss`` reads its result.
     """
 
-    def __init__(self, mesh: Mesh, cfg, ignore_index: int = -100):
+    def __init__(self, mesh: Mesh, cfg, ignore_index: int = -100, fused_impl: str = "chunk"):
         p = cfg.parallel
         self.cp, self.tp = mesh.group("cp"), mesh.group("tp")
-        self.layout = resolve_layout(p.cp_impl, p.cp_layout)
+        self.layout = resolve_layout(p.cp_impl, p.cp_layout, non_softmax_mixers(cfg.model))
         self.full_positions = p.sequence_parallel
         self.vocab_size, self.ignore_index = cfg.model.vocab_size, ignore_index
+        if fused_impl not in ("chunk", "triton"):
+            raise ValueError(f"fused_impl ({fused_impl!r}) must be chunk|triton")
+        self.fused_impl = fused_impl
+        self.head = None
 
     def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
         if self.cp.size > 1:
@@ -46,24 +54,45 @@ class BatchPlan:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index,
                                reduction="sum")
 
-    def fused_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def labelled(self, labels: torch.Tensor):
+        """Context arming the fused-loss head (if any) with a microbatch's (B, T) labels."""
+        from ndtrain.parallel.fused_head import head_labels
+
+        return head_labels(self.head, labels)
+
+    def stage_loss(self, out: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The last stage's summed token loss: ``out`` is the armed fused head's 0-d loss sum, or
+        logits (B, T, V | Vp / tp) cast to ``dtype`` (the parameter dtype) for ``loss_sum``."""
+        if self.head is not None and out.dim() == 0:
+            return out.to(dtype)
+        return self.loss_sum(out.to(dtype), labels)
+
+    def fused_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       region_entered: bool = False) -> torch.Tensor:
         """``loss_sum`` of the logits ``hidden @ weight^T`` without materialising them (fused linear +
-        cross-entropy, ``ndtrain.ops.linear_cross_entropy``; needs Triton).
+        cross-entropy, ``ndtrain.ops.linear_cross_entropy``: its chunked PyTorch form, or the Triton
+        kernels with ``fused_impl="triton"``).
 
         hidden (B, T, C): the output head's whole input (under sequence parallel: already gathered);
         weight (V, C), or this rank's (Vp / tp, C) rows under tensor parallel, where each rank's
         partial max / sum-exp / target logit meet in two all-reduces over ``tp`` (MAX, then SUM of
         2N values, as ``vocab_parallel_cross_entropy``) and hidden's gradient is summed over ``tp``
-        (Megatron's f operator). Returns the 0-d sum over valid labels.
+        (Megatron's f operator: applied here unless ``region_entered``, i.e. the caller already
+        passed hidden through f, as ``FusedLossHead`` does). Returns the 0-d sum over valid labels.
         """
-        from ndtrain.ops.linear_cross_entropy.triton import fused_linear_cross_entropy
+        if self.fused_impl == "triton":
+            from ndtrain.ops.linear_cross_entropy.triton import fused_linear_cross_entropy as fused
+        else:
+            from ndtrain.ops.linear_cross_entropy.chunk import chunk_linear_cross_entropy as fused
 
         h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, C), (B*T,)
         if self.tp.size == 1:
-            return fused_linear_cross_entropy(h, weight, y, self.ignore_index, vocab_size=self.vocab_size).sum()
+            return fused(h, weight, y, self.ignore_index, vocab_size=self.vocab_size).sum()
         from ndtrain.parallel.tp.collectives import CopyToTP
 
         tp = self.tp
+        if not region_entered:
+            h = CopyToTP.apply(h, tp)
 
         def combine(m, s, t):  # this rank's (N,) partials -> the tp-wide statistics
             m_all = m.clone()
@@ -72,5 +101,5 @@ class BatchPlan:
             comm.all_reduce(st, tp)
             return m_all, st[0], st[1]
 
-        return fused_linear_cross_entropy(CopyToTP.apply(h, tp), weight, y, self.ignore_index,
-                                          tp.rank * weight.shape[0], combine, vocab_size=self.vocab_size).sum()
+        return fused(h, weight, y, self.ignore_index, tp.rank * weight.shape[0], combine,
+                     vocab_size=self.vocab_size).sum()

@@ -6,8 +6,12 @@ Order (each step sees the result of the previous ones):
   2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel)
   3. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
   4. context parallel                     (parallel.cp, cp_impl, cp_layout)
-  5. activation checkpointing             (training.activation_checkpoint)
-  6. data parallel: DDP / ZeRO / FSDP     (parallel.zero_stage, dp_replicate x dp_shard)
+  5. fused loss head                      (training.fused_loss; parallel.fused_head: after tp's
+                                           vocab-parallel head, before ZeRO-3 builds its units)
+  6. activation checkpointing             (training.activation_checkpoint)
+  7. float8 linears, torch.compile         (training.fp8, training.compile; parallel.compile: after
+                                           checkpointing, whose hooks stay outside the compiled code)
+  8. data parallel: DDP / ZeRO / FSDP     (parallel.zero_stage, dp_replicate x dp_shard)
 Data parallel comes last because it must see the final set of (possibly sharded) parameters.
 Then, from the result, everything else that depends on the layout: the batch plan (cp cut,
 vocab-parallel loss), the checkpoint adapter (tp gather / scatter, tied-head names), the pipeline
@@ -24,7 +28,7 @@ from torch import nn
 from ndtrain.config import Config
 from ndtrain.mesh import Mesh
 from ndtrain.model import build_model
-from ndtrain.ops.select import apply_kernels
+from ndtrain.ops.select import apply_kernels, resolve_kernels
 from ndtrain.parallel.api import GradSync, ParallelPlan
 from ndtrain.parallel.batch import BatchPlan
 from ndtrain.parallel.dp.ddp import DataParallel
@@ -32,9 +36,10 @@ from ndtrain.parallel.state import CheckpointAdapter
 from ndtrain.precision import compute_dtype, grad_reduce_dtype
 
 
-def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
+def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, expert_names: list[str] = ()) -> DataParallel:
     """Wrap ``model``'s gradient synchronisation: plain DDP over ``dp`` (zero_stage 0), ZeRO-1/2
     (``ndtrain.parallel.zero.zero12``) or ZeRO-3 / HSDP (``ndtrain.parallel.zero.fsdp``) over ``dp_shard_cp``
+    (x ``dp_replicate``), the ``expert_names`` parameters (expert parallel) over ``edp_shard``
     (x ``dp_replicate``). All return an object with the ``DataParallel`` interface."""
     p = cfg.parallel
     if p.zero_stage != 0:
@@ -43,12 +48,12 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParall
         if p.zero_stage in (1, 2):
             from ndtrain.parallel.zero.zero12 import ZeroDataParallel
 
-            return ZeroDataParallel(model, mesh, p.zero_stage, p.bucket_size_bytes, cd, rd)
+            return ZeroDataParallel(model, mesh, p.zero_stage, p.bucket_size_bytes, cd, rd, expert_names)
         from ndtrain.parallel.zero.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, mesh, reshard_after_forward=p.reshard_after_forward,
                                         keep_last_unit=p.keep_last_unit_gathered,
-                                        compute_dtype=cd, reduce_dtype=rd)
+                                        compute_dtype=cd, reduce_dtype=rd, expert_names=expert_names)
     reduce_dtype = None
     if cfg.training.dtype in ("bfloat16", "float16"):  # fp16 too: parallel.grad_reduce_dtype is honoured
         reduce_dtype = getattr(torch, p.grad_reduce_dtype)
@@ -79,9 +84,11 @@ def parallelize(model: nn.Module | None, mesh: Mesh, cfg: Config,
     device = device or torch.device("cpu")
     if model is None:
         model = _build(cfg, mesh, device)
-    apply_kernels(model, cfg.training.kernels)  # before cp, whose ring / Ulysses core replaces the kernel
-    grad_sync = _apply_axes(model, mesh, cfg)
-    batch = BatchPlan(mesh, cfg)
+    first = next(model.parameters(), None)  # auto follows the model's device
+    kernels = resolve_kernels(cfg.training.kernels, cuda=first is not None and first.is_cuda)
+    apply_kernels(model, kernels)  # before cp, whose ring / Ulysses core replaces the kernel
+    batch = BatchPlan(mesh, cfg, fused_impl="triton" if kernels == "triton" else "chunk")
+    grad_sync = _apply_axes(model, mesh, cfg, batch)
     pipeline = _build_pipeline(model, grad_sync, batch, mesh, cfg, device)  # pp == 1: one stage
     return ParallelPlan(model, grad_sync, batch, CheckpointAdapter(model, grad_sync, mesh), pipeline,
                         sample_skip_reason(mesh, cfg))
@@ -105,9 +112,9 @@ def _build_pipeline(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, mes
     local = t.global_batch_size // mesh.dims.dp
     n_micro = cfg.parallel.pp_microbatches or local // (t.micro_batch_size or local)
     return StagePipeline(
-        model, grad_sync, mesh, cfg, lambda lg, y: batch.loss_sum(lg.to(dtype), y),
+        model, grad_sync, mesh, cfg, lambda out, y: batch.stage_loss(out, y, dtype),
         lambda: torch.autocast(device.type, dtype=ac) if ac is not None else contextlib.nullcontext(),
-        device, n_micro)
+        device, n_micro, labelled=batch.labelled if batch.head is not None else None)
 
 
 def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:
@@ -121,8 +128,9 @@ def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:
     return f"this layout splits the forward over ranks ({' / '.join(split)})" if split else ""
 
 
-def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config) -> GradSync:
-    """Steps 1-6 of the module docstring, in order, in place; returns the gradient synchroniser."""
+def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config, batch: BatchPlan) -> GradSync:
+    """Steps 1-8 of the module docstring, in order, in place; returns the gradient synchroniser.
+    Sets ``batch.head`` under ``training.fused_loss``."""
     p = cfg.parallel
     if mesh.dims.pp > 1:  # prunes a full model; a no-op for a stage built by _build
         from ndtrain.parallel.pp.stage import apply_pipeline
@@ -137,21 +145,36 @@ def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config) -> GradSync:
         from ndtrain.parallel.ep.expert_parallel import apply_ep
 
         expert_names = apply_ep(model, mesh, cfg)
+        if mesh.dims.tp > 1:  # experts over tp (parallel.expert_tp), MoE statistics over tp: after ep's cut
+            from ndtrain.parallel.tp.moe_plan import apply_moe_tp
+
+            apply_moe_tp(model, mesh, p.expert_tp, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype))
     if mesh.dims.cp > 1:
         from ndtrain.parallel.cp.context_parallel import apply_cp
 
         apply_cp(model, mesh, p.cp_impl, p.cp_layout)
+    if cfg.training.fused_loss:
+        from ndtrain.parallel.fused_head import apply_fused_loss
+
+        batch.head = apply_fused_loss(model, batch)
     if cfg.training.activation_checkpoint != "none":
         from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
 
         apply_activation_checkpoint(model, cfg.training.activation_checkpoint)
+    if cfg.training.fp8 or cfg.training.compile:
+        from ndtrain.parallel.compile import apply_compile, apply_fp8
+
+        if cfg.training.fp8:
+            apply_fp8(model)
+        if cfg.training.compile:
+            apply_compile(model)
     if mesh.dims.pp > 1:  # stages hold disjoint parameters: grad-norm squares sum over pp
         from ndtrain.parallel.pp.stage import tag_pipeline_params
 
         tag_pipeline_params(model)
-    if expert_names:  # expert weights reduce over edp, the rest over dp (ndtrain.parallel.ep.expert_parallel)
+    if expert_names and p.zero_stage == 0:  # expert weights reduce over edp, the rest over dp (ep.expert_parallel)
         from ndtrain.parallel.ep.expert_parallel import ExpertDataParallel
 
         reduce_dtype = grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype)  # bf16 and fp16
         return ExpertDataParallel(model, mesh, cfg, expert_names, reduce_dtype)
-    return apply_data_parallel(model, mesh, cfg)
+    return apply_data_parallel(model, mesh, cfg, expert_names)  # ZeRO: experts sharded over edp_shard

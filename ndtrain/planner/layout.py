@@ -14,6 +14,7 @@ from ndtrain.config_schema import ParallelConfig
 from ndtrain.errors import ConfigError
 from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.ac_policy import every_blocks
+from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
 from ndtrain.validate import ModelFacts, check_axes
 
@@ -31,7 +32,7 @@ class Layout:
     zero_stage: int = 0
     ac: str = "none"  # none | full | every:C | sqrt | selective
     microbatch: int = 1  # sequences per microbatch per rank
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev (modelled only)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved)
     sp: int = -1  # sequence parallel with TP: 1 / 0; -1 = on when tp > 1
     cp_impl: str = "ring"  # ring | allgather (Llama 3) | ulysses
@@ -150,7 +151,8 @@ def model_facts(spec):
     return ModelFacts(spec.n_heads, spec.n_kv_heads, spec.ffn_hidden, spec.n_layers,
                       spec.n_experts if spec.is_moe else 0, spec.kv_lora_rank > 0, spec.mtp_depth,
                       spec.moe_seq_aux_loss, spec.moe_capacity,
-                      non_softmax_mixers(spec.mixers) if spec.mixers else ())
+                      non_softmax_mixers(spec.mixers) if spec.mixers else (),
+                      cp_rules.left_context(spec.mixers) if spec.mixers else 0, spec.mixers)
 
 
 def parallel_config(lay: Layout) -> ParallelConfig:

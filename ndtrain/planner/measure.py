@@ -128,12 +128,14 @@ def _time_all_reduce(world: int, sizes, reps: int, backend: str, timeout_s: floa
     return per_rank[0], backend
 
 
-def _sync_worker(rank, world, nbytes, work_n, iters, reps):
+def _sync_worker(rank, world, nbytes, work_n, iters, reps, gap_s=None):
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(work_n, work_n), torch.randn(work_n, work_n)
     x = torch.ones(max(1, nbytes // 4))
+    if gap_s:
+        return _timed_waits(a, b, x, gap_s, iters * reps)
 
     def loop(collective: bool) -> float:
         dist.barrier()
@@ -149,25 +151,79 @@ def _sync_worker(rank, world, nbytes, work_n, iters, reps):
     return statistics.median(extra) / iters
 
 
+def _timed_waits(a, b, x, gap_s: float, iters: int) -> tuple[float, float]:
+    """(median seconds inside one blocking all-reduce of ``x``, mean compute between two, mean
+    seconds inside one all-reduce) over
+    ``iters`` iterations of ``gap_s`` seconds of ``a @ b`` (rank 0's count on every rank) then the
+    all-reduce: the split ``ndtrain train`` logs as a rank's busy and collective-wait time."""
+    import torch
+    import torch.distributed as dist
+
+    one = []
+    for _ in range(7):  # the median matmul: a preempted one would shorten the gap
+        t0 = time.perf_counter()
+        a @ b
+        one.append(time.perf_counter() - t0)
+    k = torch.tensor([max(1, round(gap_s / statistics.median(one)))], dtype=torch.float64)
+    dist.broadcast(k, 0)
+    k = int(k.item())
+    for _ in range(3):  # warm-up: connections, buffers
+        dist.all_reduce(x)
+    dist.barrier()
+    work, waits = 0.0, []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            a @ b
+        t1 = time.perf_counter()
+        dist.all_reduce(x)
+        work += t1 - t0
+        waits.append(time.perf_counter() - t1)
+    return statistics.median(waits), work / iters, statistics.fmean(waits)
+
+
 def measure_sync_latency(world: int = 2, nbytes: int = 4096, work_n: int = 384, iters: int = 50,
-                         reps: int = 5, timeout_s: float = 120.0) -> dict:
-    """Seconds one blocking gloo all-reduce adds to ranks that compute between collectives, as a
-    training step's ranks do (one thread each): ``world`` processes run ``iters`` x (an
-    ``work_n``-square matmul, then an all-reduce of ``nbytes``) and the same loop without the
-    all-reduce; the difference per iteration (median over ``reps`` interleaved pairs, max over
-    ranks) is ``per_collective_s``. It is larger than the idle all-reduce time of
-    ``measure_collectives``: a rank blocks until the slowest peer arrives (the ranks' compute
-    jitters on shared cores), then sleeps and is woken by gloo's transport thread. ``alpha_s`` is
-    that cost per ring step (``per_collective_s / (2 (world - 1))``, as ``fit_alpha_beta``), the
-    latency the eager step-time models charge per blocking collective (``planner.eager_axes_time``).
+                         reps: int = 5, timeout_s: float = 120.0, gap_s: float | None = None) -> dict:
+    """Seconds one blocking gloo all-reduce costs ranks that compute between collectives, as a
+    training step's ranks do (one thread each). Two forms:
+
+    * ``gap_s`` None: ``world`` processes run ``iters`` x (a ``work_n``-square matmul, about a
+      millisecond here, then an all-reduce of ``nbytes``) and the same loop without the
+      all-reduce; the difference per iteration (median over ``reps`` interleaved pairs, max over
+      ranks) is ``per_collective_s``.
+    * ``gap_s``: the ranks compute ``gap_s`` seconds of matmuls (rank 0's count on every rank)
+      between all-reduces, ``iters`` x ``reps`` times (at most ~1.5 s in all), and time each
+      all-reduce from its call to its return: ``per_collective_s`` is the median wait (mean over
+      ranks; the median because a burst of other jobs in this ~1.5 s window would otherwise
+      stand for a whole run; ``mean_wait_s`` is kept too), ``gap_measured_s`` the mean compute
+      between two; the same split as the busy and
+      wait times ``ndtrain train`` logs per rank (its flight recorder times each wait), and,
+      measured in one loop, far less noisy on a loaded machine than a difference of two loops.
+
+    Either is more than the idle all-reduce time of ``measure_collectives``: a rank blocks until
+    the slowest peer arrives (the ranks' compute jitters on shared cores, the more the longer it
+    runs), then sleeps and is woken by gloo's threads. ``alpha_s`` is the cost per ring step
+    (``per_collective_s / (2 (world - 1))``, as ``fit_alpha_beta``), the latency the eager
+    step-time models charge per blocking collective (``planner.eager_axes_time``); with ``nbytes``
+    and ``gap_s`` of a layout's own collectives (``eager_axes_time.axis_collective_gap``)
+    ``per_collective_s`` is that layout's measured cost per collective, transfer included.
     Raises RuntimeError if a worker fails or times out."""
     from ndtrain.spawn import spawn
 
-    per_rank = spawn(_sync_worker, world, (nbytes, work_n, iters, reps), backend="gloo", threads=1,
+    if gap_s is not None:
+        iters, reps = max(10, min(iters * reps, round(1.5 / max(gap_s, 1e-4)))), 1
+    per_rank = spawn(_sync_worker, world, (nbytes, work_n, iters, reps, gap_s), backend="gloo", threads=1,
                      timeout_s=timeout_s)
-    per = max(0.0, max(per_rank))
-    return {"world": world, "nbytes": nbytes, "work_n": work_n, "per_collective_s": per,
-            "alpha_s": per / (2 * (world - 1))}
+    if gap_s is None:
+        per = max(0.0, max(per_rank))
+    else:
+        per = statistics.fmean(r[0] for r in per_rank)
+    out = {"world": world, "nbytes": nbytes, "work_n": work_n, "per_collective_s": per,
+           "alpha_s": per / (2 * (world - 1))}
+    if gap_s is not None:
+        out.update(gap_s=gap_s, gap_measured_s=statistics.fmean(r[1] for r in per_rank), iters=iters,
+                   mean_wait_s=statistics.fmean(r[2] for r in per_rank))
+    return out
 
 
 def measured_accelerator(matmul: dict, comm: dict | None = None, base: str = "cpu") -> Accelerator:

@@ -45,7 +45,7 @@ def _component_seconds(make, reps: int, pool_bytes: int):
 
 
 def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps, cp=1, moe=None,
-                        pool_bytes=96 * 2**20):
+                        pool_bytes=96 * 2**20, tp=1, ep=1):
     import torch
     import torch.nn.functional as F
 
@@ -89,32 +89,46 @@ def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps,
         out[f"{name}_s"], out[f"{name}_fwd_s"] = _component_seconds(make, reps, pool_bytes)
     if cp > 1:
         out["ring_attn_s"] = _ring_attention_seconds(cp, b, T, H, G, D, dt, g, reps)
-    if moe:
-        out["moe_mlp_s"] = _moe_seconds(moe, b, T, dt, g, reps)
+    if moe:  # the MoE layer as the rank runs it (through the EP module when ep > 1)
+        from ndtrain.planner.measure_ep import ep_moe_seconds
+
+        out.update(ep_moe_seconds(moe, ep, b, T, dt, g, reps))
+    if tp > 1:
+        for name, make in _tp_components(tp, b, T, h, V, rnd).items():
+            out[f"{name}_s"], out[f"{name}_fwd_s"] = _component_seconds(make, reps, pool_bytes)
     out.update(_param_pass_seconds(params, dt, reps))
     return out
 
 
-def _moe_seconds(model_cfg: dict, b: int, T: int, dt, g, reps: int) -> float:
-    """Seconds of the model's own MoE feed-forward (``ndtrain.model.moe.MoE``: router, top-k,
-    sort, the experts over the k x N routed rows, weighted combine, balance statistics), forward +
-    backward on (b, T) tokens in training mode: what an expert-parallel rank runs on its tokens
-    besides the all-to-alls (its experts receive k x N rows on average)."""
+def _tp_components(tp: int, b: int, T: int, h: int, v_local: int, rnd) -> dict:
+    """The tensor-parallel layers' own eager work on one rank, their collectives off (an
+    ``AxisGroup`` of ``tp`` ranks without a process group: ``parallel.comm`` then returns at once):
+    ``tp_region``: Megatron's f and g around one region (``CopyToTP`` then ``ReduceFromTP`` on a
+    (b, T, h) activation: g's forward and f's backward each copy it for the all-reduce), two per
+    block; ``tp_loss``: ``vocab_parallel_cross_entropy`` on the rank's (b T, V / tp) logits (max,
+    exp, sums, gather, the softmax kept for backward), in place of the single-device loss;
+    ``tp_embed``: ``VocabParallelEmbedding`` on (b, T) tokens (range masks, the lookup, masked
+    rows, the dense (V / tp, h) weight gradient) on the first stage."""
     import torch
 
-    from ndtrain.config_schema import ModelConfig
-    from ndtrain.model.moe import MoE
+    from ndtrain.mesh import AxisGroup
+    from ndtrain.parallel.tp.collectives import CopyToTP, ReduceFromTP
+    from ndtrain.parallel.tp.layers import VocabParallelEmbedding
+    from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 
-    moe = MoE(ModelConfig(**model_cfg)).to(dt).train()
-    xs = [torch.randn(b, T, model_cfg["dim"], generator=g, dtype=dt).requires_grad_() for _ in range(2)]
+    grp = AxisGroup("tp", tp, 0, None)
+    gen = torch.Generator().manual_seed(tp)
+    y = torch.randint(0, v_local * tp, (b * T,), generator=gen)  # (b T,) about 1 / tp of them local
+    toks = torch.randint(0, v_local * tp, (b, T), generator=gen)
 
-    def run():
-        for x in xs:
-            y = moe(x)
-            y.backward(torch.ones_like(y))
+    def embed(i):
+        emb = VocabParallelEmbedding(torch.nn.Parameter(rnd(v_local, h).detach()), 0, grp, False)
+        return (lambda w: emb(toks)), (emb.weight,)
 
-    run()
-    return _time_median(run, reps) / len(xs)
+    return {"tp_region": lambda i: (lambda x: ReduceFromTP.apply(CopyToTP.apply(x, grp), grp), (rnd(b, T, h),)),
+            "tp_loss": lambda i: (lambda z: vocab_parallel_cross_entropy(z, y, grp, v_local * tp).sum(),
+                                  (rnd(b * T, v_local),)),
+            "tp_embed": embed}
 
 
 def _ring_attention_seconds(cp: int, b: int, t_local: int, H: int, G: int, D: int, dt, g, reps: int) -> float:
@@ -168,7 +182,7 @@ def _param_pass_seconds(shapes, dt, reps: int) -> dict:
     return {f"{k}_s_per_param": _time_median(fn, reps) / n for k, fn in runs.items()}
 def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, world: int = 1,
                         dtype: str = "float32", reps: int = 5, timeout_s: float = 300.0, cp: int = 1,
-                        moe_model: dict | None = None) -> dict:
+                        moe_model: dict | None = None, tp: int = 1, ep: int = 1) -> dict:
     """Kernel times of ``spec``'s eager training step on this machine, for the step-time model of
     ``planner.eager_time``: ``world`` processes with ``threads`` threads each run at the same time
     (as the ranks of the layout do) and each times, at the run's shapes (microbatch x seq_len
@@ -179,7 +193,11 @@ def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, w
     per-parameter passes (``optim`` / ``clip`` / ``accum`` / ``copy_s_per_param``). With ``cp`` > 1
     (``seq_len`` is then the rank's T / cp) also ``ring_attn_s``: one rank's ring attention per
     layer (``_ring_attention_seconds``). With ``moe_model`` (a ``ModelConfig`` as a dict) also
-    ``moe_mlp_s``: the model's MoE feed-forward at the run's tokens (``_moe_seconds``). Medians over
+    ``moe_mlp_s``: the model's MoE feed-forward at the run's tokens, with ``ep`` > 1 through the
+    expert-parallel module, and then ``moe_experts_s``, its local experts alone
+    (``measure_ep.ep_moe_seconds``). With ``tp`` >
+    1 (``spec`` is then one TP rank's, ``eager_axes_time.rate_spec``) also ``tp_region_s``,
+    ``tp_loss_s`` and ``tp_embed_s``: the TP layers' own work, collectives off (``_tp_components``). Medians over
     ``reps``; the result is the median over processes. Raises RuntimeError if a worker fails or
     times out.
     """
@@ -189,7 +207,8 @@ def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, w
 
     dims = (microbatch, seq_len, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.dim, spec.ffn_hidden,
             spec.vocab_size)
-    args = (linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype, threads, reps, cp, moe_model)
+    args = (linear_shapes(spec), dims, [sh for _, sh in param_shapes(spec)], dtype, threads, reps, cp, moe_model,
+            96 * 2**20, tp, ep)
     # no process group: the ranks only run at the same time, as a layout's ranks compete for cores
     outs = spawn(_eager_rates_worker, world, args, threads=threads, timeout_s=timeout_s)
     return {k: statistics.median(o[k] for o in outs) for k in outs[0]} | {"threads": threads, "world": world}

@@ -60,6 +60,11 @@ class ModelSpec:
     v_head_dim: int = 0
     # DeepSeek-V3 multi-token prediction modules (ndtrain presets only; HF configs: 0)
     mtp_depth: int = 0
+    # softmax-attention extras (Qwen3 / Qwen3-Next): per-head q / k RMSNorms, a sigmoid output gate
+    # projection (h x a*D), a per-token sigmoid gate on the shared experts (h)
+    qk_norm: bool = False
+    attn_output_gate: bool = False
+    shared_expert_gate: bool = False
     # per-layer token mixers (ndtrain.mixer_spec.MixerFields of model.layer_pattern); None = all attention
     mixers: MixerFields | None = None
 
@@ -89,7 +94,8 @@ class ModelSpec:
             q = (h * qr + qr + qr * a * (D + rope)) if qr else h * a * (D + rope)
             kv = h * (kr + rope) + kr + kr * a * (D + v)
             return q + kv + a * v * h + h
-        return h * a * D + 2 * h * self.n_kv_heads * D + a * D * h + h
+        extras = 2 * D * self.qk_norm + h * a * D * self.attn_output_gate
+        return h * a * D + 2 * h * self.n_kv_heads * D + a * D * h + h + extras
 
     @property
     def dense_mlp_params(self) -> int:
@@ -104,7 +110,7 @@ class ModelSpec:
     def moe_shared_params(self) -> int:
         """The parts of a MoE layer every token uses: shared experts, router, RMSNorm."""
         return (self.n_shared_experts * 3 * self.dim * self.shared_ffn_hidden
-                + self.dim * self.n_experts + self.dim)
+                + self.dim * self.n_experts + self.dim + self.dim * self.shared_expert_gate)
 
     @property
     def embedding_params(self) -> int:
@@ -197,15 +203,18 @@ def from_model_config(m, name: str = "") -> ModelSpec:
     """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
     ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
     moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
-           "n_shared_experts": m.moe_shared_experts, "shared_ffn_hidden": m.expert_ffn_dim,
+           # moe_shared_ffn_hidden (Qwen3-Next) sizes the shared experts together: one of that width
+           "n_shared_experts": min(m.moe_shared_experts, 1) if m.moe_shared_ffn_hidden else m.moe_shared_experts,
+           "shared_ffn_hidden": m.moe_shared_ffn_hidden or m.expert_ffn_dim,
            "first_dense_layers": m.moe_layer_start, "moe_layer_freq": m.moe_layer_interleave,
            "moe_seq_aux_loss": m.moe_seq_aux_loss_coef > 0, "moe_capacity": m.moe_capacity_factor > 0} if m.is_moe else {}
     mla = {"q_lora_rank": m.mla_q_rank, "kv_lora_rank": m.mla_kv_rank, "qk_rope_head_dim": m.mla_rope_dim,
            "v_head_dim": m.mla_v_dim or m.head_dim} if m.attention == "mla" else {}
     head_dim = (m.mla_nope_dim or m.head_dim) if mla else m.head_dim
     return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
-                     head_dim, m.ffn_dim, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth,
-                     mixers=MixerFields.from_model_config(m))
+                     head_dim, m.ffn_dim if m.block_ffn else 0, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth,
+                     qk_norm=m.qk_norm and not mla, attn_output_gate=m.attn_output_gate and not mla,
+                     shared_expert_gate=m.is_moe and m.moe_shared_gate, mixers=MixerFields.from_model_config(m))
 
 
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
@@ -234,7 +243,12 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
         first_dense_layers=int(g("first_k_dense_replace") or 0) if n_exp else 0,
         moe_layer_freq=int(g("moe_layer_freq") or g("decoder_sparse_step") or 1),
         q_lora_rank=int(g("q_lora_rank") or 0), kv_lora_rank=mla,
-        qk_rope_head_dim=int(g("qk_rope_head_dim") or 0), v_head_dim=int(g("v_head_dim") or 0))
+        qk_rope_head_dim=int(g("qk_rope_head_dim") or 0), v_head_dim=int(g("v_head_dim") or 0),
+        qk_norm=g("model_type") in _QK_NORM_FAMILIES, attn_output_gate=g("model_type") == "qwen3_next",
+        shared_expert_gate=g("model_type") == "qwen3_next" and bool(shared_hidden))
+
+
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next")  # transformers models with q / k RMSNorms
 
 
 def load_model_spec(source: str) -> tuple[ModelSpec, int]:

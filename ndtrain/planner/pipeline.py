@@ -150,8 +150,9 @@ def n_virtual_stages(p: int, v: int = 1, schedule: str = "1f1b") -> int:
 
 def split_stages(spec, p: int, v: int = 1, schedule: str = "1f1b", seq_len: int = 4096) -> tuple:
     """Layer ids of each virtual stage (a tuple of tuples). Blocks cost their forward FLOPs per token
-    (2 x the block's parameters, all experts included, + 4 T C), the embedding and the head 2 V C
-    each, cut by the trainer's ``split_layers`` (every stage >= 1 block). With pp * v = L + 1 or
+    (2 x the block's active parameters -- top-k routed experts, not all -- + 4 T C), the embedding
+    and the head 2 V C each (the head's stage plus, per MTP depth, 2 x its active parameters,
+    4 T C and another 2 V C), cut by the trainer's ``split_layers`` (every stage >= 1 block). With pp * v = L + 1 or
     L + 2 the first / last stages hold no block (Llama 3, 2024, section 3.3.2). Raises ValueError
     when the layers cannot fill the stages."""
     return _split_stages(spec, p, n_virtual_stages(p, v, schedule), seq_len)
@@ -166,11 +167,25 @@ def _split_stages(spec, p: int, n_stages: int, seq_len: int) -> tuple:
     if spare > 2:
         raise ValueError(f"cannot split {n} layers into {n_stages} pipeline stages")
     table = 2.0 * spec.vocab_size * spec.dim
-    costs = [2.0 * spec.layer_params(_is_moe_layer(spec, i)) + 4.0 * seq_len * spec.dim for i in range(n)]
+    costs = [2.0 * spec.layer_params(_is_moe_layer(spec, i), True) + 4.0 * seq_len * spec.dim for i in range(n)]
+    if spec.mixers:  # hybrid: each layer's own mixer parameters and sequence term, as the trainer counts
+        costs = [2.0 * (spec.layer_params(_is_moe_layer(spec, i), True) + extra) + seq
+                 for i, (extra, seq) in enumerate(_mixer_costs(spec, seq_len))]
+    head = table + (2.0 * spec.mtp_params(active=True) + spec.mtp_depth * (4.0 * seq_len * spec.dim + table))
     if spare <= 0:
-        return tuple(tuple(r) for r in split_layers(costs, n_stages, table, table))
+        return tuple(tuple(r) for r in split_layers(costs, n_stages, table, head))
     inner = [tuple(r) for r in split_layers(costs, n_stages - spare)]
     return tuple([()] + inner + [()] * (spare - 1))  # the embedding's chunk empty first, then the head's
+
+
+def _mixer_costs(spec, seq_len: int) -> list[tuple[int, float]]:
+    """Per layer: the mixer's parameters minus softmax attention's, and its forward sequence FLOPs
+    per token (``mixer_spec.stage_seq_costs``)."""
+    from ndtrain.mixer_spec import layer_mixers, mixer_params, stage_seq_costs
+
+    m, attn = spec.mixers, spec.attn_params - spec.dim
+    kinds = layer_mixers(m.layer_pattern, spec.n_layers)
+    return [(mixer_params(m, k, attn) - attn, s) for k, s in zip(kinds, stage_seq_costs(m, seq_len))]
 
 
 def _is_moe_layer(spec, i: int) -> bool:

@@ -1,10 +1,13 @@
 """The configuration sweep's share of the default suite (issue 11 item 5; the full sweep is
 ``python scripts/sweep.py``, which writes ``docs/compatibility.md``).
 
-``ndtrain.sweep.SUBSET``: 16 combinations on 2 gloo ranks covering every axis (dp_replicate,
-dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule, ep), every model feature
-(dense, tied head, MoE, MLA, MTP), ZeRO 0-3, each activation-checkpointing policy and each dtype at
-least once; plus rejected combinations whose rule text is checked (no processes).
+``ndtrain.sweep.SUBSET``: 17 combinations on 2 gloo ranks covering every axis (dp_replicate,
+dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule including DualPipeV, ep,
+expert_tp), every model feature (dense, tied head, MoE, MLA, MTP, the LMGA hybrid of linear-family
+mixers, DeepSeek's MLA + MoE + MTP), ZeRO 0-3, each activation-checkpointing policy, each dtype and
+the fused loss at least once, with one representative of each composition made to work lately (EP
+x ZeRO-3, MoE x TP with split experts, MLA + MTP x CP, hybrid x CP / TP, MTP x ZeRO-3); plus
+rejected combinations whose rule text is checked (no processes).
 
 Reference: the single-process run of the same model config (``ndtrain.sweep.reference``: world 1,
 ZeRO 0, no checkpointing, same fixed batches). float64 combinations must match its loss, gradient
@@ -24,17 +27,22 @@ from ndtrain import sweep as S
 from ndtrain.sweep_groups import compare, run_group
 
 PP = {"pp_virtual_stages": 1}
-REJECTED = [  # (feature, world, parallel, zero / ac, the rule's text must match)
-    ("moe", 2, {"tp": 2}, {}, r"MoE.*tp \(2\)"),
+# every row must still be rejected, with its rule's text: the rules that remain after MoE / MLA /
+# MTP x TP / CP / PP, EP x ZeRO and the linear mixers under TP / CP / PP were made to work
+REJECTED = [  # (feature, world, parallel, zero / ac / fused, the rule's text must match)
     ("dense", 2, {"dp_shard": 2, "ep": 2}, {}, r"ep \(2\).*MoE"),
-    ("mla", 2, {"cp": 2, "cp_impl": "ring"}, {}, r"mla.*cp \(2\)"),
-    ("mtp", 2, {"cp": 2, "cp_impl": "ulysses"}, {}, r"mtp.*cp \(2\)"),
-    ("moe", 2, {"pp": 2, "pp_schedule": "1f1b", **PP}, {}, r"MoE.*pp \(2\)"),
-    ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 1}, r"ep \(2\).*zero_stage \(1\)"),
+    ("moe", 4, {"pp": 2, "pp_schedule": "dualpipev", "dp_shard": 2, **PP}, {}, r"dualpipev needs >= 2 \* pp"),
     ("dense", 4, {"pp": 4, "pp_schedule": "interleaved", "pp_virtual_stages": 2}, {},
      r"n_layers \(4\).*\(8\)"),
     ("dense", 2, {"pp": 2, "pp_schedule": "zero_bubble", **PP}, {"ac": "full"},
      r"zero_bubble.*activation_checkpoint"),
+    ("deepseek", 2, {"pp": 2, "pp_schedule": "dualpipev", **PP}, {"ac": "every:2"},
+     r"dualpipev.*activation_checkpoint"),
+    ("moe", 4, {"tp": 4, "expert_tp": 2}, {}, r"expert_tp \(2\) must be 1 or tp \(4\)"),
+    ("hybrid", 4, {"tp": 4}, {}, r"gated_deltanet key heads.*tp \(4\)"),
+    ("hybrid", 2, {"cp": 2, "cp_impl": "ring", "cp_layout": "load_balanced"}, {},
+     r"layer_pattern.*cp \(2\).*cp_layout contiguous"),
+    ("mtp", 2, {"dp_shard": 2}, {"fused": True}, r"fused_loss.*mtp_depth \(1\)"),
 ]
 
 
@@ -57,8 +65,52 @@ def test_subset_covers_every_axis_feature_stage_policy_and_dtype():
     assert {p["pp_schedule"] for p in pars if "pp_schedule" in p} == set(S.PP_SCHEDULES)
     assert {p["cp_impl"] for p in pars if "cp_impl" in p} == {"ring", "ulysses"}
     assert {p.get("sequence_parallel", False) for p in pars if "tp" in p} == {False, True}
-    for axis in ("dp_replicate", "dp_shard", "ep"):
+    for axis in ("dp_replicate", "dp_shard", "ep", "expert_tp"):
         assert any(axis in p for p in pars), axis
+    assert any(c.fused for c in combos)
+    new = {("moe", "ep", 3), ("moe", "expert_tp", None), ("deepseek", "cp", None), ("hybrid", "cp", None),
+           ("hybrid", "tp", None), ("mtp", "dp_shard", 3)}  # compositions made to work lately
+    for feature, axis, zero in new:
+        assert any(c.feature == feature and axis in dict(c.par) and zero in (None, c.zero) for c in combos), \
+            (feature, axis, zero)
+
+
+def test_product_has_each_feature_in_its_tiers_and_expert_tp_only_for_moe():
+    combos = S.enumerate_combos()
+    assert len({c.key for c in combos}) == len(combos)
+    for f in S.FULL_PRODUCT:
+        assert {c.tier for c in combos if c.feature == f} == set(S.TIERS), f
+    assert {c.tier for c in combos if c.feature == "deepseek"} == {"layout"}
+    assert all(c.fused == (c.tier == "fused") for c in combos)
+    etp = [c for c in combos if dict(c.par).get("expert_tp", 1) > 1]
+    assert etp and all(S.FEATURES[c.feature].get("moe_experts") for c in etp)
+    assert all(dict(c.par)["expert_tp"] == dict(c.par)["tp"] and "pp" not in dict(c.par) for c in etp)
+    w4 = {c.zero for c in combos if c.world == 4 and set(dict(c.par)) == {"cp", "cp_impl"}}
+    assert w4 == {0, 3}  # cp4 alone: ZeRO-1/2 only on 1-2 ranks, ep and HSDP layouts
+    assert {c.zero for c in combos if c.world == 4 and "ep" in dict(c.par)} == set(S.ZERO_STAGES)
+
+
+def test_a_failed_rank_with_stuck_peers_is_an_error_after_the_grace(tmp_path, monkeypatch):
+    """Rank 0 raised, rank 1 waits forever in a collective (never writes): the watcher reports the
+    error after ``FAILED_GRACE_S``, not the hang timeout."""
+    import json
+    import time
+
+    import ndtrain.sweep_groups as G
+
+    class Alive:
+        def is_alive(self):
+            return True
+
+    monkeypatch.setattr(G, "FAILED_GRACE_S", 0.2)
+    combo = S.make_combo("dense", 2, {"dp_shard": 2})
+    (tmp_path / "g0_c0_r0.json").write_text(json.dumps(
+        {"ok": False, "error": "RuntimeError: boom", "tb": "tb", "seconds": 0.1, "threads": 5}))
+    results, t0 = [], time.monotonic()
+    done, state = G._watch([Alive(), Alive()], tmp_path, 0, [combo], 60.0, results, lambda r: None)
+    assert (done, state) == (1, "stuck") and time.monotonic() - t0 < 5.0
+    r = results[0]
+    assert r.status == "error" and "rank 0: RuntimeError: boom" in r.detail and r.extra["stuck_ranks"] == [1]
 
 
 def test_compare_flags_a_wrong_loss_and_accepts_reordered_sums():
@@ -79,14 +131,12 @@ def test_compare_flags_a_wrong_loss_and_accepts_reordered_sums():
     assert compare(bf16, [[{"loss": math.nan, "grad_norm": 1.5}, ref[1]]], ref)[0] == "nonfinite"
 
 
-def test_subset_trains_2_steps_equal_to_one_process_or_is_rejected():
+def test_subset_trains_2_steps_equal_to_one_process():
     combos = S.subset_combos()
     rules = {c.key: S.check(c) for c in combos}
-    issue = S.make_combo("mtp", 2, {"dp_shard": 2}, "subset", zero=3)  # the issue's report
-    if rules[issue.key] is not None:
-        assert re.search(r"mtp.*zero_stage", rules[issue.key]), rules[issue.key]
-    assert sum(r is None for r in rules.values()) >= 14, rules  # only the issue's case may be rejected
-    results = run_group(2, [c for c in combos if rules[c.key] is None], timeout_s=180.0, log=lambda r: None)
+    assert all(r is None for r in rules.values()), {k: r for k, r in rules.items() if r}
+    results = run_group(2, combos, timeout_s=180.0, log=lambda r: None)
+    assert [r.combo for r in results] == combos
     for r in results:
         want = "pass" if r.combo.dtype in S.TOLERANCE else "runs"
         assert r.status == want, (r.combo.key, r.status, r.detail, r.extra.get("traceback"))

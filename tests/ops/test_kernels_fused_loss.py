@@ -47,7 +47,7 @@ def _reference():
 def test_fused_loss_sum_whole_vocab():
     cfg, h, w, labels = _case(1)
     ref = _reference()
-    plan = BatchPlan(ParallelDims().build_mesh(), cfg)
+    plan = BatchPlan(ParallelDims().build_mesh(), cfg, fused_impl="triton")
     h, w = h.requires_grad_(True), w.requires_grad_(True)
     loss = plan.fused_loss_sum(h, w, labels)  # padded rows V..VP ignored via vocab_size
     loss.backward()
@@ -61,7 +61,7 @@ def _tp_rank(rank: int, world: int):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     cfg, h, w, labels = _case(world)
     mesh = ParallelDims(tp=world, world_size=world).build_mesh()
-    plan = BatchPlan(mesh, cfg)
+    plan = BatchPlan(mesh, cfg, fused_impl="triton")
     shard = VP // world
     h = h.requires_grad_(True)
     w_local = w[rank * shard:(rank + 1) * shard].clone().requires_grad_(True)

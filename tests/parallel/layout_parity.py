@@ -188,7 +188,8 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
     cp Ulysses: q, k, v and out through an all-to-all ((n-1)/n) in each direction, per layer.
     dp: one all-reduce of the local gradients over dp (dp_cp when cp > 1) + 4 scalars on dp_cp
     (valid labels with the batch-size agreement's B and B^2 in one all-reduce; the loss).
-    world: the bad-step agreement, one all-reduce of one float32 flag per rank (fault.bad_steps).
+    world: the bad-step agreement, one all-reduce of one float32 flag per rank (fault.bad_steps);
+    when dp x cp is the whole world, float64 flags with the loss folded in (not on dp_cp then).
     """
     L, C, H, D, b = 2, 32, 4, 8, 8
     B = G // n_dp
@@ -209,12 +210,13 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
             gk = gl if gl % n_cp == 0 else hl
             out["cp"] = m * L * 2 * (n_cp - 1) / n_cp * b * Bm * Tl * D * (2 * hl + 2 * gk)
     n = n_dp * n_cp
+    w = n * n_tp
+    fold = w == n  # the loss group is the world: the loss rides in the bad-step all-reduce
     if n > 1:
         out["dp_cp" if n_cp > 1 else "dp"] = 2 * (n - 1) / n * b * n_params_local
-        out["dp_cp"] = out.get("dp_cp", 0.0) + 2 * (n - 1) / n * 4 * b
-    w = n * n_tp
+        out["dp_cp"] = out.get("dp_cp", 0.0) + 2 * (n - 1) / n * (3 if fold else 4) * b
     if w > 1:
-        out["world"] = 2 * (w - 1) / w * 4 * w
+        out["world"] = 2 * (w - 1) / w * (8 * (w + 1) if fold else 4 * w)
     return out
 
 

@@ -84,11 +84,13 @@ def test_dp_reproduces_single_process(world, micro, skew):
         assert r["max_param_diff"] < 1e-9
     assert res[0]["ref_gn"][0] > 0.05, "clipping should be active in this test"
     # Per step: one fp64 all-reduce of every gradient on the dp axis, 2 (N-1)/N * Psi * 8 bytes,
-    # and on dp_cp the batch agreement (valid tokens, B, B^2: 3 fp64) and the logged loss (1 fp64).
+    # on dp_cp the batch agreement (valid tokens, B, B^2: 3 fp64), and on the world (here the same
+    # ranks) the bad-step flags (N) with the logged loss folded in (1), fp64: one blocking all-reduce.
     n = world
     for b in res[0]["bytes"]:
         assert b["dp"] == 2 * (n - 1) / n * res[0]["numel"] * 8
-        assert b["dp_cp"] == 2 * (n - 1) / n * 4 * 8
+        assert b["dp_cp"] == 2 * (n - 1) / n * 3 * 8
+        assert b["world"] == 2 * (n - 1) / n * (n + 1) * 8
 
 
 def _vs_torch_ddp(rank: int, world: int) -> float:

@@ -105,11 +105,11 @@ def expected_traffic(lay: dict, res: dict, p_pad: dict, p_head: dict) -> dict[st
             back = ring - ((n - 1) / n * p_head[n] * b if lay.get("keep_last_unit_gathered", True) else 0.0)
         shard = MICRO * (2 * ring + back)
     out = {"dp_shard_cp": shard + 2 * (n - 1) / n * b,  # + the grad-norm scalar
-           "dp_cp": 2 * 4 * (w - 1) / w * b}  # batch agreement (valid tokens, B, B^2) and logged loss
+           "dp_cp": 2 * 3 * (w - 1) / w * b}  # batch agreement (valid tokens, B, B^2)
     if r > 1:
         out["dp_replicate"] = 2 * (r - 1) / r * pp / n * b
-    if w > 1:  # the bad-step agreement: one float32 flag per rank, all-reduced (fault.bad_steps)
-        out["world"] = 2 * (w - 1) / w * 4 * w
+    if w > 1:  # the bad-step agreement, one fp64 flag per rank, with the logged loss folded in
+        out["world"] = 2 * (w - 1) / w * 8 * (w + 1)
     return out
 
 

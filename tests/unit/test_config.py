@@ -41,8 +41,6 @@ def test_cli_override_parsing():
     ({"parallel.pp_schedule": "dualpipe"}, 1, r"pp_schedule \(dualpipe\) must be"),
     ({"training.activation_checkpoint": "every:0"}, 1, r"activation_checkpoint \(every:0\)"),
     ({"model.vocab_size": "0"}, 1, r"model.vocab_size \(0\) must be positive"),
-    ({"model.mtp_depth": "1", "parallel.zero_stage": "3"}, 2,
-     r"mtp_depth \(1\) > 0 with zero_stage 3 is not implemented"),
     ({"model.n_heads": "6", "model.dim": "48", "model.n_kv_heads": "0", "parallel.tp": "4"}, 4,
      r"n_heads \(6\) is not divisible by tp \(4\)"),
     ({"checkpoint.load_from": "a", "checkpoint.init_weights_from": "b"}, 1, r"exclude each other"),

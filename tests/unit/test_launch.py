@@ -163,3 +163,15 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
         load_config(str(bad))
     line = int(str(info.value).split(":")[1])
     assert line in (3, 4)  # the unclosed list opens on line 3; the parser notices on line 4
+
+
+def test_yaml_key_given_twice_is_an_error_naming_its_line(tmp_path):
+    """A repeated section or key would silently win over the first (plain YAML keeps the last)."""
+    bad = tmp_path / "dup.yaml"
+    bad.write_text("training:\n  steps: 3\ncheckpoint:\n  every: 2\ncheckpoint:\n  every: 5\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:5: YAML syntax error: key 'checkpoint' appears twice"):
+        load_config(str(bad))
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("training:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{nested}:3: .*key 'steps' appears twice"):
+        load_config(str(nested))

@@ -252,28 +252,83 @@ def test_tp_cp_ep_pp_layouts_state_exact_activations_within_10pct():
 def test_axes_step_time_model_arithmetic():
     """``estimate_axes_step_time`` adds what its docstring lists: with unit rates every part is a
     count (FLOPs, components, collectives) that this test recomputes by hand."""
-    from ndtrain.planner.eager_axes_time import estimate_axes_step_time
+    from ndtrain.planner.eager_axes_time import axis_collective_gap, estimate_axes_step_time
 
     rates = {"gemm_flops_per_s": 1.0, "loss_s": 1.0, "optim_s_per_param": 0.0, "clip_s_per_param": 0.0,
              "accum_s_per_param": 0.0, "copy_s_per_param": 0.0}
     rates |= {f"{k}_s": 1.0 for k in ("attn", "norm", "rope", "swiglu", "residual")}
+    tp_rates = rates | {"tp_region_s": 10.0, "tp_loss_s": 100.0, "tp_embed_s": 1000.0}
     cfg = _axes_cfg({"tp": 2, "dp_shard": 1})
     spec = from_model_config(cfg.model)
-    out = estimate_axes_step_time(spec, cfg, rates, 2, alpha=1.0, beta=1e30)
+    with pytest.raises(KeyError):  # TP's own layers are part of the model: no TP estimate without them
+        estimate_axes_step_time(spec, cfg, rates, 2, alpha=1.0, beta=1e30)
+    out = estimate_axes_step_time(spec, cfg, tp_rates, 2, alpha=1.0, beta=1e30)
     h, q, k, f, V, L, s = 32, 16, 8, 40, 48, 4, 32  # one TP rank's widths; 2 x 16 tokens
     n_mm = L * (h * q + 2 * h * k + q * h + 3 * h * f) + h * V
     assert out["parts"]["gemm"] == pytest.approx(4 * 6 * s * n_mm)  # 4 microbatches
-    assert out["parts"]["blocks"] == pytest.approx(4 * L * 7)  # attn + 2 norms + rope + swiglu + 2 adds
+    # attn + 2 norms + rope + swiglu + 2 adds, + f and g of the block's two regions
+    assert out["parts"]["blocks"] == pytest.approx(4 * L * (7 + 2 * 10))
+    # the final norm, the vocabulary-parallel loss (not the single-device one) and embedding
+    assert out["parts"]["head"] == pytest.approx(4 * (1 + 100 + 1000))
     # 4 per block, the embedding's, the head input gradient's, the vocab-parallel loss's two; 2 alphas each
-    assert out["parts"]["tp_comm"] == pytest.approx((4 * (4 * L + 4) + 1) * 2)  # + the clip's norm
-    assert out["parts"]["bubble"] == 0 and out["parts"]["dp_comm"] == pytest.approx(2)  # the world all-reduce
+    n_tp = 4 * (4 * L + 4)
+    assert out["parts"]["tp_comm"] == pytest.approx((n_tp + 1) * 2)  # + the clip's norm
+    # measured per-collective cost at the layout's gap replaces the alpha-beta charge
+    where = axis_collective_gap(spec, cfg, tp_rates | {"tp_collective_s": 7.0}, "tp")
+    compute = 6 * s * n_mm + L * (7 + 20) + 1 + 100 + 1000  # one microbatch, nothing of the comm
+    assert where == {"gap_s": pytest.approx(compute / (4 * L + 4)), "nbytes": 4 * s * 32}
+    out2 = estimate_axes_step_time(spec, cfg, tp_rates | {"tp_collective_s": 0.5}, 2, alpha=1.0, beta=1e30)
+    assert out2["parts"]["tp_comm"] == pytest.approx(n_tp * 0.5 + 2)
+    assert out2["step_time_s"] - out["step_time_s"] == pytest.approx(n_tp * (0.5 - 2))
     cp = _axes_cfg({"cp": 2, "dp_shard": 1})  # the ring's own attention replaces the fused kernel's
+    with pytest.raises(ValueError):
+        axis_collective_gap(spec, cp, rates, "tp")
     out = estimate_axes_step_time(spec, cp, rates | {"ring_attn_s": 10.0}, 2, alpha=1.0, beta=1e30)
     assert out["parts"]["blocks"] == pytest.approx(4 * L * (10 + 6))
     assert out["parts"]["cp_comm"] == pytest.approx(4 * L * 4)  # 1 + 1 K/V and 2 dK/dV exchanges
+    # one K / V block of a rank's 16 tokens (1 kv head of 8); 4 L exchanges per microbatch
+    cp_spec = from_model_config(cp.model)
+    kv = 2 * 4 * 16 * cp_spec.n_kv_heads * cp_spec.head_dim
+    assert axis_collective_gap(spec, cp, rates | {"ring_attn_s": 10.0}, "cp")["nbytes"] == kv
+    out2 = estimate_axes_step_time(spec, cp, rates | {"ring_attn_s": 10.0, "cp_collective_s": 3.0}, 2, 1.0, 1e30)
+    assert out2["parts"]["cp_comm"] == pytest.approx(4 * L * 4 * 3.0)
     with pytest.raises(KeyError):
         estimate_axes_step_time(spec, cp, rates, 2)
     pp = _axes_cfg({"pp": 2, "dp_shard": 1})
     out = estimate_axes_step_time(spec, pp, rates, 2, alpha=0.0, beta=1e30)
     assert out["parts"]["bubble"] == pytest.approx(sum(v for k, v in out["parts"].items()
                                                        if k not in ("bubble", "param_passes", "dp_comm")) / 4)
+
+
+def test_tp_components_are_the_tp_layers_own_work():
+    """``measure_eager._tp_components`` times the TP layers' code with the collectives off: the
+    region's f / g copy the activation (forward output is a new tensor, the input gradient too),
+    and the vocabulary-parallel loss equals the single-device cross entropy over the rank's logits
+    when every label is local (the oracle, float64, 1e-6)."""
+    from ndtrain.planner.measure_eager import _tp_components
+
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, grad=True):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(grad)
+
+    comps = _tp_components(2, 2, 8, 16, 24, rnd)
+    assert set(comps) == {"tp_region", "tp_loss", "tp_embed"}
+    fn, (x,) = comps["tp_region"](0)
+    y = fn(x)
+    y.backward(torch.full_like(y, 3.0))
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr() and torch.equal(x.grad, torch.full_like(x, 3.0))
+    fn, (z,) = comps["tp_loss"](0)
+    loss = fn(z)
+    from ndtrain.mesh import AxisGroup
+    from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
+
+    labels = torch.randint(0, 24, (16,), generator=g)
+    got = vocab_parallel_cross_entropy(z, labels, AxisGroup("tp", 2, 0, None), 48).sum()
+    ref = torch.nn.functional.cross_entropy(z, labels, reduction="sum")
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6) and loss.ndim == 0
+    fn, (w,) = comps["tp_embed"](0)
+    out = fn(w)
+    assert out.shape == (2, 8, 16)
+    out.sum().backward()
+    assert w.grad is not None and w.grad.shape == (24, 16)

@@ -43,7 +43,8 @@ def _gloo_both(rank, world):
     from ndtrain.planner import measure
 
     return (measure._collective_worker(rank, world, [2**12, 2**21, 2**23], 5, "gloo"),
-            measure._sync_worker(rank, world, 4096, 128, 20, 3))
+            measure._sync_worker(rank, world, 4096, 128, 20, 3),
+            measure._sync_worker(rank, world, 2**16, 128, 10, 2, gap_s=0.004))
 
 
 @pytest.mark.slow
@@ -53,11 +54,14 @@ def test_gloo_allreduce_and_sync_latency_measurement():
     dominates scheduling noise), and an all-reduce between computing ranks costs something
     positive and below the scale of the loop (``measure_sync_latency``'s quantity)."""
     per_rank = run_ranks(_gloo_both, 2)
-    samples, _ = per_rank[0]
+    samples = per_rank[0][0]
     alpha, beta = fit_alpha_beta(samples, 2)
     assert len(samples) == 3 and 1e7 < beta < 1e12 and alpha >= 0
     sync = max(r[1] for r in per_rank)
     assert 0 < sync < 0.05
+    # with gap_s the loop computes about that long between collectives (the same count on each
+    # rank), and each all-reduce's wait is timed: positive, below the scale of the loop
+    assert all(0.002 < r[2][1] < 0.04 and 0 < r[2][0] < 0.05 for r in per_rank)
 
 
 def test_sync_latency_wrapper(monkeypatch):
@@ -68,6 +72,18 @@ def test_sync_latency_wrapper(monkeypatch):
     monkeypatch.setattr(ndtrain.spawn, "spawn", lambda fn, world, args, **kw: [1e-3, 3e-3, 2e-3][:world])
     res = measure_sync_latency(world=3)
     assert res["per_collective_s"] == 3e-3 and res["alpha_s"] == pytest.approx(3e-3 / 4)
+    seen = {}
+
+    def fake(fn, world, args, **kw):  # with gap_s each rank returns (cost, measured gap)
+        seen["args"] = args
+        return [(1e-3, 8e-3, 2e-3), (4e-3, 10e-3, 6e-3)]
+
+    monkeypatch.setattr(ndtrain.spawn, "spawn", fake)
+    res = measure_sync_latency(world=2, nbytes=2**20, gap_s=0.01)
+    # the ranks' median waits, averaged (measured inside one loop: the trainer's busy / wait split)
+    assert res["per_collective_s"] == pytest.approx(2.5e-3) and res["gap_measured_s"] == pytest.approx(9e-3)
+    assert res["mean_wait_s"] == pytest.approx(4e-3)
+    assert seen["args"][0] == 2**20 and seen["args"][-1] == 0.01 and seen["args"][2] == 150  # ~1.5 s
 
 
 def _fake_run(path, dtype="float32", steps=((2, 0.9), (4, 0.5), (6, 0.5), (8, 0.52)), mem=400 * 2**20):

@@ -24,10 +24,13 @@ MS = tuple(range(1, 17))
 
 
 def _all(p_values=PS, m_values=MS):
+    """Every schedule over the grid; DualPipeV (2 chunks per rank) where m >= 2p."""
     for name in SCHEDULES:
         for p in p_values:
             for m in m_values:
-                for v in ((2, 3, 4) if name == "interleaved" else (1,)):
+                if name == "dualpipev" and m < 2 * p:
+                    continue
+                for v in ((2, 3, 4) if name == "interleaved" else (2,) if name == "dualpipev" else (1,)):
                     yield name, p, m, v
 
 
@@ -66,7 +69,8 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free():
             for _ in range(5):  # arbitrary timings: any interleaving of runnable ranks
                 _random_execution(s, rng)
         n += 1
-    assert n == 4 * len(PS) * len(MS) + 2 * len(PS) * len(MS)
+    n_dualpipev = sum(1 for p in PS for m in MS if m >= 2 * p)
+    assert n == 4 * len(PS) * len(MS) + 2 * len(PS) * len(MS) + n_dualpipev
 
 
 def test_schedules_follow_their_warmup_formulas():
@@ -74,7 +78,7 @@ def test_schedules_follow_their_warmup_formulas():
     warm-up of the papers: 1F1B and ZB-H1 min(p-r-1, m) (PipeDream-Flush), interleaved
     min(v m, (p-r-1)*2 + (v-1)*g) chunk-forwards, g = p + m mod p (m < p: g = m) (Megatron-LM)."""
     for name, p, m, v in _all():
-        if name == "gpipe":
+        if name in ("gpipe", "dualpipev"):  # dualpipev: test_dualpipev_phases
             continue
         s = build_schedule(name, p, m, v)
         g = m if m < p else p + m % p
@@ -111,14 +115,15 @@ def test_blocking_sends_would_deadlock_1f1b_and_the_checker_sees_it():
 def test_planned_bubble_equals_formula(name):
     """GPipe / 1F1B: (p-1)/(m+p-1) for every m. Interleaved: (p-1)/(v m+p-1) for m >= p (m not a
     multiple of p included: the remainder joins the last group). ZB-H1: (p-1)/(3m+p-1) for m >= p.
-    Below m = p the latter two are never worse than 1F1B's bubble."""
+    Below m = p the latter two are never worse than 1F1B's bubble. DualPipeV (F = B = W per chunk,
+    half a rank's): (p-1)/(6m+p-1) for every m >= 2p."""
     for _, p, m, v in _all(p_values=(2, 3, 4, 8)):
         if _ != name:
             continue
         s = build_schedule(name, p, m, v)
         tl = simulate(s, t_f=1.0 / v, t_w=1.0 / v)
         f = bubble_formula(name, p, m, v)
-        if name in ("gpipe", "1f1b") or m >= p:
+        if name in ("gpipe", "1f1b", "dualpipev") or m >= p:
             for b in tl.bubbles():
                 assert abs(b - f) < 1e-12, (name, p, m, v, b, f)
         else:
@@ -133,6 +138,45 @@ def test_activation_memory_bounds():
             assert peak_in_flight(build_schedule("gpipe", p, m)) == [m] * p
             assert peak_in_flight(build_schedule("1f1b", p, m)) == [min(p - r, m) for r in range(p)]
             assert max(peak_in_flight(build_schedule("zero_bubble", p, m))) <= min(p, m)
+
+
+def test_dualpipev_phases_placement_and_memory():
+    """DualPipeV: rank r holds stages r and 2p-1-r (rank 0 the embedding and the head, rank p-1
+    the turn of the V, handed over without a message); its order is the DualPipe repository's
+    eight phases -- 2(p-r-1) chunk-0 forwards first, then r+1 pairs F0 F1 -- with m-2p+r+1 + ...
+    overlapped pairs F(mb i, one chunk) + B(mb j != i, the other chunk); 2p+1 chunk-activations
+    in flight on every rank (DeepSeek-V3 report, Table 2: PP + 1 with PP = 2p chunks)."""
+    for p in (2, 3, 4, 8):
+        for m in (2 * p, 2 * p + 1, 3 * p + 2):
+            s = build_schedule("dualpipev", p, m)
+            assert s.split_backward and s.vshape and s.v == 2
+            for r in range(p):
+                assert (s.stage(r, 0), s.stage(r, 1)) == (r, 2 * p - 1 - r)
+                assert s.where(r) == (r, 0) and s.where(2 * p - 1 - r) == (r, 1)
+                fb = [a for a in s.actions[r] if a.kind != "W"]
+                lead = 2 * (p - r - 1)
+                assert all(a.kind == "F" and a.chunk == 0 for a in fb[:lead]), (p, m, r)
+                assert [(a.kind, a.chunk) for a in fb[lead:lead + 2]] == [("F", 0), ("F", 1)]
+                for i in s.pairs[r]:
+                    f, b = s.actions[r][i], s.actions[r][i + 1]
+                    assert f.kind == "F" and b.kind == "B" and f.chunk != b.chunk, (p, m, r, i)
+                # phase 4 runs m-2p+r+1 times with two pairs, phase 5 p-r-1 times with one
+                assert len(s.pairs[r]) == 2 * (m - 2 * p + r + 1) + (p - r - 1), (p, m, r)
+            assert s.message(p - 1, Action("F", 0, 0)) == ("F", 0, p)  # the V's turn: same rank
+            assert p - 1 not in s.inbound(p - 1)
+            assert peak_in_flight(s) == [2 * p + 1] * p
+    with pytest.raises(ValueError, match=r"m \(3\) >= 2 \* pp \(4\)"):
+        build_schedule("dualpipev", 2, 3)
+
+
+def test_dualpipev_visualised():
+    """The planned V timeline (text; PNGs are drawn by the same code as the other schedules')."""
+    from ndtrain.parallel.pp.viz import planned_timeline, render_text
+
+    text = render_text(planned_timeline("dualpipev", 4, 8, 2))
+    assert "dualpipev p=4 m=8 v=2" in text and "formula   5.9%" in text and "idle   5.9%" in text  # 3/51
+    rows = [ln.split("|")[1] for ln in text.splitlines() if ln.startswith("rank ") and "|" in ln]
+    assert rows[0].startswith("F0F1F2F3F4F5F6f0b0w0") and rows[3].startswith("......F0f0F1f1")  # lower case: chunk 1
 
 
 def test_schedule_argument_errors():
@@ -168,6 +212,13 @@ def test_stage_split_balances_compute_like_llama3():
      r"pp_microbatches \(9\) exceeds the local batch \(8"),
     ({"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",
       "training.activation_checkpoint": "full"}, 2, r"zero_bubble needs activation_checkpoint=none"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "dualpipev", "model.n_layers": "4",
+      "training.activation_checkpoint": "full"}, 2, r"dualpipev needs activation_checkpoint=none"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "dualpipev", "model.n_layers": "3"}, 2,
+     r"n_layers \(3\) < 2 \* pp \(4\): pp_schedule=dualpipev holds 2 chunks per rank"),
+    ({"parallel.pp": "2", "parallel.pp_schedule": "dualpipev", "model.n_layers": "4",
+      "training.global_batch_size": "6", "training.micro_batch_size": "2"}, 2,
+     r"dualpipev needs >= 2 \* pp \(4\) microbatches per step \(got 3"),
 ])
 def test_pp_config_rules(overrides, world, rule):
     with pytest.raises(ConfigError, match=rule):
@@ -179,6 +230,39 @@ def test_pp_config_accepts_layouts():
                                 "parallel.pp_virtual_stages": "2", "model.n_layers": "4",
                                 "parallel.pp_microbatches": "3"}, world_size=4)
     assert cfg.parallel.pp == 2
+    for preset in ("deepseek_v3_debug", "moe_debug", "hybrid_debug"):  # MoE / MTP: every schedule
+        for sched in SCHEDULES:
+            over = {"parallel.pp": "2", "parallel.pp_schedule": sched, "model.n_layers": "4",
+                    "training.micro_batch_size": "1"}
+            if sched == "interleaved":
+                over["parallel.pp_virtual_stages"] = "2"
+            assert load_config(preset, over, world_size=2).parallel.pp_schedule == sched
+
+
+def test_stage_costs_know_dense_from_moe_and_mtp():
+    """A block costs 2 x its *active* parameters: an MoE block counts its top-k routed experts,
+    not all E, so DeepSeek-V3's dense first layer weighs what it computes; MTP adds its block,
+    projection and a second head matmul to the head's stage. The planner splits with the same
+    costs (``tests/unit/test_planner_stages.py``)."""
+    from ndtrain.model.moe import MoE
+    from ndtrain.parallel.pp.stage import plan_stage
+
+    cfg = load_config("deepseek_v3_debug", {"model.n_layers": "6", "model.moe_layer_start": "3"})
+    _, blocks, head = layer_costs(cfg.model, cfg.data.seq_len)
+    m = cfg.model
+    with torch.device("meta"):
+        routed = sum(q.numel() for q in MoE(m).experts.parameters())
+    full = layer_costs(load_config("deepseek_v3_debug", {"model.n_layers": "6", "model.moe_layer_start": "3",
+                                                         "model.mtp_depth": "0"}).model, cfg.data.seq_len)
+    assert blocks == full[1]  # MTP changes no block
+    dense, moe = blocks[0], blocks[3]
+    assert abs((moe - dense) - (2 * routed * m.moe_top_k / m.moe_experts + 2 * m.dim * m.moe_experts
+                                + 2 * 3 * m.dim * m.moe_ffn_hidden * m.moe_shared_experts
+                                - 2 * 3 * m.dim * m.ffn_hidden)) < 1e-6, (moe, dense)
+    assert head - full[2] > 2 * m.vocab_size * m.dim  # the MTP block and the second head matmul
+    # the split follows: 3 dense + 3 MoE blocks and the MTP on the head's stage
+    cfg.parallel.pp = 2
+    assert [len(c) for r in range(2) for c in plan_stage(cfg, r).chunks] == [4, 2]
 
 
 def test_visualizer_text_and_png(tmp_path):

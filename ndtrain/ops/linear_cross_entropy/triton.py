@@ -21,13 +21,12 @@ column-parallel head). Twin: ``ndtrain.ops.linear_cross_entropy.naive.naive_line
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+from ndtrain.ops.linear_cross_entropy.common import Combine, check_shapes, trim_padded_rows
 
 
 @triton.jit
@@ -154,10 +153,7 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: to
     real V when W is padded (rows with global id >= V get no probability and a zero gradient).
     Raises ValueError for mismatched shapes.
     """
-    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or labels.shape != h.shape[:1]:
-        raise ValueError(f"linear cross-entropy shapes h {tuple(h.shape)}, weight {tuple(weight.shape)}, "
-                         f"labels {tuple(labels.shape)} do not match (N, C), (V, C), (N,)")
-    if vocab_size is not None and vocab_start + weight.shape[0] > vocab_size:
-        weight = weight[:max(0, vocab_size - vocab_start)]  # padded rows never enter a block
+    check_shapes(h, weight, labels)
+    weight = trim_padded_rows(weight, vocab_start, vocab_size)
     return LinearCrossEntropyFunction.apply(h, weight, labels.contiguous(), ignore_index, vocab_start, combine,
                                             chunk_tokens, chunk_vocab)

@@ -5,7 +5,20 @@ Layouts (``parallel.cp_layout``):
 * ``load_balanced`` (ring default): the sequence is cut into 2*cp equal chunks and rank i holds
   chunks i and 2*cp-1-i, so under a causal mask every rank has the same amount of attention work
   (Liu et al. 2023; Megatron-LM / Llama 3 practice);
-* ``contiguous``: rank i holds chunk i of cp (Ulysses always uses it).
+* ``contiguous``: rank i holds chunk i of cp (Ulysses always uses it, and so does every model
+  whose ``layer_pattern`` has linear-family or sliding-window mixers: ``auto`` resolves to it).
+
+Token mixers other than softmax attention (``model.layer_pattern``) are handled per layer: the
+linear family (linear, mamba2, gated_deltanet) gets a ``StatePasser`` in its ``state_passer`` hook
+(``state_passing``: chunk states all-gathered and composed, conv context from the previous rank),
+sliding-window attention a ``WindowContextParallel`` core (``window``: the previous rank's last
+w - 1 keys / values), and the softmax layers of the same model ring attention (or Ulysses) on the
+same contiguous shards. DeepSeek sparse attention under cp > 1 is not built (its indexer scores
+every earlier key: an all-gather of the indexer keys, rejected by ``check_mixer_layout``).
+
+MLA layers take the same cores (q / k of width d_n + d_r, v of width d_v). MTP depths run their
+blocks under the same cores on all local positions, with the tokens at i + k fetched from the
+rank holding them (``mtp_shift``).
 
 The data already gives shifted labels (``labels[t] = inputs[t+1]``), so the next-token shift
 happens before sharding; inputs, labels, RoPE positions (and, for packed data, document ids) are
@@ -23,20 +36,27 @@ import torch
 from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
+from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.cp.ring import ring_attention
+from ndtrain.parallel.cp.rules import CONTIGUOUS_MIXERS
+from ndtrain.parallel.cp.state_passing import StatePasser
 from ndtrain.parallel.cp.ulysses import ulysses_attention
+from ndtrain.parallel.cp.window import WindowContextParallel
 
 LAYOUTS = ("load_balanced", "contiguous")
 
 
-def resolve_layout(impl: str, layout: str) -> str:
-    """``auto`` -> load_balanced for ring, contiguous for Ulysses; Ulysses needs contiguous."""
+def resolve_layout(impl: str, layout: str, mixers: tuple[str, ...] = ()) -> str:
+    """``auto`` -> load_balanced for ring, contiguous for Ulysses or when ``mixers`` (the
+    non-softmax mixers of the pattern) pass state or a window to the next rank; those need
+    contiguous, as Ulysses does (ValueError otherwise)."""
+    ordered = bool(set(mixers) & set(CONTIGUOUS_MIXERS))
     if layout == "auto":
-        return "load_balanced" if impl == "ring" else "contiguous"
+        return "load_balanced" if impl == "ring" and not ordered else "contiguous"
     if layout not in LAYOUTS:
         raise ValueError(f"cp layout ({layout}) must be auto|{'|'.join(LAYOUTS)}")
-    if impl == "ulysses" and layout != "contiguous":
-        raise ValueError("Ulysses context parallel needs the contiguous layout")
+    if (impl == "ulysses" or ordered) and layout != "contiguous":
+        raise ValueError("Ulysses context parallel and linear / sliding-window mixers need the contiguous layout")
     return layout
 
 
@@ -149,22 +169,49 @@ class UlyssesAttention(nn.Module):
 
 def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "auto",
              causal: bool = True) -> str:
-    """Replace every block's attention core for context parallel over the ``cp`` axis by a
-    ``RingAttention`` or ``UlyssesAttention`` module (shown by ``print(model)`` as the attention's
-    ``context_parallel`` child).
+    """Context parallel over the ``cp`` axis, per block's token mixer: softmax attention gets a
+    ``RingAttention`` or ``UlyssesAttention`` core, sliding-window attention a
+    ``WindowContextParallel`` core, the linear family a ``StatePasser`` hook; each shown by
+    ``print(model)`` as the mixer's ``context_parallel`` child.
 
     ``causal`` applies to ring attention (Ulysses wraps whatever core the block has). Returns the
-    resolved layout, which the batch must be sharded with (``shard_batch``). Raises ValueError for
-    an unknown impl / layout or (at forward time) heads not divisible by cp under Ulysses.
+    resolved layout (contiguous when ``model.cfg.layer_pattern`` has linear / window mixers), which
+    the batch must be sharded with (``shard_batch``). MLA layers take the same cores (their v head
+    dim may differ from q / k's); with MTP the model gets a ``ContextParallelShift`` as its
+    ``mtp_shift`` hook (``mtp_shift.py``) and the MTP blocks get cores like the layers. Raises
+    ValueError for an unknown impl / layout, a layout the mixers cannot use, a DSA layer, or (at
+    forward time) heads not divisible by cp under Ulysses.
     """
+    from ndtrain.model.dsa import SparseAttention
+    from ndtrain.model.sliding_window import SlidingWindowAttention
+
     group = mesh.group("cp")
-    layout = resolve_layout(impl, layout)
+    cfg = getattr(model, "cfg", None)
+    layout = resolve_layout(impl, layout, non_softmax_mixers(cfg) if cfg is not None else ())
     if group.size == 1:
         return layout
     if impl not in ("ring", "ulysses"):
         raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses")
-    for block in model.layers.values():
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # MTP depths: shifted ids from the other cp ranks (mtp_shift), blocks as below
+        from ndtrain.parallel.cp.mtp_shift import ContextParallelShift
+
+        model.mtp_shift = ContextParallelShift(group, layout, local_positions)
+    blocks = list(model.layers.values()) + ([m.block for m in mtp.values()] if mtp is not None else [])
+    for block in blocks:
         att = block.attention
-        _install_core(att, RingAttention(group, layout, causal) if impl == "ring"
-                      else UlyssesAttention(group, att.core))
+        if hasattr(type(att), "state_passer"):  # linear family: the hook, not an attention core
+            if layout != "contiguous":
+                raise ValueError("linear mixers under context parallel need the contiguous layout")
+            att.__dict__["state_passer"] = passer = StatePasser(group)  # shadows the class's None
+            att.add_module("context_parallel", passer)
+        elif isinstance(att, SparseAttention):
+            raise ValueError("dsa layers under cp > 1 are not built (the indexer scores every earlier key)")
+        elif isinstance(att, SlidingWindowAttention):
+            if layout != "contiguous":
+                raise ValueError("sliding-window attention under context parallel needs the contiguous layout")
+            _install_core(att, WindowContextParallel(group, att.window))
+        else:
+            _install_core(att, RingAttention(group, layout, causal) if impl == "ring"
+                          else UlyssesAttention(group, att.core))
     return layout

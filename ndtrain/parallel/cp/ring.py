@@ -19,7 +19,9 @@ their owner after cp hops.
 Masks come from positions and optional document ids (packed sequences): key t is visible to query
 s iff (not causal or pos_k[t] <= pos_q[s]) and doc_k[t] == doc_q[s].
 
-Communication per call (bytes sent per rank, b = element size, K/V block = 2 B G T_l D b):
+K and V travel as one (B, G, T_l, D + Dv) message per hop (Dv != D for MLA).
+
+Communication per call (bytes sent per rank, b = element size, K/V block = B G T_l (D + Dv) b):
 forward (cp-1) K/V blocks; backward (cp-1) K/V blocks + cp dK/dV blocks (in the accumulation dtype).
 The slow twin is full attention on the gathered sequence (``tests/ops/test_ring_attention.py``).
 """
@@ -65,9 +67,10 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def block_forward(q, k, v, mask, scale):
-    """Attention of queries q (B, H, Tq, D) to one key block k, v (B, G, Tk, D) in q's dtype.
+    """Attention of queries q (B, H, Tq, D) to one key block k (B, G, Tk, D), v (B, G, Tk, Dv) in
+    q's dtype.
 
-    Returns ``(out (B, H, Tq, D), lse (B, H, Tq))``; rows with no visible key have lse = -inf and
+    Returns ``(out (B, H, Tq, Dv), lse (B, H, Tq))``; rows with no visible key have lse = -inf and
     out = 0.
     """
     h = q.shape[1]
@@ -104,7 +107,7 @@ def block_backward(dout, q, k, v, lse, delta, mask, scale):
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale  # (B, H, Tk, D)
     if g != h:
         dk = dk.view(b, g, h // g, tk, d).sum(2)  # (B, G, Tk, D)
-        dv = dv.view(b, g, h // g, tk, d).sum(2)
+        dv = dv.view(b, g, h // g, tk, dv.shape[-1]).sum(2)  # (B, G, Tk, Dv)
     return dq, dk, dv
 
 
@@ -129,9 +132,10 @@ class RingAttentionFunction(torch.autograd.Function):
         cdt = compute_dtype(q.dtype)
         meta = (q_pos, kv_pos, q_doc, kv_doc, causal)
         qc = q.to(cdt)
-        out = torch.zeros(q.shape, dtype=cdt, device=q.device)  # (B, H, Tq, D)
+        out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=cdt, device=q.device)  # (B, H, Tq, Dv)
         lse = torch.full(q.shape[:-1], NEG_INF, dtype=cdt, device=q.device)  # (B, H, Tq)
-        kv = torch.stack([k, v])  # (2, B, G, Tk, D)
+        dk = k.shape[-1]
+        kv = torch.cat([k, v.to(k.dtype)], dim=-1)  # (B, G, Tk, Dk + Dv): one message per hop
         for s in range(n):
             src = (r - s) % n
             works = None
@@ -139,7 +143,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 nxt, works = ring_exchange(kv, group, tag=0)  # overlaps the block below
             mask = _mask_for(meta, src)
             if _visible(mask):
-                blk_out, blk_lse = block_forward(qc, kv[0].to(cdt), kv[1].to(cdt), mask, scale)
+                blk_out, blk_lse = block_forward(qc, kv[..., :dk].to(cdt), kv[..., dk:].to(cdt), mask, scale)
                 out, lse = merge(out, lse, blk_out, blk_lse)
             if works:
                 for w in works:
@@ -159,19 +163,21 @@ class RingAttentionFunction(torch.autograd.Function):
         qc, doc = q.to(cdt), dout.to(cdt)
         delta = (doc * out).sum(-1)  # (B, H, Tq)
         dq = torch.zeros_like(qc)
-        kv = torch.stack([k, v])  # (2, B, G, Tk, D)
+        dk = k.shape[-1]
+        kv = torch.cat([k, v.to(k.dtype)], dim=-1)  # (B, G, Tk, Dk + Dv)
         acc = acc_works = acc_recv = None
         for s in range(n):
             src = (r - s) % n
             kv_works = None
             if s < n - 1:
                 kv_next, kv_works = ring_exchange(kv, group, tag=1)
-            contrib = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # (2, B, G, Tk, D)
+            contrib = torch.zeros(kv.shape, dtype=cdt, device=kv.device)  # (B, G, Tk, Dk + Dv): [dK | dV]
             mask = _mask_for(meta, src)
             if _visible(mask):
-                dq_b, dk_b, dv_b = block_backward(doc, qc, kv[0].to(cdt), kv[1].to(cdt), lse, delta, mask, scale)
+                dq_b, dk_b, dv_b = block_backward(doc, qc, kv[..., :dk].to(cdt), kv[..., dk:].to(cdt), lse,
+                                                  delta, mask, scale)
                 dq += dq_b
-                contrib[0], contrib[1] = dk_b, dv_b
+                contrib[..., :dk], contrib[..., dk:] = dk_b, dv_b
             if acc_works:  # dK/dV of block src accumulated by the ranks before us
                 for w in acc_works:
                     w.wait()
@@ -187,7 +193,7 @@ class RingAttentionFunction(torch.autograd.Function):
             for w in acc_works:
                 w.wait()
             acc = acc_recv
-        return (dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)) + (None,) * 7
+        return (dq.to(q.dtype), acc[..., :dk].to(k.dtype), acc[..., dk:].to(v.dtype)) + (None,) * 7
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, q_pos: torch.Tensor,
@@ -196,14 +202,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     """Exact attention of this rank's queries to every rank's keys.
 
     Args:
-        q: (B, H, Tq, D) this rank's queries; k, v: (B, G, Tk, D) its keys / values (H % G == 0).
+        q: (B, H, Tq, D) this rank's queries; k: (B, G, Tk, D), v: (B, G, Tk, Dv) its keys / values
+            (H % G == 0; Dv may differ from D, as in MLA, whose keys carry the decoupled RoPE dims).
         group: the ``cp`` AxisGroup (size 1 = plain blockwise attention).
         q_pos: (Tq,) int64 sequence positions of this rank's tokens.
         kv_pos: (cp, Tk) positions of every rank's tokens (row i = rank i).
         causal: mask keys at later positions.
         q_doc, kv_doc: optional document ids (B, Tq) and (cp, B, Tk) for packed sequences.
         scale: softmax scale, default 1 / sqrt(D).
-    Returns: (B, H, Tq, D) in q's dtype. Raises ValueError on inconsistent shapes.
+    Returns: (B, H, Tq, Dv) in q's dtype. Raises ValueError on inconsistent shapes.
     """
     if kv_pos.shape[0] != group.size or q.shape[1] % k.shape[1]:
         raise ValueError(f"kv_pos rows ({kv_pos.shape[0]}) must equal cp ({group.size}) and query heads "
@@ -227,7 +234,7 @@ def simulate_ring_attention(q, k, v, q_pos, kv_pos, causal=True, q_doc=None, kv_
     metas = [(q_pos[i], kv_pos, None if q_doc is None else q_doc[i], kv_doc, causal) for i in range(n)]
     outs, lses = [], []
     for r in range(n):
-        out = torch.zeros(q[r].shape, dtype=cdt)
+        out = torch.zeros(q[r].shape[:-1] + v[0].shape[-1:], dtype=cdt)
         lse = torch.full(q[r].shape[:-1], NEG_INF, dtype=cdt)
         for s in range(n):
             src = (r - s) % n
@@ -239,7 +246,8 @@ def simulate_ring_attention(q, k, v, q_pos, kv_pos, causal=True, q_doc=None, kv_
 
     def backward(douts):
         dqs = [torch.zeros(x.shape, dtype=cdt) for x in q]
-        acc = [torch.zeros((2,) + tuple(x.shape), dtype=cdt) for x in k]  # held by block owner index
+        acc_k = [torch.zeros(x.shape, dtype=cdt) for x in k]  # held by block owner index
+        acc_v = [torch.zeros(x.shape, dtype=cdt) for x in v]
         for s in range(n):  # step s: rank r works on block (r - s) mod n, in ring order
             for r in range(n):
                 src = (r - s) % n
@@ -249,8 +257,8 @@ def simulate_ring_attention(q, k, v, q_pos, kv_pos, causal=True, q_doc=None, kv_
                     dq, dk, dv = block_backward(douts[r].to(cdt), q[r].to(cdt), k[src].to(cdt), v[src].to(cdt),
                                                 lses[r], delta, mask, scale)
                     dqs[r] += dq
-                    acc[src][0] += dk
-                    acc[src][1] += dv
-        return dqs, [a[0] for a in acc], [a[1] for a in acc]
+                    acc_k[src] += dk
+                    acc_v[src] += dv
+        return dqs, acc_k, acc_v
 
     return [o.to(q[0].dtype) for o in outs], backward

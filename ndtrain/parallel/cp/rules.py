@@ -6,24 +6,39 @@ naming the rule. Pure Python.
 from __future__ import annotations
 
 from ndtrain.errors import require
+from ndtrain.mixer_spec import non_softmax_mixers
 
 IMPLS = ("ring", "ulysses")
 LAYOUTS = ("auto", "load_balanced", "contiguous")
+# mixers whose cp rank continues from the previous rank's tokens (a state or a window): contiguous only
+CONTIGUOUS_MIXERS = ("linear", "mamba2", "gated_deltanet", "sliding_window")
 
 
-def resolve_layout(impl: str, layout: str) -> str:
-    """``auto`` -> load_balanced for ring (balances the causal mask), contiguous for Ulysses."""
+def resolve_layout(impl: str, layout: str, mixers: tuple[str, ...] = ()) -> str:
+    """``auto`` -> load_balanced for ring (balances the causal mask), contiguous for Ulysses or
+    when ``mixers`` (the pattern's non-softmax mixers) include one of ``CONTIGUOUS_MIXERS``."""
     if layout != "auto":
         return layout
+    if set(mixers) & set(CONTIGUOUS_MIXERS):
+        return "contiguous"
     return "load_balanced" if impl == "ring" else "contiguous"
 
 
 def check(cp: int, seq_len: int, impl: str = "ring", layout: str = "auto", n_heads: int = 1, tp: int = 1,
           sequence_parallel: bool = False, mla: bool = False, mtp: bool = False,
-          seq_aux_loss: bool = False, capacity: bool = False) -> None:
+          seq_aux_loss: bool = False, capacity: bool = False, mixers: tuple[str, ...] = (),
+          halo: int = 0, moe: bool = False) -> None:
     """``seq_len`` (T) cuts into the layout's chunks (2 cp load-balanced, cp contiguous); Ulysses
     splits the heads of a tp rank over cp; under sequence parallel the T / cp tokens of a cp rank
-    split over tp; features not implemented under cp > 1 are rejected."""
+    split over tp; features not implemented under cp > 1 are rejected. ``seq_aux_loss`` and
+    ``capacity`` (MoE) are accepted: their per-sequence loads and capacity counts are reduced over
+    the cp ranks (``ndtrain.parallel.cp.moe_shards``), so they equal the single process's.
+    ``mixers`` (the pattern's non-softmax mixers) in ``CONTIGUOUS_MIXERS`` need the contiguous
+    layout and a rank's T / cp tokens to cover ``halo``, the left context they take from the
+    previous rank only (max of swa_window - 1 and linear_conv_kernel - 1). ``mla`` and ``mtp``
+    run under ring and Ulysses, ``mtp`` with ``moe`` too: the MTP depths run padded to the full
+    sequence and their MoE layers mask the padded tail out of routing and statistics
+    (``MoE.token_mask``)."""
     require(cp >= 1, f"parallel.cp ({cp}) must be >= 1")
     require(impl in IMPLS, f"parallel.cp_impl ({impl}) must be ring|ulysses")
     require(layout in LAYOUTS, f"parallel.cp_layout ({layout}) must be auto|load_balanced|contiguous")
@@ -33,7 +48,7 @@ def check(cp: int, seq_len: int, impl: str = "ring", layout: str = "auto", n_hea
                 f"divisible by tp ({tp})")
     if cp == 1:
         return
-    resolved = resolve_layout(impl, layout)
+    resolved = resolve_layout(impl, layout, mixers)
     chunks = 2 * cp if resolved == "load_balanced" else cp
     require(impl == "ring" or resolved == "contiguous",
             "parallel.cp_impl=ulysses needs cp_layout contiguous (or auto)")
@@ -41,13 +56,26 @@ def check(cp: int, seq_len: int, impl: str = "ring", layout: str = "auto", n_hea
                                    f"{resolved} cp layout (cp={cp})")
     if impl == "ulysses":
         check_heads(n_heads // tp, cp)
-    require(not mla, f"attention=mla with cp ({cp}) > 1 is not implemented")
-    require(not mtp, f"mtp_depth > 0 with cp ({cp}) > 1 is not implemented")
-    require(not seq_aux_loss, f"moe_seq_aux_loss_coef > 0 with cp ({cp}) > 1 is not implemented (a cp "
-                              "rank sees part of each sequence; the per-sequence loads would need a cp "
-                              "all-reduce)")
-    require(not capacity, f"moe_capacity_factor > 0 with cp ({cp}) > 1 is not implemented (each cp rank "
-                          "would pick the dropped tokens from its own shard of the sequences)")
+    ordered = sorted(set(mixers) & set(CONTIGUOUS_MIXERS))
+    require(not ordered or resolved == "contiguous",
+            f"model.layer_pattern with {ordered} under cp ({cp}) > 1 needs parallel.cp_layout contiguous (or "
+            "auto): each rank continues the previous rank's state / window")
+    require(not ordered or seq_len // cp >= halo,
+            f"cp: a rank's {seq_len // cp} tokens (seq_len / cp) are fewer than the {halo} of left context "
+            f"that {ordered} take from the previous rank (swa_window - 1, linear_conv_kernel - 1)")
+    # MLA: ring / Ulysses cores take its (d_n + d_r)-wide q / k and d_v-wide v. MTP: shifted ids
+    # cross ranks (cp.mtp_shift), the depths run padded to the full sequence, MoE masks the padding
+
+
+def left_context(m) -> int:
+    """Tokens a cp rank takes from its predecessor for the model ``m`` (a ``ModelConfig`` or the
+    planner's ``MixerFields``): swa_window - 1 for sliding-window layers, linear_conv_kernel - 1
+    for the short convolutions of mamba2 / gated_deltanet; 0 when none."""
+    kinds = set(non_softmax_mixers(m))
+    need = [m.swa_window - 1] if "sliding_window" in kinds else []
+    if kinds & {"mamba2", "gated_deltanet"}:
+        need.append(m.linear_conv_kernel - 1)
+    return max(need, default=0)
 
 
 def check_heads(heads_per_tp_rank: int, cp: int) -> None:

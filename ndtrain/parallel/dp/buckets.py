@@ -33,14 +33,26 @@ def unique_named_params(module) -> list[tuple[str, nn.Parameter]]:
 
 
 def group_into_buckets(named: list[tuple[str, nn.Parameter]], bucket_size_bytes: int,
-                       reduce_dtype: torch.dtype | None = None) -> list[list[tuple[str, nn.Parameter]]]:
+                       reduce_dtype: torch.dtype | None = None, first_bucket_bytes: int | None = None,
+                       alone_bytes: int | None = None) -> list[list[tuple[str, nn.Parameter]]]:
     """Split ``named`` (registration order) into buckets, last parameters first (see module
-    docstring). Sizes count ``reduce_dtype`` bytes (None: each parameter's own dtype)."""
+    docstring). Sizes count ``reduce_dtype`` bytes (None: each parameter's own dtype).
+
+    ``first_bucket_bytes``: the first bucket closes at this size instead (PyTorch DDP's 1 MiB
+    ``_DEFAULT_FIRST_BUCKET_BYTES``), so the first all-reduce starts as soon as backward begins.
+    ``alone_bytes``: a parameter at least this big gets a bucket of its own, so the smaller
+    parameters ready before it (a first layer's, ahead of the embedding) are not held back for
+    it. None keeps both off (ZeRO-1/2, whose memory the planner models with the plain rule)."""
     groups, current, size = [], [], 0
     for name, p in reversed(named):
+        nb = p.numel() * torch.empty((), dtype=reduce_dtype or p.dtype).element_size()
+        if alone_bytes is not None and nb >= alone_bytes and current:
+            groups.append(current)
+            current, size = [], 0
         current.append((name, p))
-        size += p.numel() * torch.empty((), dtype=reduce_dtype or p.dtype).element_size()
-        if size >= bucket_size_bytes:
+        size += nb
+        cap = first_bucket_bytes if (first_bucket_bytes is not None and not groups) else bucket_size_bytes
+        if size >= cap or (alone_bytes is not None and nb >= alone_bytes):
             groups.append(current)
             current, size = [], 0
     if current:

@@ -5,7 +5,11 @@ Parallel Training"): parameters are grouped, in reverse registration order (roug
 backward produces their gradients), into buckets of about ``bucket_size_bytes`` (``buckets.py``,
 shared with ZeRO-1/2). A post-accumulate-grad hook marks a parameter ready; when every parameter of
 a bucket is ready the bucket's gradients are flattened and an asynchronous all-reduce starts while
-backward goes on.
+backward goes on. As in PyTorch DDP the first bucket closes at 1 MiB (the output head's gradient
+goes out at once); unlike it, a parameter of at least a quarter of the bucket size (the embedding,
+whose gradient comes last) gets a bucket of its own, so after backward only its all-reduce is
+exposed, not a whole bucket's. The reduced gradients stay in the bucket: each ``p.grad`` becomes a
+view of it (no copy back) unless the reduction dtype differs from the parameter's.
 
 Three rules keep it exact and hang-free:
 
@@ -31,6 +35,10 @@ from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
 from ndtrain.parallel.dp.buckets import BucketLauncher, group_into_buckets, unique_named_params
 from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
+
+# PyTorch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the head's gradient goes out
+# while the rest of backward runs
+FIRST_BUCKET_BYTES = 2**20
 
 
 class _Bucket:
@@ -61,8 +69,12 @@ class DataParallel(ReplicatedGradSync):
         self.group = group
         self.sync = True
         named = unique_named_params(module)
-        self.buckets = [_Bucket([p for _, p in grp], reduce_dtype or grp[0][1].dtype)
-                        for grp in group_into_buckets(named, bucket_size_bytes, reduce_dtype)]
+        # the embedding, whose gradient comes last, alone at the tail: the exposed all-reduce after
+        # backward is then that one parameter's, not a whole bucket's
+        groups = group_into_buckets(named, bucket_size_bytes, reduce_dtype,
+                                    first_bucket_bytes=min(FIRST_BUCKET_BYTES, bucket_size_bytes),
+                                    alone_bytes=max(bucket_size_bytes // 4, 1))
+        self.buckets = [_Bucket([p for _, p in grp], reduce_dtype or grp[0][1].dtype) for grp in groups]
         self._launcher = BucketLauncher([b.params for b in self.buckets], self._launch)
         if group.size > 1:
             for _, p in named:
@@ -98,10 +110,9 @@ class DataParallel(ReplicatedGradSync):
             offset = 0
             for p in b.params:
                 n = p.numel()
-                g = b.flat[offset:offset + n].view_as(p).to(p.dtype)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                g = b.flat[offset:offset + n].view_as(p)
+                # same dtype: the gradient becomes a view of the reduced bucket (no copy back; the
+                # bucket's storage is freed with the gradients at zero_grad)
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                 offset += n
             b.flat, b.work = None, None

@@ -32,6 +32,11 @@ stepping every expert's state identically on every replica.
 
 Checkpoints store expert weights (and their AdamW moments) as DTensors ``Shard(0)`` over the ``ep``
 mesh, so torch.distributed.checkpoint can reload them under another ep degree.
+
+With ``parallel.zero_stage`` > 0 the ZeRO-1/2/3 wrappers replace ``ExpertDataParallel``: they shard
+the expert parameters over ``edp_shard`` (the part of ``edp`` inside dp_shard x cp) and replicate
+them over ``dp_replicate``, the dense ones over ``dp_shard_cp`` as usual
+(``ndtrain.parallel.zero.domains``); the reduction is the same SUM over edp.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import MoE, moe_layers
 from ndtrain.parallel import comm
+from ndtrain.parallel.cp.moe_shards import sequence_shards
 from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
 from ndtrain.parallel.ep.layers import EXPERT_WEIGHTS, ExpertParallelExperts
@@ -57,8 +63,9 @@ def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor
 
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     """Shard every MoE layer's experts over ``ep`` (in place) and install the load reducer of the
-    Switch loss's statistics scope (dp x cp for "global", cp for "microbatch"). Returns the names
-    of the expert parameters.
+    Switch loss's statistics scope (dp x cp for "global", cp for "microbatch") and, under cp, the
+    ``SequenceShards`` of the sequence-wise loss and the capacity. Returns the names of the expert
+    parameters.
 
     Raises ValueError if E is not divisible by ep.
     """
@@ -71,6 +78,9 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
         reducer = functools.partial(_global_load_reducer, mesh.group(scope_axis))
         for moe in moe_layers(model):
             moe.load_reducer = reducer
+    shards = sequence_shards(mesh, cfg)  # cp > 1: per-sequence loads and capacity over whole sequences
+    for moe in moe_layers(model):
+        moe.seq_shards = shards
     if ep.size == 1:
         return []
     names = []
@@ -78,7 +88,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
         if not isinstance(moe, MoE):
             continue
         check_experts(moe.n_experts, ep.size)
-        moe.experts = ExpertParallelExperts(moe.experts, ep)
+        moe.experts = ExpertParallelExperts(moe.experts, ep, tally=moe.stats)
         names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names
 

@@ -25,11 +25,14 @@ class ExpertParallelExperts(GroupedExperts):
 
     ``forward(xs, counts)``: xs (M, C) this rank's routed tokens sorted by global expert id,
     counts (E,) int64 per global expert -> (M, C) the experts' outputs in the same order. Every
-    rank must call it (the all-to-alls are collectives), also with M = 0.
+    rank must call it (the all-to-alls are collectives), also with M = 0. ``tally``: the MoE
+    layer's ``LoadStats``; the token all-to-alls of training forwards (and their backward) add
+    their bytes to its ``a2a_bytes`` (the (ep, E/ep) count exchange and evaluation forwards are
+    counted on the ``ep`` axis only).
     Raises ValueError if E is not divisible by ep.
     """
 
-    def __init__(self, full: GroupedExperts, group: AxisGroup):
+    def __init__(self, full: GroupedExperts, group: AxisGroup, tally=None):
         n_experts = full.w1.shape[0]
         if n_experts % group.size:
             raise ValueError(f"moe_experts ({n_experts}) is not divisible by ep ({group.size})")
@@ -37,6 +40,7 @@ class ExpertParallelExperts(GroupedExperts):
         with torch.device("meta"):  # placeholders only: replaced by the slices below
             super().__init__(el, full.w1.shape[2], full.w1.shape[1])
         self.impl, self.group, self.n_experts = full.impl, group, n_experts
+        self.tally = tally  # not named ``stats``: moe_layers() finds MoE layers by that attribute
         lo = group.rank * el
         for w in EXPERT_WEIGHTS:
             local = nn.Parameter(getattr(full, w).detach()[lo:lo + el].clone())  # (E/ep, ., .)
@@ -50,12 +54,13 @@ class ExpertParallelExperts(GroupedExperts):
         recv = torch.empty_like(send)  # (ep, E/ep): row s = rows source s sends to my experts
         all_to_all_v(recv, send, [1] * ep, [1] * ep, self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        xr = AllToAllV.apply(xs, out_splits, in_splits, self.group)  # (R, C), (source, expert) order
+        tally = self.tally if self.training else None  # the metric counts training steps, not evaluation
+        xr = AllToAllV.apply(xs, out_splits, in_splits, self.group, tally)  # (R, C), (source, expert) order
         seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
         y = super().forward(xr[perm], recv.sum(0))  # (R, C)
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
-        return AllToAllV.apply(y, in_splits, out_splits, self.group)  # (M, C)
+        return AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
 
     def extra_repr(self) -> str:
         el, r = self.w1.shape[0], self.group.rank

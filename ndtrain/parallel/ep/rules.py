@@ -10,8 +10,9 @@ from ndtrain.errors import require
 
 def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0) -> None:
     """``ep`` divides the experts (E) and the dp_shard x cp block it borrows its ranks from
-    (``dp_shard`` None = not known yet, e.g. -1 before the world size is); needs an MoE model;
-    expert parallel with ZeRO is not implemented."""
+    (``dp_shard`` None = not known yet, e.g. -1 before the world size is); needs an MoE model.
+    Every ZeRO stage composes (experts sharded over edp_shard, ``ndtrain.parallel.zero.domains``):
+    ``zero_stage`` is accepted for the callers' sake and checked by the ZeRO rules."""
     require(ep >= 1, f"parallel.ep ({ep}) must be >= 1")
     if dp_shard is not None:
         require((dp_shard * cp) % ep == 0, f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
@@ -19,7 +20,6 @@ def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, z
         return
     require(moe_experts > 0, f"parallel.ep ({ep}) > 1 needs an MoE model (model.moe_experts > 0)")
     check_experts(moe_experts, ep)
-    require(zero_stage == 0, f"parallel.ep ({ep}) > 1 with zero_stage ({zero_stage}) > 0 is not implemented")
 
 
 def check_experts(moe_experts: int, ep: int) -> None:

@@ -3,12 +3,21 @@ clipping over all stages, and ``StagePipeline`` (the trainer's
 step path; with pp == 1 it is one stage running its microbatches in order, no pipeline).
 
 Tied embeddings: the first stage's embedding and the last stage's head are separate copies with the
-same initial value (``ndtrain.parallel.pp.stage``); their gradients are summed over the 2-rank group
+same initial value (``ndtrain.parallel.pp.stage``); an MTP model's last stage likewise holds a copy
+of the embedding for MTP's lookup (``tok_embeddings``; with a tied head it is the head's Parameter
+too). Their gradients are summed over the 2-rank group
 {pp 0, pp p-1} after the data-parallel reduction, on whatever the optimizer steps (the model's
 Parameter under DDP, its master shard under ZeRO / FSDP), so both copies take identical steps. The
-global gradient norm counts the tied weight once.
+global gradient norm counts the tied weight once. Under DualPipeV rank 0 holds both ends: one copy,
+no group.
+
+MoE / MTP: the runtime calls ``extra_loss`` after every chunk forward on every stage, so each stage
+backpropagates its own MoE layers' auxiliary terms; the head's stage adds the MTP terms
+(``StagePipeline.forward_backward`` moves a chunk view's MTP logits to the stage model first).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -16,16 +25,20 @@ from torch import nn
 
 from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
+from ndtrain.model.mtp import feeding_token_ids
 from ndtrain.optim import clip_coefficient
 from ndtrain.parallel import comm
+from ndtrain.parallel.pp.runtime import PipelineRuntime
 from ndtrain.parallel.pp.stage import stage_chunks, stage_info
 
 
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     """The 2-rank group {pp rank 0, pp rank p-1} of this rank's pipeline, when it holds one end of
-    a tied embedding; else None. Collective: every rank of the world must call it (new_group)."""
+    a shared embedding (tied head, or MTP's copy); else None. Collective: every rank of the world
+    must call it (new_group)."""
     p = mesh.dims.pp
-    if p == 1 or not cfg.model.tie_embeddings:
+    shared = cfg.model.tie_embeddings or cfg.model.mtp_depth > 0
+    if p == 1 or not shared or cfg.parallel.pp_schedule == "dualpipev":  # V: both ends on rank 0
         return None
     pp = mesh.group("pp")
     if p == 2:
@@ -42,12 +55,14 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
 
 
 def tied_name(model: nn.Module) -> str | None:
-    """Name of this stage's copy of the tied embedding: the embedding on the first stage, the head
-    on the last, None elsewhere (or untied)."""
+    """Name of this stage's copy of the shared embedding: the embedding on the first stage; on the
+    last the head (tied) or MTP's embedding copy; None elsewhere (or nothing shared, or V)."""
     info = stage_info(model)
-    if info is None or not info.tied:
+    if info is None or not info.shares_embedding:
         return None
-    return "tok_embeddings.weight" if info.first else ("output.weight" if info.last else None)
+    if info.first:
+        return "tok_embeddings.weight"
+    return ("tok_embeddings.weight" if info.mtp else "output.weight") if info.last else None
 
 
 def grad_holder(model: nn.Module, dp, name: str) -> nn.Parameter:
@@ -80,7 +95,8 @@ def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
     scaled with the same coefficient as ``ndtrain.optim.clip_grad_norm`` applies. Returns the norm
     before clipping."""
     info = stage_info(model)
-    dup = grad_holder(model, dp, "output.weight") if (info and info.tied and info.last) else None
+    name = tied_name(model) if (info and info.last and not info.first) else None
+    dup = grad_holder(model, dp, name) if name else None
     held = None
     if dup is not None:
         held, dup.grad = dup.grad, None
@@ -93,12 +109,35 @@ def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
     return norm
 
 
+class LabelledRuntime(PipelineRuntime):
+    """``PipelineRuntime`` whose last stage runs each microbatch's forward with the fused-loss head
+    armed with that microbatch's labels (``training.fused_loss``, ``ndtrain.parallel.fused_head``):
+    the head then returns the summed token loss and ``loss_fn`` passes it through.
+    ``labelled(labels)``: a context factory (``BatchPlan.labelled``); None = plain runtime."""
+
+    def __init__(self, *args, labelled=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.labelled = labelled
+
+    def _forward(self, a, inp) -> None:
+        st = self._step
+        if st.s.stage(self.rank, a.chunk) != st.s.n_stages - 1:
+            return super()._forward(a, inp)
+        with contextlib.ExitStack() as ctx:  # the head's stage: labels for a fused loss, ids for MTP
+            if self.labelled is not None:
+                ctx.enter_context(self.labelled(st.ys[a.mb]))
+            ctx.enter_context(feeding_token_ids(self.chunks[a.chunk], st.xs[a.mb]))
+            return super()._forward(a, inp)
+
+
 class StagePipeline:
     """The trainer's view of pipeline parallel: this rank's stage model, its runtime, tied grads.
 
     Args: the stage ``model`` (after ``parallelize``), its gradient synchroniser ``dp``, ``mesh``,
     ``cfg``, ``loss_fn(logits, labels) -> sum CE`` (the layout's loss, e.g. vocab-parallel),
-    ``forward_ctx`` (autocast factory), ``device``, ``m`` (microbatches per step).
+    ``forward_ctx`` (autocast factory), ``device``, ``m`` (microbatches per step), ``labelled``
+    (``BatchPlan.labelled`` under ``training.fused_loss``: the last stage's head computes the loss,
+    so ``loss_fn`` receives the loss sum instead of logits).
 
     With pp == 1 the whole model is one stage and the schedule is 1F1B on one rank, i.e. each
     microbatch's forward then its backward, in order, every backward but the last under
@@ -107,14 +146,12 @@ class StagePipeline:
     """
 
     def __init__(self, model: nn.Module, dp, mesh: Mesh, cfg: Config, loss_fn, forward_ctx,
-                 device: torch.device, m: int):
-        from ndtrain.parallel.pp.runtime import PipelineRuntime
-
+                 device: torch.device, m: int, labelled=None):
         self.model, self.dp, self.mesh, self.m = model, dp, mesh, m
         self.tied_group = build_tied_group(mesh, cfg)
         schedule = cfg.parallel.pp_schedule if mesh.dims.pp > 1 else "1f1b"  # one stage: F, B in turn
-        self.runtime = PipelineRuntime(stage_chunks(model), mesh.group("pp"), schedule, loss_fn, dp,
-                                       forward_ctx, device)
+        self.runtime = LabelledRuntime(stage_chunks(model), mesh.group("pp"), schedule, loss_fn, dp,
+                                       forward_ctx, device, labelled=labelled)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denom: float,
                          positions: torch.Tensor | None = None, extra_loss=None,
@@ -125,10 +162,24 @@ class StagePipeline:
         denom + extra_loss(labels_mb)) * loss_scale`` (``extra_loss``: optional MoE aux / MTP term,
         called after the microbatch's forward on the last stage). Returns the summed token loss
         of the local batch (float64, the same on every pp rank)."""
+        extra = None if extra_loss is None else self._stage_extra(extra_loss)
         loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True,
-                                    extra_loss=extra_loss, loss_scale=loss_scale)
+                                    extra_loss=extra, loss_scale=loss_scale)
         sync_tied_grads(self.model, self.dp, self.tied_group)
         return loss_sum
+
+    def _stage_extra(self, extra_loss):
+        """``extra_loss`` reading MTP logits from the stage model: a chunk view (interleaved,
+        DualPipeV) keeps the ones its forward set on itself, so they are moved over first."""
+        views = [c for c in self.runtime.chunks if c is not self.model]
+
+        def extra(labels: torch.Tensor):
+            for view in views:
+                if getattr(view, "mtp_logits", None):
+                    self.model.mtp_logits, view.mtp_logits = view.mtp_logits, []
+            return extra_loss(labels)
+
+        return extra
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return clip_grad_norm(self.model, self.dp, max_norm, self.mesh)

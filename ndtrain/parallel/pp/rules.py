@@ -1,4 +1,5 @@
-"""Layout rules of pipeline parallel (GPipe, 1F1B, interleaved 1F1B of Narayanan 2021, ZB-H1).
+"""Layout rules of pipeline parallel (GPipe, 1F1B, interleaved 1F1B of Narayanan 2021, ZB-H1,
+DualPipeV of DeepSeek-V3 2024).
 
 Called by ``ndtrain.validate`` and by the planner's feasibility check; raises ``ConfigError``
 naming the rule. Pure Python.
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from ndtrain.errors import require
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 
 
 def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: int = 1,
@@ -16,11 +17,15 @@ def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: 
     """Schedule name; ``pp_virtual_stages`` (v) > 1 exactly for the interleaved schedule; every one
     of the pp * v virtual stages holds a block. ``end_stages_may_hold_no_block``: the first / last
     virtual stage may hold only the embedding / head (Llama 3's 126 blocks in 16 x 8 chunks) --
-    the planner models that layout, ndtrain's stage builder does not, so validation passes False."""
+    the planner models that layout, ndtrain's stage builder does not, so validation passes False.
+    MoE and MTP models run under every schedule (each stage backpropagates its own MoE layers'
+    auxiliary losses; MTP sits with the head); ``moe`` / ``mtp`` are kept for callers and no longer
+    restrict anything. DualPipeV holds 2 chunks per rank (``pp_virtual_stages`` stays 1), so it
+    needs n_layers >= 2 pp, and >= 2 pp microbatches (``check_microbatches``)."""
     v = pp_virtual_stages
     require(pp >= 1, f"parallel.pp ({pp}) must be >= 1")
     require(pp_schedule in SCHEDULES, f"parallel.pp_schedule ({pp_schedule}) must be "
-                                      "gpipe|1f1b|interleaved|zero_bubble")
+                                      "gpipe|1f1b|interleaved|zero_bubble|dualpipev")
     require(pp_microbatches >= 0, f"parallel.pp_microbatches ({pp_microbatches}) must be >= 0")
     require(v >= 1, f"parallel.pp_virtual_stages ({v}) must be >= 1")
     if pp_schedule == "interleaved":
@@ -29,15 +34,28 @@ def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: 
         require(v == 1, f"pp_virtual_stages ({v}) > 1 needs pp_schedule=interleaved (got {pp_schedule})")
     if pp == 1:
         return
+    if pp_schedule == "dualpipev":  # rank r holds stages r and 2 pp - 1 - r
+        v = 2
+        require(pp_microbatches == 0 or pp_microbatches >= 2 * pp,
+                f"pp_schedule=dualpipev needs pp_microbatches ({pp_microbatches}) >= 2 * pp ({2 * pp})")
     spare = 2 if end_stages_may_hold_no_block and v > 1 else 0
+    require(pp_schedule != "dualpipev" or n_layers >= 2 * pp,
+            f"n_layers ({n_layers}) < 2 * pp ({2 * pp}): pp_schedule=dualpipev holds 2 chunks per rank, "
+            "each needs at least one block")
     require(n_layers + spare >= pp * v, f"n_layers ({n_layers}) < pp * pp_virtual_stages ({pp * v})"
                                         + (" - 2" if spare else "") + ": every pipeline stage needs at "
                                         "least one block")
-    require(not moe and not mtp, f"MoE / MTP models with pp ({pp}) > 1 are not implemented (MoE "
-                                 "auxiliary losses and MTP heads are not carried across stages yet)")
-    if pp_schedule == "zero_bubble":
-        require(activation_checkpoint == "none", "pp_schedule=zero_bubble needs activation_checkpoint=none "
+    if pp_schedule in ("zero_bubble", "dualpipev"):
+        require(activation_checkpoint == "none", f"pp_schedule={pp_schedule} needs activation_checkpoint=none "
                                                  "(its W pass reuses the activations its B pass kept)")
+
+
+def check_microbatches(pp: int, pp_schedule: str, n_micro: int) -> None:
+    """DualPipeV's warm-up and cool-down need m >= 2 pp microbatches per step (its phase of
+    overlapped pairs runs m - 2 pp + r + 1 times on rank r); other schedules take any m >= 1."""
+    if pp > 1 and pp_schedule == "dualpipev":
+        require(n_micro >= 2 * pp, f"pp_schedule=dualpipev needs >= 2 * pp ({2 * pp}) microbatches per step "
+                                   f"(got {n_micro}: local batch / micro_batch_size, or pp_microbatches)")
 
 
 def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,

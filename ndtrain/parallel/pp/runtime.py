@@ -5,11 +5,14 @@
 * ``_receive``: take the action's input (F: the previous stage's output, B: the next stage's input
   gradient) from the ``Receiver`` (``p2p``), blocking only if it has not arrived;
 * ``_forward`` (F): run the chunk; on the last stage compute ``loss_fn(out, labels) / denom`` (plus
-  ``extra_loss(labels)``, times ``loss_scale``), else ``_send`` the output to the next stage;
-* ``_backward`` (B): backpropagate the received gradient (or the loss) and ``_send`` the input
-  gradient to the previous stage;
+  ``extra_loss(labels)``, times ``loss_scale``), else ``_send`` the output to the next stage; in
+  training every other stage calls ``extra_loss(labels)`` too and keeps the term it returns (its
+  own MoE layers' auxiliary losses: each stage backpropagates the terms of the layers it holds);
+* ``_backward`` (B): backpropagate the received gradient (or the loss), plus the stage's own extra
+  term, and ``_send`` the input gradient to the previous stage;
 * ``_weight_grad`` (W, zero-bubble only): the deferred weight gradients;
-* ``_send``: post the message (``isend``; waited two actions later by ``_reap_sends``).
+* ``_send``: post the message (``isend``; waited two actions later by ``_reap_sends``); a message
+  to this same rank (DualPipeV's turn of the V on rank p-1) is handed over in memory, detached.
 
 Per step: the local batch (B_local, T) is cut into m microbatches (``tensor_split``: sizes differ by
 at most one). Every rank holds tokens and labels; stage 0 embeds, the last stage computes the loss
@@ -26,7 +29,10 @@ follows the loop.
 Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
 parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
 (so weight-gradient matmuls are skipped); ``W`` adds the skipped weight gradients
-(``split_backward.accumulate_weight_grads``).
+(``split_backward.accumulate_weight_grads``). Parameters of owners whose forward did not run in the
+chunk's forward (an MoE router's weight is applied functionally, ``F.linear``, in fp32), and
+parameters owned by two modules (a tied embedding / head), are differentiated directly in ``B``
+and accumulated with the rest in ``W`` (``split_backward.direct_parameters``).
 
 Timing, jitter and activation metering are observers (``observe``), attached by the caller.
 """
@@ -44,7 +50,12 @@ from ndtrain.parallel import comm
 from ndtrain.parallel.pp.observe import ActivationMemory
 from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
 from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
-from ndtrain.parallel.pp.split_backward import accumulate_weight_grads, parameter_owners
+from ndtrain.parallel.pp.split_backward import (
+    accumulate_weight_grads,
+    direct_parameters,
+    parameter_owners,
+    shared_parameters,
+)
 
 
 @dataclass
@@ -60,6 +71,7 @@ class _Step:
     extra_loss: Callable | None
     loss_scale: float
     recv: Receiver
+    local: dict = field(default_factory=dict)  # messages to this rank itself (V turn), by key
     last_grad: int = -1  # index of the rank's last gradient-producing action (synchronised)
     losses: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)
@@ -75,7 +87,8 @@ class PipelineRuntime:
             ``chunk(x, positions)`` maps (B, T) tokens (stage 0) or (B, T, C) hidden states to
             hidden states, or to logits (B, T, V) on the last stage.
         group: the ``pp`` AxisGroup (size 1: one stage, no messages).
-        schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble"; v = len(chunks).
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble" | "dualpipev"; v = len(chunks)
+            (2 for DualPipeV, its chunk 0 / 1 being virtual stage r / 2p-1-r).
         loss_fn: (logits, labels) -> sum of token losses of a microbatch (a 0-d tensor).
         dp: the gradient synchroniser (``no_sync`` / ``finish_grad_sync``), or None.
         forward_ctx: factory of the context forwards run in (e.g. bf16 autocast).
@@ -99,14 +112,18 @@ class PipelineRuntime:
         self._step: _Step | None = None
         self._capture: list | None = None
         self._hooks = []
-        if schedule == "zero_bubble":
-            self._hooks = [mod.register_forward_hook(self._record_output)
-                           for chunk in chunks for mod in parameter_owners(chunk)]
+        self._owners = [parameter_owners(chunk) for chunk in chunks]
+        self._shared = shared_parameters(self._owners)  # tied: differentiated whole in B
+        if schedule in ("zero_bubble", "dualpipev"):  # the schedules that split the backward
+            unique = {id(mod): mod for owners in self._owners for mod in owners}  # one hook per module,
+            self._hooks = [mod.register_forward_hook(self._record_output)  # even one two chunks share
+                           for mod in unique.values()]
 
     def schedule(self, m: int, name: str | None = None) -> Schedule:
         name = name or self.schedule_name
         if (name, m) not in self._schedules:
-            self._schedules[(name, m)] = (forward_only(self.p, m, self.v) if name == "forward_only"
+            vshape = self.schedule_name == "dualpipev"
+            self._schedules[(name, m)] = (forward_only(self.p, m, self.v, vshape) if name == "forward_only"
                                           else build_schedule(name, self.p, m, self.v))
         return self._schedules[(name, m)]
 
@@ -120,7 +137,8 @@ class PipelineRuntime:
         inputs, labels: (B_local, T) on every pp rank; m <= B_local. The last stage backpropagates
         ``(loss_fn(logits, labels_mb) / denom + extra_loss(labels_mb)) * loss_scale`` per microbatch
         (``extra_loss``: MoE aux / MTP terms, called right after the microbatch's forward; the
-        ``* loss_scale`` is skipped when it is 1). Returns the sum of the token losses over all
+        ``* loss_scale`` is skipped when it is 1); every other stage backpropagates its own
+        ``extra_loss(labels_mb) * loss_scale`` (its MoE layers' aux terms) with the received gradient. Returns the sum of the token losses over all
         microbatches (float64 0-d, all-reduced over pp so every stage returns it). In training the
         parameters' ``.grad`` hold the gradients after the data-parallel sync.
         Raises ValueError unless 1 <= m <= B_local; TimeoutError if a message does not arrive.
@@ -184,13 +202,19 @@ class PipelineRuntime:
         s = self._step.s
         stage = s.stage(self.rank, a.chunk)
         if (a.kind == "F" and stage > 0) or (a.kind == "B" and stage < s.n_stages - 1):
-            return self._step.recv.take((a.kind, a.mb, stage))
+            key = (a.kind, a.mb, stage)
+            if key in self._step.local:
+                return self._step.local.pop(key)
+            return self._step.recv.take(key)
         return None
 
     def _send(self, t: torch.Tensor, a: Action) -> None:
         msg = self._step.s.message(self.rank, a)
         if msg is not None:
             dst = self._step.s.where(msg[2])[0]
+            if dst == self.rank:  # the next stage is this rank's other chunk: no message
+                self._step.local[msg] = t.detach().clone()
+                return
             works, bufs = send_tensor(t, self.group, dst, tag(*msg, self._step.s.n_stages))
             self._step.sends.append((self._step.index, works, bufs))
 
@@ -218,6 +242,7 @@ class PipelineRuntime:
         with self.forward_ctx():
             out = self.chunks[a.chunk](x) if st.positions is None else self.chunks[a.chunk](x, st.positions)
         captured, self._capture = self._capture, None
+        extra = None
         if stage == s.n_stages - 1:
             ls = self.loss_fn(out, st.ys[a.mb])
             st.losses.append(ls.detach().double())
@@ -228,28 +253,48 @@ class PipelineRuntime:
                 out = out * st.loss_scale
         else:
             self._send(out, a)
+            extra = self._stage_extra(a)
         if st.train:
-            st.saved[(a.mb, a.chunk)] = {"x": x if stage > 0 else None, "out": out, "captured": captured}
+            st.saved[(a.mb, a.chunk)] = {"x": x if stage > 0 else None, "out": out, "captured": captured,
+                                         "extra": extra}
+
+    def _stage_extra(self, a: Action) -> torch.Tensor | None:
+        """A non-last stage's own extra term (its MoE layers' aux losses) times the loss scale, or
+        None when there is none (dense stage, evaluation)."""
+        st = self._step
+        if not st.train or st.extra_loss is None:
+            return None
+        t = st.extra_loss(st.ys[a.mb])
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            return None
+        return t * st.loss_scale if st.loss_scale != 1.0 else t
 
     def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
         st = self._step
         saved = st.saved[(a.mb, a.chunk)]
-        out, x = saved.pop("out"), saved["x"]
-        grads = None if grad_out is None else [grad_out]
+        out, x, extra = saved.pop("out"), saved["x"], saved.pop("extra")
+        outs, grads = [out], (None if grad_out is None else [grad_out])
+        if extra is not None:  # this stage's aux term: its gradient joins the received one
+            outs, grads = [out, extra], [grad_out, None]
         if not st.s.split_backward:
-            torch.autograd.backward([out], grads)
+            torch.autograd.backward(outs, grads)
             gx = x.grad if x is not None else None
             st.saved.pop((a.mb, a.chunk))
         else:  # input gradient and the gradients at every parameter-owning module's output
             captured = saved.pop("captured")
-            targets = ([x] if x is not None else []) + [y for _, y in captured]
-            got = torch.autograd.grad([out], targets, grads, retain_graph=True, allow_unused=True)
+            direct = direct_parameters(self._owners[a.chunk], captured, self._shared)
+            targets = ([x] if x is not None else []) + [y for _, y in captured] + direct
+            got = torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True)
             gx = got[0] if x is not None else None
-            saved["wgrads"] = list(zip(captured, got[1 if x is not None else 0:]))
+            k = (1 if x is not None else 0) + len(captured)
+            saved["wgrads"] = list(zip(captured, got[1 if x is not None else 0:k]))
+            saved["direct"] = list(zip(direct, got[k:]))
         self._send(gx, a)
 
     def _weight_grad(self, a: Action, _inp=None) -> None:
-        accumulate_weight_grads(self._step.saved.pop((a.mb, a.chunk))["wgrads"])
+        saved = self._step.saved.pop((a.mb, a.chunk))
+        accumulate_weight_grads(saved["wgrads"], saved["direct"], skip=self._shared,
+                                gather=getattr(self.dp, "gathered", None))  # ZeRO-3: re-gather
 
     # --- activation metering, kept for callers of the former flag (``observe.ActivationMemory``) ---
     @property

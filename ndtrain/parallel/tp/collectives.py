@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ndtrain.mesh import AxisGroup
-from ndtrain.parallel.comm import all_reduce, gather_dim, reduce_scatter_dim
+from ndtrain.parallel.comm import all_reduce, gather_dim, reduce_scatter_dim, split_dim
 
 
 class CopyToTP(torch.autograd.Function):
@@ -89,6 +89,46 @@ class ReduceScatterToSequence:
     @staticmethod
     def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
         return _SequenceReshard.apply(x, group, dim, False)
+
+
+class _SplitOrGather(torch.autograd.Function):
+    """Keep this rank's slice along ``dim`` or all-gather along ``dim``, for a tensor that is
+    replicated over the group with a replicated gradient (no partial sums): the adjoint of the
+    split is the all-gather and the adjoint of the all-gather is the split."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int, split: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.split = group, dim, split
+        return split_dim(x, dim, group) if split else gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        out = gather_dim(g, ctx.dim, ctx.group) if ctx.split else split_dim(g, ctx.dim, ctx.group)
+        return out, None, None, None
+
+
+class ScatterToSequence:
+    """Replicated input -> this rank's 1/tp slice along ``dim`` (Megatron's scatter-to-sequence-
+    parallel region; the MoE layer under tp without SP routes only its own tokens).
+
+    fwd: split along ``dim`` (no communication), bwd: all-gather along ``dim``.
+    """
+
+    @staticmethod
+    def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        return _SplitOrGather.apply(x, group, dim, True)
+
+
+class GatherToReplicated:
+    """This rank's slice -> the whole tensor on every rank, whose gradient arrives replicated
+    (Megatron's gather-from-sequence-parallel region without a tensor-parallel output gradient).
+
+    fwd: all-gather along ``dim``, bwd: split along ``dim`` (no communication).
+    """
+
+    @staticmethod
+    def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+        return _SplitOrGather.apply(x, group, dim, False)
 
 
 def all_reduce_grad(g: torch.Tensor, group: AxisGroup, reduce_dtype: torch.dtype | None) -> torch.Tensor:

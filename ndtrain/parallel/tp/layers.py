@@ -29,14 +29,14 @@ from ndtrain.parallel.tp.collectives import (
 SEQ_DIM = 1  # activations are (B, T, C)
 
 
-def _enter(x: torch.Tensor, group: AxisGroup, sp: bool) -> torch.Tensor:
-    """Megatron's f: the replicated (or, with SP, gathered) input of a tensor-parallel region."""
-    return GatherFromSequence.apply(x, group, SEQ_DIM) if sp else CopyToTP.apply(x, group)
+def _enter(x: torch.Tensor, group: AxisGroup, sp: bool, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Megatron's f: the replicated (or, with SP, gathered along ``dim``) input of a region."""
+    return GatherFromSequence.apply(x, group, dim) if sp else CopyToTP.apply(x, group)
 
 
-def _leave(y: torch.Tensor, group: AxisGroup, sp: bool) -> torch.Tensor:
-    """Megatron's g: sum the region's partial outputs (with SP: reduce-scattered along T)."""
-    return ReduceScatterToSequence.apply(y, group, SEQ_DIM) if sp else ReduceFromTP.apply(y, group)
+def _leave(y: torch.Tensor, group: AxisGroup, sp: bool, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Megatron's g: sum the region's partial outputs (with SP: reduce-scattered along ``dim``)."""
+    return ReduceScatterToSequence.apply(y, group, dim) if sp else ReduceFromTP.apply(y, group)
 
 
 def _f_repr(sp: bool) -> str:
@@ -51,14 +51,15 @@ class RegionInput(nn.Module):
     the region's own ``forward`` is model code that must not know about tp. One f per region, not
     one per column-parallel linear: wq / wk / wv share one gather (or one backward all-reduce).
     fwd: identity, or all-gather along T (SP); bwd: all-reduce, or reduce-scatter along T (SP).
+    ``dim``: the gathered dim (the MoE shared expert gathers token rows, dim 0 of (N, C)).
     """
 
-    def __init__(self, group: AxisGroup, sp: bool):
+    def __init__(self, group: AxisGroup, sp: bool, dim: int = SEQ_DIM):
         super().__init__()
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.dim = group, sp, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _enter(x, self.group, self.sp)
+        return _enter(x, self.group, self.sp, self.dim)
 
     def extra_repr(self) -> str:
         return f"tp={self.group.size}, {_f_repr(self.sp)}"
@@ -107,16 +108,16 @@ class RowParallelLinear(_LinearShard):
     """Bias-free linear holding columns ``[r*in/tp, (r+1)*in/tp)`` of the full (out, in) weight;
     its output leaves the region (Megatron's g): all-reduce, or with SP reduce-scatter along T.
 
-    x (B, T, in_local) -> (B, T, out), or (B, T/tp, out) with SP.
+    x (B, T, in_local) -> (B, T, out), or (B, T/tp, out) with SP (``dim``: the scattered dim).
     """
 
-    def __init__(self, weight: nn.Parameter, group: AxisGroup, sp: bool = False):
+    def __init__(self, weight: nn.Parameter, group: AxisGroup, sp: bool = False, dim: int = SEQ_DIM):
         super().__init__()
         self.weight = weight  # (out, in_local)
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.dim = group, sp, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _leave(F.linear(x, self.weight), self.group, self.sp)
+        return _leave(F.linear(x, self.weight), self.group, self.sp, self.dim)
 
     def extra_repr(self) -> str:
         out = "reduce-scatter T" if self.sp else "all-reduce"
@@ -152,10 +153,12 @@ class ReplicatedKVLinear(_LinearShard):
 
 
 class SequenceParallelNorm(nn.Module):
-    """A norm whose gain is replicated over tp but, under SP, applied to this rank's tokens only:
-    the gain passes through ``CopyWeightToTP`` so its gradient is summed over tp (in
-    ``reduce_dtype``). The computation is the wrapped norm's own ``forward`` (run with
-    ``torch.func.functional_call`` on the summed gain), so any norm with a ``weight`` works.
+    """A norm whose gain is replicated over tp but applied to different data on each rank: under
+    SP to this rank's tokens only; in a head-split mixer to this rank's heads only (a per-head norm
+    whose gain is shared by the heads: Gated DeltaNet's output norm, QK-norm). The gain passes
+    through ``CopyWeightToTP`` so its gradient is summed over tp (in ``reduce_dtype``). The
+    computation is the wrapped norm's own ``forward`` (run with ``torch.func.functional_call`` on
+    the summed gain, extra arguments such as a gate passed on), so any norm with a ``weight`` works.
 
     The wrapped norm is kept unregistered, with a placeholder parameter (a recipe only): this
     module owns ``weight``, keeping the state-dict key ``<name>.weight``. Shapes: x (..., C) -> (..., C).
@@ -176,9 +179,9 @@ class SequenceParallelNorm(nn.Module):
         self.__dict__["norm"] = norm  # not a child: its parameter lives here, under the same name
         self.group, self.reduce_dtype = group, reduce_dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         w = CopyWeightToTP.apply(self.weight, self.group, self.reduce_dtype)
-        return functional_call(self.norm, {"weight": w}, (x,))
+        return functional_call(self.norm, {"weight": w}, (x, *args))
 
     def extra_repr(self) -> str:
         return f"{self.norm!r}, weight grad: all-reduce over tp{self.group.size}"

@@ -27,7 +27,7 @@ from ndtrain.parallel.tp.layers import (
     VocabParallelEmbedding,
 )
 
-TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size along dim before padding) on split params
+TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size before padding[, segments]) on split params
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -47,10 +47,16 @@ class TPContext:
     vocab_size: int
     shards: dict[int, nn.Parameter] = field(default_factory=dict)
 
-    def shard(self, p: nn.Parameter, dim: int, pad_to: int | None = None) -> nn.Parameter:
+    def shard(self, p: nn.Parameter, dim: int, pad_to: int | None = None,
+              segments: tuple[int, ...] | None = None) -> nn.Parameter:
         """This rank's slice of ``p`` along ``dim`` (zero-padded to ``pad_to`` first), tagged with
         ``ndtrain_shard_axes = ("tp",)`` and ``ndtrain_tp_shard = (dim, global size)``.
-        Raises ValueError if the (padded) size does not split over tp."""
+
+        ``segments``: ``p`` is a fused weight whose ``dim`` concatenates blocks of these sizes
+        (Mamba-2's ``in_proj`` rows [z | x | B | C | dt], a short convolution's [q | k | v]
+        channels); each block is split over tp separately and the local slice is the concatenation
+        of this rank's piece of every block; the tag is then ``(dim, global size, segments)``.
+        Raises ValueError if the (padded) size, or a segment, does not split over tp."""
         if id(p) in self.shards:
             return self.shards[id(p)]
         full, group = p.detach(), self.group
@@ -59,11 +65,20 @@ class TPContext:
             pad_shape = list(full.shape)
             pad_shape[dim] = pad_to - global_size
             full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-        if full.shape[dim] % group.size:
+        spec: tuple = (dim, global_size)
+        if segments is not None:
+            if sum(segments) != global_size or any(s % group.size for s in segments):
+                raise ValueError(f"segments {segments} of dim {dim} (size {global_size}) must each be "
+                                 f"divisible by tp ({group.size}) and add up to the size")
+            spec = (dim, global_size, tuple(segments))
+            piece = torch.cat([blk.chunk(group.size, dim)[group.rank] for blk in full.split(segments, dim)], dim)
+        elif full.shape[dim] % group.size:
             raise ValueError(f"size {full.shape[dim]} of dim {dim} is not divisible by tp ({group.size})")
-        local = nn.Parameter(full.chunk(group.size, dim)[group.rank].clone(), requires_grad=p.requires_grad)
+        else:
+            piece = full.chunk(group.size, dim)[group.rank]
+        local = nn.Parameter(piece.clone(), requires_grad=p.requires_grad)
         setattr(local, SHARD_AXES_ATTR, ("tp",))
-        setattr(local, TP_SHARD_ATTR, (dim, global_size))
+        setattr(local, TP_SHARD_ATTR, spec)
         self.shards[id(p)] = local
         return local
 

@@ -6,22 +6,27 @@ Pure Python; raises ``ConfigError`` naming the rule and the numbers involved.
 """
 from __future__ import annotations
 
+import math
+
 from ndtrain.errors import require
 
 
 def check(tp: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, sequence_parallel: bool = False,
           moe: bool = False, mla: bool = False, mtp: bool = False) -> None:
     """Heads, kv heads and the FFN hidden size split over ``tp`` ranks; SP needs tp > 1; model
-    features not implemented under tp > 1 (MoE experts, MLA, MTP heads) are rejected."""
+    features not implemented under tp > 1 are rejected. MLA and MTP are split by
+    ``ndtrain.parallel.tp.mla_plan`` (MLA's heads are ``n_heads``); MTP with MoE layers runs with
+    and without SP (``moe``, ``mla``, ``mtp`` are accepted for the planner's signature)."""
     require(tp >= 1, f"parallel.tp ({tp}) must be >= 1")
     require(not sequence_parallel or tp > 1, "parallel.sequence_parallel needs tp > 1")
     if tp == 1:
         return
     check_heads(n_heads, n_kv_heads, tp)
     check_ffn(ffn_hidden, tp)
-    require(not moe, f"MoE layers with tp ({tp}) > 1 are not implemented (experts are not tensor-parallel)")
-    require(not mla, f"attention=mla with tp ({tp}) > 1 is not implemented")
-    require(not mtp, f"mtp_depth > 0 with tp ({tp}) > 1 is not implemented")
+    # MoE layers: tp.moe_plan (each tp rank routes its T/tp tokens); their rules are in check_moe
+    # MLA heads split like attention heads (tp.mla_plan); MTP blocks like the decoder blocks. Under SP
+    # (and without SP for MoE MTP blocks) the MTP depths run on all T positions, padded at the last k,
+    # which their MoE layers mask out of routing and statistics (MoE.token_mask): no rule needed
 
 
 def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
@@ -35,3 +40,24 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
 def check_ffn(ffn_hidden: int, tp: int) -> None:
     """The SwiGLU hidden size splits over ``tp`` (column-parallel w1 / w3, row-parallel w2)."""
     require(ffn_hidden % tp == 0, f"ffn hidden ({ffn_hidden}) is not divisible by tp ({tp})")
+
+
+def check_moe(tp: int, expert_tp: int, expert_ffn: int = 0, shared_ffn: int = 0, seq_len: int = 0,
+              cp: int = 1) -> None:
+    """MoE under tp (``ndtrain.parallel.tp.moe_plan``): ``parallel.expert_tp`` is 1 (whole experts)
+    or tp (each expert's hidden ``expert_ffn`` split); the shared experts' hidden ``shared_ffn``
+    splits like a dense FFN; each tp rank routes a 1/tp piece of every cp chunk of the sequence,
+    so ``seq_len`` splits into cp * lcm(2, tp) pieces when cp > 1 (the load-balanced layout's two
+    chunks per rank), into tp pieces when cp = 1. Sizes of 0 are not checked (unknown)."""
+    require(expert_tp in (1, tp), f"parallel.expert_tp ({expert_tp}) must be 1 or tp ({tp})")
+    if tp == 1:
+        return
+    if expert_tp > 1 and expert_ffn:
+        require(expert_ffn % tp == 0, f"expert hidden moe_ffn_hidden ({expert_ffn}) is not divisible by "
+                                      f"tp ({tp}) (parallel.expert_tp = tp splits every expert)")
+    if shared_ffn:
+        require(shared_ffn % tp == 0, f"shared-expert hidden ({shared_ffn}) is not divisible by tp ({tp})")
+    pieces = cp * math.lcm(2 if cp > 1 else 1, tp)
+    if seq_len:
+        require(seq_len % pieces == 0, f"MoE under tp: seq_len ({seq_len}) is not divisible by {pieces} (each of "
+                                       f"the tp ({tp}) ranks routes its own piece of every cp ({cp}) chunk)")

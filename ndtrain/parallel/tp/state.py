@@ -10,7 +10,9 @@ after loading.
 
 Cost: at save / load time each rank briefly holds every TP-split tensor whole (an all-gather over
 tp per tensor; DTensor shards of ZeRO-3 / FSDP are first gathered over the data-parallel mesh).
-A 2-D (data x tensor) DTensor layout would avoid that and is not implemented.
+A 2-D (data x tensor) DTensor layout would avoid that and is not implemented. Expert weights of
+expert parallel (DTensor ``Shard(0)`` over ``ep``, split over tp along F with ``expert_tp = tp``)
+keep their ep sharding: only the tp split is completed, on each rank's block of experts.
 """
 from __future__ import annotations
 
@@ -23,12 +25,33 @@ from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def _ep_dtensor(value, spec) -> bool:
+    """An expert weight's DTensor over the ``ep`` mesh (``ExpertDataParallel``) whose shard dim (the
+    experts) is not the tp dim: its tp split is completed on the local block, the ep shards stay."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == ("ep",)
+            and all(isinstance(pl, Shard) and pl.dim != spec[0] for pl in value.placements))
+
+
 def _full(value, spec, group) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
+    if _ep_dtensor(value, spec):
+        local = tp_full_tensor(value.to_local().detach(), spec, group)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return tp_full_tensor(value.detach(), spec, group)
+
+
+def _local(value, spec, group) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if _ep_dtensor(value, spec):
+        local = tp_local_slice(value.to_local(), spec, group)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
+    return tp_local_slice(value, spec, group)
 
 
 def _map(state: dict, model: nn.Module, fn) -> dict:
@@ -60,4 +83,4 @@ def scatter_tp_state(state: dict, model: nn.Module, mesh: Mesh) -> dict:
     tp = mesh.group("tp")
     if tp.size == 1:
         return state
-    return _map(state, model, lambda v, spec: tp_local_slice(v, spec, tp))
+    return _map(state, model, lambda v, spec: _local(v, spec, tp))

@@ -30,6 +30,10 @@ q heads belong to (q head block r -> kv head ``r // (tp / G)``; ``ReplicatedKVLi
 goes through ``CopyWeightToTP`` so each kv head's gradient is the sum over the ranks that used it.
 Other ratios are rejected.
 
+Token mixers other than softmax attention (linear attention, Mamba-2, Gated DeltaNet, sliding
+window, DSA) split by heads too; their plan entries and the block-wise split of fused weights are
+in ``ndtrain.parallel.tp.mixer_plan``. The recurrent states are per head: no extra communication.
+
 Gradient dtype: the weight-gradient all-reduces of this axis (SP norm gains, replicated kv weights)
 run in ``reduce_dtype`` (``parallel.grad_reduce_dtype`` under mixed precision), like the
 data-parallel reductions; activation collectives stay in the compute dtype.
@@ -45,6 +49,9 @@ from torch import nn
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.parallel.tp import rules
 from ndtrain.parallel.tp.layers import SEQ_DIM, VocabParallelEmbedding
+from ndtrain.parallel.tp.mixer_plan import check_mixer, localize_heads, mixer_entries
+from ndtrain.parallel.tp.mla_plan import mtp_entries
+from ndtrain.parallel.tp.moe_plan import ffn_entries, ffn_hidden_sizes
 from ndtrain.parallel.tp.plan import TP_SHARD_ATTR, TPContext, apply_plan, llama_tp_plan, padded_vocab
 
 __all__ = ["SEQ_DIM", "TP_SHARD_ATTR", "VocabParallelEmbedding", "apply_tp", "padded_vocab",
@@ -52,7 +59,8 @@ __all__ = ["SEQ_DIM", "TP_SHARD_ATTR", "VocabParallelEmbedding", "apply_tp", "pa
 
 
 def tp_specs(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{fqn: (dim, global size)}`` of the parameters ``apply_tp`` split (tied names included);
+    """``{fqn: (dim, global size)}`` of the parameters ``apply_tp`` split (tied names included;
+    ``(dim, global size, blocks)`` for a fused weight split block by block, ``mixer_plan``);
     recorded on the model, so it survives wrappers that re-create parameters (FSDP)."""
     return getattr(model, "ndtrain_tp_specs", {})
 
@@ -66,8 +74,12 @@ def tp_full_tensor(local: torch.Tensor, spec, group: AxisGroup) -> torch.Tensor:
         spec = getattr(spec, TP_SHARD_ATTR, None)
     if spec is None or group.size == 1:
         return local
-    dim, size = spec
-    full = torch.cat(_all_gather_list(local.contiguous(), group), dim=dim)
+    dim, size = spec[:2]
+    pieces = _all_gather_list(local.contiguous(), group)
+    if len(spec) > 2:  # a fused weight split block by block: rank pieces of block 0, then of block 1, ...
+        per = [s // group.size for s in spec[2]]
+        return torch.cat([blk for blocks in zip(*(p.split(per, dim) for p in pieces)) for blk in blocks], dim)
+    full = torch.cat(pieces, dim=dim)
     return full.narrow(dim, 0, size)
 
 
@@ -75,7 +87,9 @@ def tp_local_slice(full: torch.Tensor, spec, group: AxisGroup) -> torch.Tensor:
     """Inverse of ``tp_full_tensor``: this rank's (zero-padded) slice of a full tensor."""
     if spec is None or group.size == 1:
         return full
-    dim, size = spec
+    dim, size = spec[:2]
+    if len(spec) > 2:
+        return torch.cat([b.chunk(group.size, dim)[group.rank] for b in full.split(list(spec[2]), dim)], dim)
     per = math.ceil(size / group.size)
     pad = [0, 0] * (full.dim() - 1 - dim) + [0, per * group.size - size]
     return F.pad(full, pad).narrow(dim, group.rank * per, per)
@@ -90,23 +104,38 @@ def _all_gather_list(t: torch.Tensor, group: AxisGroup) -> list[torch.Tensor]:
 
 
 def _check_blocks(model: nn.Module, tp: int) -> None:
-    """Raise NotImplementedError for blocks the plan does not cover, ValueError for heads / FFN
-    sizes that do not split over ``tp``."""
+    """Raise NotImplementedError for blocks the plan does not cover, ValueError for heads, groups
+    or FFN sizes that do not split over ``tp``."""
     for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
-        if not (all(hasattr(att, n) for n in ("wq", "wk", "wv", "wo"))
-                and all(hasattr(ffn, n) for n in ("w1", "w2", "w3"))):
-            raise NotImplementedError(f"tensor parallel supports Attention + FeedForward blocks, not "
-                                      f"{type(att).__name__} + {type(ffn).__name__}")
-        d = att.head_dim
-        rules.check_heads(att.wq.weight.shape[0] // d, att.wk.weight.shape[0] // d, tp)
-        rules.check_ffn(ffn.w1.weight.shape[0], tp)
+        ffn_entries("", ffn)  # NotImplementedError for a feed-forward without a plan
+        mixer_entries("", att)  # NotImplementedError for a mixer without a plan
+        if hasattr(att, "wk"):
+            d = att.head_dim
+            rules.check_heads(att.wq.weight.shape[0] // d, att.wk.weight.shape[0] // d, tp)
+        check_mixer(att, tp)
+        for hidden in ffn_hidden_sizes(ffn):  # the dense FFN, or an MoE layer's shared experts
+            rules.check_ffn(hidden, tp)
+
+
+def model_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """``llama_tp_plan`` with the attention slot of each block planned by its token mixer
+    (``mixer_plan.mixer_entries``, exact layer names): one table for dense and hybrid models."""
+    planned = ("layers.*.attention", "layers.*.feed_forward")  # per layer below (not the norms)
+    plan = {k: v for k, v in llama_tp_plan(sequence_parallel).items()
+            if k not in planned and not k.startswith(tuple(p + "." for p in planned))}
+    for lid, block in model.layers.items():
+        plan.update(mixer_entries(f"layers.{lid}.attention", block.attention))
+        plan.update(ffn_entries(f"layers.{lid}.feed_forward", block.feed_forward))  # dense or MoE
+    # MTP depths' blocks like the layers (mla_plan)
+    plan.update(mtp_entries(model, plan, {"attention": mixer_entries, "feed_forward": ffn_entries}))
+    return plan
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
              reduce_dtype: torch.dtype | None = None) -> None:
     """Split ``model`` (a ``Transformer`` or a stage of one) over the ``tp`` axis in place, by
-    ``llama_tp_plan(sequence_parallel)``.
+    ``model_tp_plan(model, sequence_parallel)`` (each block's token mixer by its own entries).
 
     Call after ``init_weights`` (slices are cut from the initialised full weights, so every layout
     starts from identical values) and before data parallel. Split parameters carry
@@ -115,7 +144,8 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
     (``ndtrain.precision.grad_reduce_dtype``; None = the gradient's own dtype).
 
     Raises ValueError naming the rule when heads, kv heads or the MLP hidden size do not fit
-    ``tp``; NotImplementedError for blocks other than Attention + FeedForward.
+    ``tp``; NotImplementedError for blocks the plan does not cover (MLA). MoE feed-forwards are
+    finished after expert parallel by ``moe_plan.apply_moe_tp`` (experts, statistics reducers).
     """
     group = mesh.group("tp")
     if group.size == 1:
@@ -126,7 +156,8 @@ def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
     # returns the residual stream as it is, under SP split along the sequence, so stages exchange
     # (B, T/tp, C) shards rank by rank (tp times less p2p traffic; a gather at the boundary would
     # sum the replicated incoming gradient tp times).
-    apply_plan(model, llama_tp_plan(sequence_parallel), ctx)
+    apply_plan(model, model_tp_plan(model, sequence_parallel), ctx)
+    localize_heads(model, group.size)
     if sequence_parallel:
         model.register_forward_pre_hook(_full_positions, with_kwargs=True)
     model.ndtrain_tp_specs = {n: getattr(p, TP_SHARD_ATTR) for n, p in

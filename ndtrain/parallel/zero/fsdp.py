@@ -33,6 +33,12 @@ reduce bytes); units kept gathered skip the backward all-gather. HSDP adds, once
 2 (R-1)/R Psi_pad / N b_r over ``dp_replicate``. Model state per parameter: 16/N bytes (fp32 shard,
 fp32 gradient shard, two fp32 Adam moments) plus the gathered units.
 
+Expert parallel (``expert_names``): each MoE layer's routed experts form a unit nested in their
+block's unit, gathered and reduce-scattered over ``edp_shard`` (``domains.py``, ``units.py``); in
+forward order it comes right after its block, so the block's pre-forward prefetches it, and it
+is reduced before its block (its gradients are complete first). HSDP replicas all-reduce both
+domains over ``dp_replicate``.
+
 Unsharded parameters are placeholders outside a unit's forward / backward; read weights through
 ``model_state_dict()``. A parameter shared by two different units is rejected.
 
@@ -51,7 +57,7 @@ from torch import nn
 from ndtrain.mem_account import untracked
 from ndtrain.parallel import comm
 from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase
-from ndtrain.parallel.zero.units import Unit, default_units, shard_unit
+from ndtrain.parallel.zero.units import Unit, default_units, expert_units, shard_unit
 
 
 def _in_backward() -> bool:
@@ -60,7 +66,8 @@ def _in_backward() -> bool:
 
 
 class FullyShardedDataParallel(ShardedDataParallelBase):
-    """ZeRO-3 over ``mesh.group("dp_shard_cp")``; HSDP when ``dp_replicate`` > 1.
+    """ZeRO-3 over ``mesh.group("dp_shard_cp")``; HSDP when ``dp_replicate`` > 1; expert units over
+    ``edp_shard``.
 
     Args:
         module: the model, full parameters in the master dtype, equal on all ranks.
@@ -72,15 +79,17 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         keep_last_unit: keep the unit of the forward-last segment gathered into its backward.
         compute_dtype / reduce_dtype: all-gather + compute dtype, reduce-scatter dtype (None =
             master dtype).
+        expert_names: the expert parameters (``apply_ep``'s names; empty without expert parallel):
+            their modules become units of the expert domain.
     Raises ValueError if a parameter belongs to no unit or to two units (tied weights must share
     a unit, as ``default_units`` arranges).
     """
 
     def __init__(self, module: nn.Module, mesh, units=None, reshard_after_forward: bool = True,
                  keep_last_unit: bool = True, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, expert_names=()):
         self.module = module
-        self.shard_group, self.replicate_group = mesh.group("dp_shard_cp"), mesh.group("dp_replicate")
+        self._init_domains(mesh, expert_names)
         self.reshard_after_forward, self.keep_last_unit = reshard_after_forward, keep_last_unit
         order = [name for name, p in module.named_parameters() if p.requires_grad]
         dtypes = {p.dtype for p in module.parameters()}
@@ -91,7 +100,9 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self.reduce_dtype = reduce_dtype or self.master_dtype
         mod_names = {id(m): n for n, m in module.named_modules()}
         mod_pos = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
-        self.units = [Unit(i, name, segs) for i, (name, segs) in enumerate(units or default_units(module))]
+        self.units = [Unit(i, name, segs, self.dense) for i, (name, segs) in enumerate(units or default_units(module))]
+        self.units += [Unit(len(self.units) + i, name, segs, self.expert)
+                       for i, (name, segs) in enumerate(expert_units(module, expert_names))]
         # forward order of segments, and the order units finish backward (latest first segment first)
         self._segs = sorted(((mod_pos[id(seg[0])], u, si) for u in self.units for si, seg in enumerate(u.segments)),
                             key=lambda x: x[0])
@@ -100,9 +111,11 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         first = {u.index: min(k for k, (v, _) in enumerate(self._segs) if v is u) for u in self.units}
         self._rs_order = sorted(self.units, key=lambda u: -first[u.index])
         owner_of, by_name = {}, {}
+        named = dict(module.named_parameters())
+        nested = frozenset(id(named[n]) for n in expert_names)  # owned by the expert units
         for u in self.units:
-            shard_unit(u, mod_names, owner_of, by_name, self.shard_group.size, self.shard_group.rank,
-                       self.master_dtype, self.compute_dtype)
+            shard_unit(u, mod_names, owner_of, by_name, self.master_dtype, self.compute_dtype,
+                       skip=frozenset() if u.domain is self.expert else nested)
         missing = [n for n in order if n not in by_name]
         if missing:
             raise ValueError(f"parameters in no FSDP unit: {missing}")
@@ -116,12 +129,29 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         for u in self.units:
             for p in u.full:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u))
-        self._init_dtensor_mesh(mesh)
 
     @contextlib.contextmanager
     def no_sync(self):
         """No-op: ZeRO-3 reduce-scatters every microbatch so that no full gradient is kept."""
         yield
+
+    @contextlib.contextmanager
+    def gathered(self, params):
+        """Inside: every unit holding one of ``params`` (unsharded parameters of the model) is
+        gathered; on exit the units this call gathered are freed again (their storage, not their
+        gradients). For the zero-bubble W pass (``pp.split_backward``), whose weight gradients may
+        read parameters freed since B. Units are gathered in unit order; collective over each
+        unit's shard group, so every rank of it must call this with the same units."""
+        ids = {id(p) for p in params}
+        units = [u for u in self.units if any(id(p) in ids for p in u.full)]
+        mine = [u for u in units if u.state != "gathered"]
+        for u in mine:
+            self._gather(u)
+        try:
+            yield
+        finally:
+            for u in mine:
+                self._reshard(u)
 
     # --- gather / free ----------------------------------------------------------------------
     def _start_gather(self, u: Unit) -> None:
@@ -130,7 +160,7 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         with untracked():
             src = u.shard if self.compute_dtype == self.master_dtype else u.shard.to(self.compute_dtype)
             buf = torch.empty(u.layout.padded_numel, dtype=self.compute_dtype, device=u.shard.device)
-        work = comm.all_gather_into(buf, src, self.shard_group, async_op=True) if buf.numel() else None
+        work = comm.all_gather_into(buf, src, u.domain.shard_group, async_op=True) if buf.numel() else None
         u.gather = (work, buf, src)
         u.state = "gathering"
 

@@ -1,15 +1,18 @@
 """The gradient reduction ZeRO-1/2 buckets and ZeRO-3 units share (Rajbhandari et al. 2020).
 
 A *group* (a ZeRO-1/2 bucket or a ZeRO-3 unit) has a ``layout`` (``flat_shard.FlatShardLayout``),
+``domain`` (its ``domains.ShardDomain``: dense or expert, which names the groups below),
 ``entries`` (its ``ShardEntry`` s), ``pending`` (reduce-scatters in flight: ``(work, out (S,),
 in (N*S,))``) and ``acc`` (its accumulated gradient shard (S,), master dtype, or None).
 
 * ``_pack_grads``: the group's full gradients (zeros for parameters that got none) packed into
   the padded reduce-scatter input in ``reduce_dtype``; the full gradients are dropped.
-* ``_start_reduce``: asynchronous reduce-scatter over ``dp_shard_cp``; at most two groups are in
+* ``_start_reduce``: asynchronous reduce-scatter over the domain's shard group (``dp_shard_cp``;
+  ``edp_shard`` for experts); at most two groups are in
   flight (the older one is completed first), which bounds the communication buffers.
 * ``_complete``: wait and add the reduced shard into ``acc`` (master dtype).
-* ``_publish_grad_shards``: end of the step: HSDP all-reduce over ``dp_replicate`` and hand ``acc``
+* ``_publish_grad_shards``: end of the step: HSDP all-reduce over the domain's replicate group
+  (``dp_replicate``) and hand ``acc``
   to the master parameters as ``.grad`` views.
 
 Groups of zero elements (only empty parameters) issue no collective.
@@ -24,8 +27,8 @@ from ndtrain.parallel.zero.observe import Observers
 
 
 class GradShardReducer:
-    """Mixin of ``ZeroDataParallel`` / ``FullyShardedDataParallel``; they set ``shard_group``,
-    ``replicate_group``, ``master_dtype``, ``reduce_dtype`` and call ``_init_reducer()``."""
+    """Mixin of ``ZeroDataParallel`` / ``FullyShardedDataParallel``; they set ``master_dtype``,
+    ``reduce_dtype``, give every group a ``domain`` and call ``_init_reducer()``."""
 
     def _init_reducer(self) -> None:
         self._inflight: list = []  # groups with a reduce-scatter in flight, oldest first
@@ -55,7 +58,8 @@ class GradShardReducer:
         return full, out
 
     def _start_reduce(self, g, full: torch.Tensor, out: torch.Tensor) -> None:
-        work = comm.reduce_scatter_into(out, full, self.shard_group, async_op=True) if full.numel() else None
+        group = g.domain.shard_group
+        work = comm.reduce_scatter_into(out, full, group, async_op=True) if full.numel() else None
         g.pending.append((work, out, full))
         self._inflight.append(g)
         if self.observers:
@@ -85,9 +89,10 @@ class GradShardReducer:
         for g in groups:
             if g.acc is None:
                 g.acc = torch.zeros(g.layout.shard_numel, dtype=self.master_dtype, device=device)
-            if self.replicate_group.size > 1 and g.acc.numel():
+            rep = g.domain.replicate_group
+            if rep.size > 1 and g.acc.numel():
                 t = g.acc if self.reduce_dtype == self.master_dtype else g.acc.to(self.reduce_dtype)
-                works.append((g, t, comm.all_reduce(t, self.replicate_group, async_op=True)))
+                works.append((g, t, comm.all_reduce(t, rep, async_op=True)))
         for g, t, w in works:
             w.wait()
             if t is not g.acc:

@@ -12,8 +12,9 @@ State dicts (the checkpoint contract, ``ndtrain.checkpoint``):
 
 * model: ``{fqn: tensor}`` with the model's own names and global shapes, in the master dtype
   (fp32 / fp64, never the bf16 compute copy), as DTensors ``Shard(0)`` over ``dp_shard_cp``
-  (``(Replicate(), Shard(0))`` over ``dp_replicate x dp_shard_cp`` for HSDP) whose local tensors
-  are views of the live shards, so ``dcp.load`` writes in place; a 0-d parameter is presented
+  (``(Replicate(), Shard(0))`` over ``dp_replicate x dp_shard_cp`` for HSDP; expert weights under
+  expert parallel: ``Shard(0)`` over ep, then over ``edp_shard``, see ``domains.py``) whose local
+  tensors are views of the live shards, so ``dcp.load`` writes in place; a 0-d parameter is presented
   whole on every rank (broadcast from the shard rank holding it: a 0-d DTensor cannot be sharded);
   every persistent buffer (e.g. the MoE ``expert_bias``) and frozen parameter, whole and equal on
   every rank, under its global name, exactly as ``model.state_dict()`` of one process names it;
@@ -21,8 +22,13 @@ State dicts (the checkpoint contract, ``ndtrain.checkpoint``):
   format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, with the groups
   (decay, no-decay) listing FQNs in the order plain data parallel uses.
 
-A checkpoint saved under any of DDP / ZeRO-1/2/3 / HSDP / one process therefore loads under any
-other: DCP matches tensors by name and global shape and reshards the chunks.
+A checkpoint saved under any of DDP / ZeRO-1/2/3 / HSDP / one process, with or without expert
+parallel, therefore loads under any other: DCP matches tensors by name and global shape and
+reshards the chunks.
+
+Each entry belongs to a shard domain (``domains.py``): dense parameters are sharded over
+``dp_shard_cp``, expert parameters (ep > 1) over ``edp_shard``; both are replicated over
+``dp_replicate``.
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ import torch
 from torch import nn
 
 from ndtrain.optim import build_optimizer, clip_grad_norm
-from ndtrain.parallel import comm
 from ndtrain.parallel.dp.grad_sync import sum_over_axes
+from ndtrain.parallel.zero.domains import ShardDomain, dense_domain, expert_domain
 from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 from ndtrain.parallel.zero.reduce import GradShardReducer
 
@@ -45,7 +51,9 @@ class ShardEntry:
     Attributes: ``fqn`` (model name), ``shape`` (global), ``layout`` / ``index`` (where it lives in
     its flat buffer), ``param`` (padded master shard (r, *rest), the optimizer's parameter),
     ``axes`` (mesh axes the parameter was already split over before data parallel, e.g. ("tp",)),
-    ``aliases`` (further names of a tied parameter; the state dict lists it under every name).
+    ``aliases`` (further names of a tied parameter; the state dict lists it under every name),
+    ``domain`` (its ``ShardDomain``: where it is sharded and how it is presented; ``shape`` is
+    rank-local, e.g. (E/ep, ...) for an expert weight).
     """
 
     fqn: str
@@ -55,6 +63,7 @@ class ShardEntry:
     param: nn.Parameter
     axes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # other names of a tied parameter (e.g. output.weight)
+    domain: ShardDomain | None = None
 
     @property
     def valid_rows(self) -> int:
@@ -63,14 +72,6 @@ class ShardEntry:
     def valid(self, t: torch.Tensor) -> torch.Tensor:
         """Rows of a padded shard-shaped tensor (param, grad, Adam moment) that are real."""
         return t[: self.valid_rows]
-
-
-def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def replicated_state(module: nn.Module, sharded_names: set[str]) -> dict[str, torch.Tensor]:
@@ -91,9 +92,10 @@ def replicated_state(module: nn.Module, sharded_names: set[str]) -> dict[str, to
 class ShardedDataParallelBase(GradShardReducer):
     """Optimizer / clipping / state-dict half of the data-parallel interface for sharded layouts.
 
-    Subclasses set ``self.module``, ``self.entries`` (in ``named_parameters`` order), the groups
-    ``self.shard_group`` (``dp_shard_cp``) and ``self.replicate_group`` (``dp_replicate``), call
-    ``_init_dtensor_mesh(mesh)`` and ``GradShardReducer._init_reducer()``, and may override
+    Subclasses call ``_init_domains(mesh, expert_names)`` first (the shard domains: ``self.dense``
+    and, with expert parallel, ``self.expert``; ``self.shard_group`` / ``self.replicate_group`` are
+    the dense domain's groups), set ``self.module``, ``self.entries`` (in ``named_parameters``
+    order, each with its domain), call ``GradShardReducer._init_reducer()``, and may override
     ``_after_step`` / ``_after_load``.
     """
 
@@ -101,44 +103,26 @@ class ShardedDataParallelBase(GradShardReducer):
     entries: list[ShardEntry]
     optimizer: torch.optim.Optimizer | None = None
 
-    def _init_dtensor_mesh(self, mesh) -> None:
-        from torch.distributed.tensor import Replicate, Shard
+    def _init_domains(self, mesh, expert_names=()) -> None:
+        """The dense domain, and the expert one when ``expert_names`` (the expert parameters
+        ``apply_ep`` returned) is not empty (``domains.py``)."""
+        self.dense = dense_domain(mesh)
+        self.expert = expert_domain(mesh) if expert_names else None
+        self.expert_names = set(expert_names)
+        self.shard_group, self.replicate_group = self.dense.shard_group, self.dense.replicate_group
 
-        self._dmesh, self._placements = None, None
-        if mesh.device_mesh is None or self.shard_group.size == 1:
-            return  # shards are whole tensors: plain (replicated) tensors
-        # with cp = 1 the root's dp_shard dim is dp_shard_cp (same ranks, same order); slicing a
-        # flattened dim out of the root mesh is deprecated
-        shard_dim = "dp_shard" if mesh.dims.cp == 1 else "dp_shard_cp"
-        if self.replicate_group.size > 1:
-            self._dmesh = mesh.device_mesh["dp_replicate", shard_dim]
-            self._placements = (Replicate(), Shard(0))
-        else:
-            self._dmesh = mesh.device_mesh[shard_dim]
-            self._placements = (Shard(0),)
+    def domain_of(self, fqn: str) -> ShardDomain:
+        return self.expert if fqn in self.expert_names else self.dense
 
-    def _present(self, local: torch.Tensor, shape: torch.Size):
-        """This rank's valid rows ``local`` as the global tensor of ``shape`` (see module docstring)."""
-        if self._dmesh is None:
-            return local.view(shape)  # one shard: the whole tensor
-        if len(shape) == 0:  # 0-d: whole on every rank, from the shard rank that holds it
-            t = local.reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
-            comm.broadcast(t, self.shard_group, 0)
-            return t.view(())
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local, self._dmesh, self._placements, run_check=False,
-                                  shape=shape, stride=contiguous_stride(shape))
+    @staticmethod
+    def _present(local: torch.Tensor, e: ShardEntry):
+        """This rank's valid rows ``local`` of entry ``e`` as the global tensor (module docstring)."""
+        return e.domain.present(local, e.shape)
 
     @staticmethod
     def _local_rows(src, e: ShardEntry) -> torch.Tensor:
-        """This rank's valid rows of ``src``: a DTensor of the same layout or a full tensor."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(src, DTensor):
-            return src.to_local()
-        lo, hi = e.layout.row_range(e.index)
-        return src.reshape(-1)[lo:hi] if src.dim() == 0 else src[lo:hi]
+        """This rank's valid rows of ``src``: a DTensor of the same layout or a full global tensor."""
+        return e.domain.local_rows(src, e)
 
     # --- optimizer -------------------------------------------------------------------------
     def build_optimizer(self, tcfg) -> torch.optim.Optimizer:
@@ -156,10 +140,13 @@ class ShardedDataParallelBase(GradShardReducer):
         """Called after model weights were loaded into the master shards."""
 
     def clip_grad_norm(self, max_norm: float, mesh=None) -> float:
-        """Global-norm clipping over the gradient shards: each element is counted once (padding
-        excluded by taking only valid rows; shards summed over ``dp_shard_cp`` plus the axes the
-        parameter carries; replicas over ``dp_replicate`` hold equal shards and are not summed)."""
-        items = [(e.valid(e.param.grad), (self.shard_group.name,) + e.axes)
+        """Global-norm clipping over the gradient shards: each element is counted once. Padding is
+        excluded by taking only valid rows; a dense shard's squares are summed over
+        ``dp_shard_cp`` (its row chunks) plus the axes the parameter carries (tp, pp); an expert
+        shard's over ``edp_shard`` (its row chunks) and ``ep`` (the expert blocks, tagged on the
+        parameter): edp_shard x ep covers the dp_shard x cp block once, as dp_shard_cp does.
+        Replicas over ``dp_replicate`` hold equal shards and are not summed."""
+        items = [(e.valid(e.param.grad), (e.domain.shard_group.name,) + e.axes)
                  for e in self.entries if e.param.grad is not None]
         return clip_grad_norm(items, max_norm, sum_over_axes(mesh))
 
@@ -169,7 +156,7 @@ class ShardedDataParallelBase(GradShardReducer):
         parameters; the keys of one process's ``model.state_dict()`` (see the module docstring)."""
         out = {}
         for e in self.entries:
-            t = self._present(e.valid(e.param.detach()), e.shape)
+            t = self._present(e.valid(e.param.detach()), e)
             out.update({name: t for name in (e.fqn,) + e.aliases})
         out.update(replicated_state(self.module, set(out)))
         return out
@@ -201,8 +188,8 @@ class ShardedDataParallelBase(GradShardReducer):
         for e in self.entries:
             st = optimizer.state[e.param]
             state[e.fqn] = {"step": st["step"],
-                            "exp_avg": self._present(e.valid(st["exp_avg"]), e.shape),
-                            "exp_avg_sq": self._present(e.valid(st["exp_avg_sq"]), e.shape)}
+                            "exp_avg": self._present(e.valid(st["exp_avg"]), e),
+                            "exp_avg_sq": self._present(e.valid(st["exp_avg_sq"]), e)}
         groups = []
         for g, ents in zip(optimizer.param_groups, self._group_entries(optimizer)):
             d = {k: v for k, v in g.items() if k != "params"}

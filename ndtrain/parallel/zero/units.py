@@ -4,6 +4,11 @@ A unit is a list of *segments*, each a list of modules run back to back in forwa
 are sharded along dim 0 with padding into one flat master-dtype shard per rank
 (``flat_shard.FlatShardLayout``); the modules keep unsharded compute-dtype ``nn.Parameter`` s under
 their own names whose storage exists only while the unit is gathered.
+
+Under expert parallel each MoE layer's routed experts (the ``ExpertParallelExperts`` module) are a
+unit of their own, nested in their block's unit, in the expert shard domain (``domains.py``): they
+are gathered and reduce-scattered over ``edp_shard`` only, the rest of the block over
+``dp_shard_cp``. The block's unit skips the parameters of the units nested in it.
 """
 from __future__ import annotations
 
@@ -18,27 +23,45 @@ from ndtrain.parallel.zero.sharded_state import ShardEntry
 def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:
     """``(name, segments)`` per unit; a segment is a list of modules run back to back in forward.
 
-    Units: the embedding, each block, the head (final norm + output). With tied embeddings the
-    head is a second segment of the embedding's unit (the shared weight lives in one unit). A model
-    without ``layers`` is one unit.
+    Units: the embedding, each block, the head (final norm + output), each MTP depth. With tied
+    embeddings the head is a second segment of the embedding's unit (the shared weight lives in one
+    unit). A model without ``layers`` is one unit.
+
+    MTP (``ndtrain.model.mtp``) calls the embedding and the output head once more per depth,
+    between the last block and the final norm, and the output without the final norm: so with MTP
+    the head's norm and output are segments of their own (the output gathers its unit by itself),
+    and depth k's unit ``mtp.k`` has two segments, the module's children run by its forward
+    (hnorm ... block) and its ``norm``, which the caller applies before the head.
     """
     if not hasattr(model, "layers"):
         return [("model", [[model]])]
+    mtp = getattr(model, "mtp", None)
     emb = getattr(model, "tok_embeddings", None)
     head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     tied = emb is not None and head and any(p is emb.weight for p in head[-1].parameters())
-    units = [("tok_embeddings", [[emb], head] if tied else [[emb]])] if emb is not None else []
+    head_segs = [[m] for m in head] if mtp is not None else [head]
+    units = [("tok_embeddings", [[emb]] + head_segs if tied else [[emb]])] if emb is not None else []
     units += [(f"layers.{key}", [[layer]]) for key, layer in model.layers.items()]
     if head and not tied:
-        units.append(("head", [head]))
+        units.append(("head", head_segs))
+    for key, module in (mtp.items() if mtp is not None else ()):
+        body = [m for name, m in module.named_children() if name != "norm"]
+        units.append((f"mtp.{key}", [body, [module.norm]]))
     return units
 
 
-class Unit:
-    """One FSDP unit: its segments, unsharded params, flat shard, gather / reduce state."""
+def expert_units(model: nn.Module, expert_names) -> list[tuple[str, list[list[nn.Module]]]]:
+    """``(name, segments)`` of one unit per module holding expert parameters (``expert_names``:
+    e.g. ``layers.1.moe.experts.w1``), in registration order."""
+    owners = {n.rsplit(".", 1)[0] for n in expert_names}
+    return [(name, [[m]]) for name, m in model.named_modules() if name in owners]
 
-    def __init__(self, index: int, name: str, segments: list[list[nn.Module]]):
-        self.index, self.name, self.segments = index, name, segments
+
+class Unit:
+    """One FSDP unit: its segments, shard domain, unsharded params, flat shard, gather / reduce state."""
+
+    def __init__(self, index: int, name: str, segments: list[list[nn.Module]], domain=None):
+        self.index, self.name, self.segments, self.domain = index, name, segments, domain
         self.full: list[nn.Parameter] = []  # unsharded compute-dtype params registered in modules
         self.entries: list[ShardEntry] = []
         self.layout: FlatShardLayout | None = None
@@ -51,9 +74,10 @@ class Unit:
 
 
 @torch.no_grad()
-def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, n: int, rank: int,
-               master_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-    """Shard ``u``'s parameters: fill ``u.layout`` / ``u.shard`` (this rank's flat master shard),
+def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, master_dtype: torch.dtype,
+               compute_dtype: torch.dtype, skip: frozenset[int] = frozenset()) -> None:
+    """Shard ``u``'s parameters over ``u.domain.shard_group`` (``skip``: ids of parameters of units
+    nested in ``u``, left to them): fill ``u.layout`` / ``u.shard`` (this rank's flat master shard),
     replace each parameter in its module by an unsharded compute-dtype ``nn.Parameter`` with a
     freed storage (``u.full``), and record a ``ShardEntry`` per parameter in ``u.entries`` and
     ``by_name`` (a tied parameter met twice in ``u`` gets its second name as an alias).
@@ -65,7 +89,7 @@ def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, n: int, 
         prefix = mod_names[id(m)]
         for sub_name, sub in m.named_modules():
             for attr, p in list(sub._parameters.items()):
-                if p is None or not p.requires_grad:
+                if p is None or not p.requires_grad or id(p) in skip:
                     continue
                 fqn = ".".join(x for x in (prefix, sub_name, attr) if x)
                 if id(p) in owner_of:
@@ -77,7 +101,8 @@ def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, n: int, 
                 owner_of[id(p)] = (fqn, u)
                 owned.append((fqn, sub, attr, p))
     device = owned[0][3].device if owned else torch.device("cpu")
-    u.layout = FlatShardLayout([p.shape for *_, p in owned], n, rank)
+    group = u.domain.shard_group
+    u.layout = FlatShardLayout([p.shape for *_, p in owned], group.size, group.rank)
     u.shard = u.layout.shard_from_full([p.detach() for *_, p in owned],
                                        torch.empty(u.layout.shard_numel, dtype=master_dtype,
                                                    device=device))
@@ -89,7 +114,7 @@ def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, n: int, 
         full.untyped_storage().resize_(0)
         sub._parameters[attr] = full
         u.full.append(full)
-        e = ShardEntry(fqn, p.shape, u.layout, i, sp, shard_axes(p))
+        e = ShardEntry(fqn, p.shape, u.layout, i, sp, shard_axes(p), domain=u.domain)
         for fqn2, sub2, attr2, p2 in tied:
             if p2 is p:  # the same unsharded Parameter in both places; the name is an alias
                 sub2._parameters[attr2] = full

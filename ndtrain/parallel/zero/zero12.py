@@ -15,6 +15,11 @@ Per step, over N = |dp_shard_cp| ranks, with Psi parameters padded to Psi_pad (s
 * each rank's AdamW steps its shards; a step post-hook all-gathers the updated shards (cast to the
   compute dtype) back into the model's parameters.
 
+Expert parallel (``expert_names``): the experts a rank holds are sharded over ``edp_shard`` instead
+(``domains.py``): their buckets reduce-scatter and all-gather there, never mixing with dense
+parameters in one bucket, and the HSDP all-reduce stays on ``dp_replicate``; N, Psi below are then
+per domain (the expert Psi is this rank's E/ep experts).
+
 Traffic per rank per step (b_r reduce bytes, b_c compute bytes, M microbatches, R replicas):
 ZeRO-1: (N-1)/N Psi_pad (b_r + b_c); ZeRO-2: (N-1)/N Psi_pad (M b_r + b_c); HSDP adds
 2 (R-1)/R Psi_pad / N b_r on ``dp_replicate``.
@@ -36,17 +41,19 @@ from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase, ShardEn
 
 
 class _Bucket:
-    """Parameters reduced together; their master shards live in one flat buffer (S,)."""
+    """Parameters of one shard domain reduced together; their master shards live in one flat
+    buffer (S,)."""
 
-    def __init__(self, params: list[nn.Parameter], layout: FlatShardLayout, master: torch.Tensor):
-        self.params, self.layout, self.master = params, layout, master
+    def __init__(self, params: list[nn.Parameter], layout: FlatShardLayout, master: torch.Tensor, domain):
+        self.params, self.layout, self.master, self.domain = params, layout, master, domain
         self.entries: list[ShardEntry] = []
         self.acc: torch.Tensor | None = None  # (S,) accumulated reduced gradient, master dtype
         self.pending: list[tuple] = []  # (work, out (S,), in (N*S,))
 
 
 class ZeroDataParallel(ShardedDataParallelBase):
-    """ZeRO-1 / ZeRO-2 over ``mesh.group("dp_shard_cp")`` (plus ``dp_replicate`` for HSDP).
+    """ZeRO-1 / ZeRO-2 over ``mesh.group("dp_shard_cp")`` (plus ``dp_replicate`` for HSDP); the
+    expert parameters of an expert-parallel model over ``edp_shard`` (plus ``dp_replicate``).
 
     Args:
         module: the model, full parameters in the master dtype (fp32 / fp64), equal on all ranks.
@@ -55,17 +62,19 @@ class ZeroDataParallel(ShardedDataParallelBase):
         bucket_size_bytes: bucket size in reduce-dtype bytes.
         compute_dtype: dtype the model's parameters are cast to (None = master dtype).
         reduce_dtype: dtype of gradient reductions (None = master dtype).
+        expert_names: the expert parameters (``apply_ep``'s names; empty without expert parallel).
     Raises ValueError for another stage or parameters of mixed dtypes.
     Instrumentation: ``observers`` (``observe.py``) sees ``on_state`` when a gradient arrives and
     when a bucket's reduce-scatter starts.
     """
 
     def __init__(self, module: nn.Module, mesh, stage: int, bucket_size_bytes: int = 25 * 2**20,
-                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 expert_names=()):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         self.module, self.stage = module, stage
-        self.shard_group, self.replicate_group = mesh.group("dp_shard_cp"), mesh.group("dp_replicate")
+        self._init_domains(mesh, expert_names)
         named = unique_named_params(module)
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) != 1:
@@ -75,7 +84,7 @@ class ZeroDataParallel(ShardedDataParallelBase):
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self.buckets: list[_Bucket] = []
         by_name = {}
-        for grp in group_into_buckets(named, bucket_size_bytes, self.reduce_dtype):
+        for grp in self._split_domains(group_into_buckets(named, bucket_size_bytes, self.reduce_dtype)):
             b = self._shard_bucket(grp)
             self.buckets.append(b)
             by_name.update({e.fqn: e for e in b.entries})
@@ -93,21 +102,32 @@ class ZeroDataParallel(ShardedDataParallelBase):
         if stage == 2:
             for _, p in named:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._init_dtensor_mesh(mesh)
+
+    def _split_domains(self, groups: list[list[tuple[str, nn.Parameter]]]) -> list[list[tuple[str, nn.Parameter]]]:
+        """Cut each bucket in two where it mixes dense and expert parameters (the part holding
+        the bucket's first parameter first): a bucket reduces over one group."""
+        out = []
+        for grp in groups:
+            parts: dict[str, list] = {}
+            for name, p in grp:
+                parts.setdefault(self.domain_of(name).name, []).append((name, p))
+            out += list(parts.values())
+        return out
 
     @torch.no_grad()
     def _shard_bucket(self, grp: list[tuple[str, nn.Parameter]]) -> _Bucket:
         """This rank's master shards of a bucket's parameters, one ``ShardEntry`` each."""
         params = [p for _, p in grp]
-        n, rank = self.shard_group.size, self.shard_group.rank
+        domain = self.domain_of(grp[0][0])
+        n, rank = domain.shard_group.size, domain.shard_group.rank
         layout = FlatShardLayout([p.shape for p in params], n, rank)
         master = layout.shard_from_full([p.detach() for p in params], torch.empty(
             layout.shard_numel, dtype=self.master_dtype, device=params[0].device))
-        b = _Bucket(params, layout, master)
+        b = _Bucket(params, layout, master, domain)
         for i, (name, p) in enumerate(grp):
             sp = nn.Parameter(layout.shard_view(master, i))
             setattr(sp, SHARD_AXES_ATTR, shard_axes(p))
-            b.entries.append(ShardEntry(name, p.shape, layout, i, sp, shard_axes(p)))
+            b.entries.append(ShardEntry(name, p.shape, layout, i, sp, shard_axes(p), domain=domain))
         return b
 
     @contextlib.contextmanager
@@ -150,7 +170,8 @@ class ZeroDataParallel(ShardedDataParallelBase):
         for b in self.buckets:
             src = b.master if self.compute_dtype == self.master_dtype else b.master.to(self.compute_dtype)
             buf = torch.empty(b.layout.padded_numel, dtype=self.compute_dtype, device=b.master.device)
-            work = comm.all_gather_into(buf, src, self.shard_group, async_op=True) if buf.numel() else None
+            group = b.domain.shard_group
+            work = comm.all_gather_into(buf, src, group, async_op=True) if buf.numel() else None
             launched.append((b, buf, work))
         for b, buf, work in launched:
             if work is not None:

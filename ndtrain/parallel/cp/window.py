@@ -1,0 +1,96 @@
+"""Context parallel for what needs only a bounded left context (contiguous layout): the neighbour
+exchange of the previous rank's last tokens.
+
+* Sliding-window attention (window w; Beltagy 2020, as in Mistral / Gemma 3): a query of rank r
+  sees keys up to w - 1 positions back, all of which lie on rank r or its predecessor when
+  T/cp >= w - 1, so rank r receives only the previous rank's last w - 1 keys and values instead of
+  a ring over every rank: 2 (w - 1) * B * G * D * s bytes per layer forward (s bytes per element),
+  the same backward for their gradients.
+* The linear mixers' short causal convolutions (width W): the previous rank's last W - 1 inputs
+  (``state_passing.StatePasser.conv_state``), (W - 1) * B * Ch * s bytes each way.
+
+The last rank sends nothing forward, rank 0 receives zeros (the sequence start) and sends nothing
+backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ndtrain.mesh import AxisGroup
+from ndtrain.model.sliding_window import window_attention
+from ndtrain.parallel.comm import count, nbytes
+from ndtrain.parallel.flight_recorder import run_batch_p2p
+
+_TAG = 29  # p2p tag of the neighbour exchange (ring attention uses its own)
+
+
+def _shift(x: torch.Tensor, group: AxisGroup, step: int) -> torch.Tensor:
+    """Send ``x`` to group rank ``rank + step`` and receive the same-shaped tensor from
+    ``rank - step`` (zeros where that rank does not exist). Counted as the bytes sent."""
+    r, n = group.rank, group.size
+    dst, src = r + step, r - step
+    x = x.contiguous()
+    recv = torch.zeros_like(x)
+    ops = []
+    if 0 <= dst < n:
+        ops.append(dist.P2POp(dist.isend, x, group=group.pg, tag=_TAG, group_peer=dst))
+        count(group, nbytes(x))
+    if 0 <= src < n:
+        ops.append(dist.P2POp(dist.irecv, recv, group=group.pg, tag=_TAG, group_peer=src))
+    if ops:
+        run_batch_p2p("shift_from_prev", group, nbytes(x) if 0 <= dst < n else 0,
+                      lambda: dist.batch_isend_irecv(ops), peer=src if 0 <= src < n else None).wait()
+    return recv
+
+
+class ShiftFromPrev(torch.autograd.Function):
+    """The previous cp rank's ``x`` (zeros on rank 0): x (...) -> (...) same shape.
+
+    fwd: send to rank + 1, receive from rank - 1; bwd: send the gradient to rank - 1, receive
+    rank + 1's gradient of what this rank sent. Bytes: |x| per rank except the last (fwd) / first (bwd).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        ctx.group = group
+        return _shift(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _shift(g, ctx.group, -1), None
+
+
+def shift_from_prev(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """``ShiftFromPrev``, the identity's zero twin on a size-1 group (nothing before rank 0)."""
+    if group.pg is None:
+        return torch.zeros_like(x)
+    return ShiftFromPrev.apply(x, group)
+
+
+class WindowContextParallel(nn.Module):
+    """Sliding-window attention core (``SlidingWindowAttention.core`` replacement) over ``group``.
+
+    q (B, H, T/cp, D), k / v (B, G, T/cp, D) of this rank's contiguous tokens -> (B, H, T/cp, D),
+    attending to the previous rank's last ``window - 1`` keys too. Raises ValueError when a rank
+    holds fewer than ``window - 1`` tokens (the window would reach past the neighbour). No parameters.
+    """
+
+    def __init__(self, group: AxisGroup, window: int):
+        super().__init__()
+        self.group, self.window = group, window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.window - 1
+        if n == 0:  # a window of one key: the token itself
+            return window_attention(q, k, v, self.window)
+        if k.shape[2] < n:
+            raise ValueError(f"sliding window under context parallel: a cp rank holds {k.shape[2]} "
+                             f"tokens, fewer than the window's {n} of context (swa_window - 1)")
+        tail = torch.stack([k[:, :, -n:], v[:, :, -n:]])  # (2, B, G, w-1, D)
+        prev = shift_from_prev(tail, self.group)
+        return window_attention(q, k, v, self.window, kv_prev=prev, prev_len=n if self.group.rank else 0)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.group.size}, window={self.window}, K/V: last {self.window - 1} from the previous rank"
