@@ -160,14 +160,6 @@ Each cell sums every combination of that feature that uses that axis value (with
 # What the sweep's failures mean, by a pattern of their detail (written after reading them; the
 # lead routes the fixes). Unmatched failures are listed without a note.
 NOTES: dict[str, str] = {  # e.g. {r"^moe \| .*cp[24]": "why these fail, where to fix"}
-    r"^(moe|deepseek|hybrid) \| pp\d:(zero_bubble|dualpipev).* \| zero3 ": (
-        "seen 2026-12-01 (spot runs) on `moe` / `deepseek` / `hybrid` x pp2:zero_bubble and pp2:dualpipev "
-        "x ZeRO-3, with any other axis: the split backward's deferred W pass "
-        "(`ndtrain/parallel/pp/split_backward.py` `accumulate_weight_grads`) differentiates through "
-        "views of parameters whose ZeRO-3 storage is already freed (`setStorage ... storage of size 0`): "
-        "the stacked expert weights (MoE: [32, 16] at expert 3) and linear-mixer projections (hybrid: "
-        "[32, 64], [32, 32]); dense, "
-        "tied, MLA and MTP pass the same layouts, so these are parameters the W pass finds resharded"),
 }
 
 
