@@ -44,6 +44,19 @@ def with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
     return {**full, **hf}
 
 
+def export_frame(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF names every Llama-family decoder export shares, from ndtrain's state dict ``sd``:
+    embedding, final norm, the untied head (a tied head is left out) and each layer's two norms.
+    The caller adds attention and feed-forward weights. Raises KeyError for a missing name."""
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    for i in range(cfg.n_layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = sd[f"layers.{i}.attention_norm.weight"]
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = sd[f"layers.{i}.ffn_norm.weight"]
+    return out
+
+
 def require(hf: dict[str, Any], keys: tuple[str, ...]) -> None:
     """Raise ValueError naming the ``keys`` missing from ``hf`` (only possible without transformers;
     see ``with_family_defaults``)."""

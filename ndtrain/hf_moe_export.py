@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import rope_config
+from ndtrain.hf_common import export_frame, rope_config
 from ndtrain.hf_moe import _deinterleave
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
@@ -119,13 +119,9 @@ def state_dict_to_hf_moe(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     names; a tied output head is left out; MTP weights are dropped. Raises ValueError (see
     ``_family``) or KeyError for a missing ndtrain name."""
     kind = _family(cfg)
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
+    out = export_frame(sd, cfg)
     for i in range(cfg.n_layers):
         hp, npf = f"model.layers.{i}", f"layers.{i}"
-        out[f"{hp}.input_layernorm.weight"] = sd[f"{npf}.attention_norm.weight"]
-        out[f"{hp}.post_attention_layernorm.weight"] = sd[f"{npf}.ffn_norm.weight"]
         out.update(_attention(sd, cfg, npf, hp))
         if cfg.is_moe_layer(i):
             out.update(_moe_layer(sd, cfg, f"{npf}.feed_forward", hp, kind))

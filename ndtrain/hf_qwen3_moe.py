@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import require, rope_config, with_family_defaults
+from ndtrain.hf_common import export_frame, require, rope_config, with_family_defaults
 from ndtrain.hf_moe import _common, state_dict_from_hf_moe
 
 _NEEDED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -138,13 +138,9 @@ def state_dict_to_hf_qwen3_moe(sd: dict[str, torch.Tensor], cfg: ModelConfig) ->
     """ndtrain weights -> HF Qwen3-MoE names, experts per expert; a tied head is left out.
     Raises ValueError (``_check_exportable``; a non-zero ``expert_bias``) or KeyError."""
     _check_exportable(cfg)
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
+    out = export_frame(sd, cfg)
     for i in range(cfg.n_layers):
         hp, npf = f"model.layers.{i}", f"layers.{i}"
-        out[f"{hp}.input_layernorm.weight"] = sd[f"{npf}.attention_norm.weight"]
-        out[f"{hp}.post_attention_layernorm.weight"] = sd[f"{npf}.ffn_norm.weight"]
         for n_name, h_name in _ATTN.items():
             out[f"{hp}.self_attn.{h_name}.weight"] = sd[f"{npf}.attention.{n_name}.weight"]
         ff = f"{npf}.feed_forward"

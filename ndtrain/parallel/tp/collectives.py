@@ -53,19 +53,19 @@ class ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _SequenceReshard(torch.autograd.Function):
-    """All-gather or reduce-scatter along ``dim``, whose adjoint is the other one; the two
-    sequence-parallel operators below are its two directions."""
+class _AdjointPair(torch.autograd.Function):
+    """``fwd(x, dim, group)`` in forward, its adjoint ``bwd(g, dim, group)`` in backward. The four
+    sequence reshards below are two such pairs: all-gather / reduce-scatter (partial-sum gradients)
+    and split / all-gather (replicated gradients)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int, gather: bool) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.gather = group, dim, gather
-        return gather_dim(x, dim, group) if gather else reduce_scatter_dim(x, dim, group)
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int, fwd, bwd) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, dim, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        out = reduce_scatter_dim(g, ctx.dim, ctx.group) if ctx.gather else gather_dim(g, ctx.dim, ctx.group)
-        return out, None, None, None
+        return ctx.bwd(g, ctx.dim, ctx.group), None, None, None, None
 
 
 class GatherFromSequence:
@@ -77,7 +77,7 @@ class GatherFromSequence:
 
     @staticmethod
     def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        return _SequenceReshard.apply(x, group, dim, True)
+        return _AdjointPair.apply(x, group, dim, gather_dim, reduce_scatter_dim)
 
 
 class ReduceScatterToSequence:
@@ -88,23 +88,7 @@ class ReduceScatterToSequence:
 
     @staticmethod
     def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        return _SequenceReshard.apply(x, group, dim, False)
-
-
-class _SplitOrGather(torch.autograd.Function):
-    """Keep this rank's slice along ``dim`` or all-gather along ``dim``, for a tensor that is
-    replicated over the group with a replicated gradient (no partial sums): the adjoint of the
-    split is the all-gather and the adjoint of the all-gather is the split."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int, split: bool) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.split = group, dim, split
-        return split_dim(x, dim, group) if split else gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        out = gather_dim(g, ctx.dim, ctx.group) if ctx.split else split_dim(g, ctx.dim, ctx.group)
-        return out, None, None, None
+        return _AdjointPair.apply(x, group, dim, reduce_scatter_dim, gather_dim)
 
 
 class ScatterToSequence:
@@ -116,7 +100,7 @@ class ScatterToSequence:
 
     @staticmethod
     def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        return _SplitOrGather.apply(x, group, dim, True)
+        return _AdjointPair.apply(x, group, dim, split_dim, gather_dim)
 
 
 class GatherToReplicated:
@@ -128,7 +112,7 @@ class GatherToReplicated:
 
     @staticmethod
     def apply(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        return _SplitOrGather.apply(x, group, dim, False)
+        return _AdjointPair.apply(x, group, dim, gather_dim, split_dim)
 
 
 def all_reduce_grad(g: torch.Tensor, group: AxisGroup, reduce_dtype: torch.dtype | None) -> torch.Tensor:
