@@ -9,7 +9,8 @@ own sequence length and global batch) are built side by side, one with ``trainin
 same random batches, so a load change on a shared machine hits both alike; the medians give
 tokens/s and ``ratio = compiled tokens/s / eager tokens/s`` (issue 17's target: >= 1.1).
 Also reports the two runs' losses on the last step (compiled and eager should agree to bf16
-roundoff). Writes ``bench/results/compile_speed.json`` with the load average before and after.
+roundoff). Writes ``bench/results/compile_speed.json`` with the load average before and after
+(``ndtrain.bench_utils.write_result``: machine info and date too).
 """
 from __future__ import annotations
 
@@ -68,9 +69,9 @@ def main() -> None:
            "eager_tokens_per_s": B * T / med["eager"], "compiled_tokens_per_s": B * T / med["compiled"],
            "ratio": med["eager"] / med["compiled"], "last_loss": losses,
            "load_before": load_before, "load_after": os.getloadavg()}
-    path = ROOT / "bench" / "results" / args.out
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
+    from ndtrain.bench_utils import write_result  # adds machine info and the UTC date
+
+    write_result(ROOT / "bench" / "results" / args.out, res)
     print(json.dumps(res, indent=1))
 
 

@@ -9,16 +9,8 @@ and an interpreter that imported only what a rank imports.
 from __future__ import annotations
 
 import statistics
-import time
 
-
-def _time_median(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from ndtrain.planner.measure_ep import ep_moe_seconds, median_seconds
 
 
 def _component_seconds(make, reps: int, pool_bytes: int):
@@ -41,7 +33,7 @@ def _component_seconds(make, reps: int, pool_bytes: int):
                 keep.pop(0)
 
     run(True)
-    return _time_median(lambda: run(True), reps) / len(sets), _time_median(lambda: run(False), reps) / len(sets)
+    return median_seconds(lambda: run(True), reps) / len(sets), median_seconds(lambda: run(False), reps) / len(sets)
 
 
 def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps, cp=1, moe=None,
@@ -64,7 +56,7 @@ def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps,
         ops = (lambda x=x, w=w: x @ w.t(), lambda gr=gr, w=w: gr @ w, lambda gr=gr, x=x: gr.t() @ x)
         for op in ops:
             op()
-        gemm_t += count * sum(_time_median(op, reps) for op in ops)
+        gemm_t += count * sum(median_seconds(op, reps) for op in ops)
         gemm_f += count * 6.0 * tokens * k * n
     out.update(gemm_flops_per_s=gemm_f / gemm_t, gemm_s=gemm_t)
 
@@ -90,7 +82,6 @@ def _eager_rates_worker(rank, world, shapes, dims, params, dtype, threads, reps,
     if cp > 1:
         out["ring_attn_s"] = _ring_attention_seconds(cp, b, T, H, G, D, dt, g, reps)
     if moe:  # the MoE layer as the rank runs it (through the EP module when ep > 1)
-        from ndtrain.planner.measure_ep import ep_moe_seconds
 
         out.update(ep_moe_seconds(moe, ep, b, T, dt, g, reps))
     if tp > 1:
@@ -151,7 +142,7 @@ def _ring_attention_seconds(cp: int, b: int, t_local: int, H: int, G: int, D: in
         backward(dos)
 
     run()
-    return _time_median(run, reps) / cp
+    return median_seconds(run, reps) / cp
 
 
 def _param_pass_seconds(shapes, dt, reps: int) -> dict:
@@ -179,7 +170,7 @@ def _param_pass_seconds(shapes, dt, reps: int) -> dict:
 
     runs = {"optim": opt.step, "clip": lambda: clip_grad_norm([(p.grad, ()) for p in ps], 1e-9),
             "accum": lambda: torch._foreach_add_([p.grad for p in ps], other), "copy": flat}
-    return {f"{k}_s_per_param": _time_median(fn, reps) / n for k, fn in runs.items()}
+    return {f"{k}_s_per_param": median_seconds(fn, reps) / n for k, fn in runs.items()}
 def measure_eager_rates(spec, microbatch: int, seq_len: int, threads: int = 1, world: int = 1,
                         dtype: str = "float32", reps: int = 5, timeout_s: float = 300.0, cp: int = 1,
                         moe_model: dict | None = None, tp: int = 1, ep: int = 1) -> dict:

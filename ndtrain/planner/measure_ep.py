@@ -26,8 +26,11 @@ import statistics
 import time
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()
+def median_seconds(fn, reps: int, warmup: int = 0) -> float:
+    """Median wall seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (the planner's
+    one timing loop; ``measure_eager`` uses it too)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -60,7 +63,7 @@ def ep_moe_seconds(model_cfg: dict, ep: int, b: int, T: int, dt, g, reps: int) -
             y = moe(x)
             y.backward(torch.ones_like(y))
 
-    out = {"moe_mlp_s": _median_seconds(layer, reps) / len(xs)}
+    out = {"moe_mlp_s": median_seconds(layer, reps, warmup=1) / len(xs)}
     if ep > 1:
         el, rows = cfg.moe_experts // ep, cfg.moe_top_k * b * T
         experts = moe.experts  # the rank's E / ep experts, as ExpertParallelExperts holds them
@@ -73,7 +76,7 @@ def ep_moe_seconds(model_cfg: dict, ep: int, b: int, T: int, dt, g, reps: int) -
                 y = super(ExpertParallelExperts, experts).forward(r, counts)  # GroupedExperts.forward
                 y.backward(torch.ones_like(y))
 
-        out["moe_experts_s"] = _median_seconds(local, reps) / len(rs)
+        out["moe_experts_s"] = median_seconds(local, reps, warmup=1) / len(rs)
     return out
 
 
