@@ -2,7 +2,12 @@
 the single-process run on the truncated (B, T - k) input, in outputs at the valid positions,
 gradients, every auxiliary loss, the loads and the capacity decision (issue 12, items 4 / 7: MTP
 depths run padded under sequence / context parallel). Single process; the cp shards are simulated
-(``SequenceShards`` whose collectives act on a list of per-shard tensors), float64."""
+(``SequenceShards`` whose collectives act on a list of per-shard tensors), float64.
+
+Reference: the same MoE on the truncated input. Tolerances 1e-12 (outputs, aux terms) and 1e-10
+(parameter gradients, summed over more rows) in float64: the masked run adds exact zeros for the
+masked rows and otherwise reorders the same sums; counts, loads and kept-token sets are compared
+exactly. A mask that leaked the tail into any statistic moves it by O(1 / T)."""
 from __future__ import annotations
 
 import math
