@@ -18,13 +18,13 @@ from pathlib import Path
 from ndtrain.config import ConfigError, load_config, parse_cli_overrides
 
 
-def _train(args: argparse.Namespace, extra: list[str]) -> int:
+def _train(args: argparse.Namespace, extra: list[str], flags: list[str] = ()) -> int:
     from ndtrain.launch import launch
 
     world = args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise ConfigError(f"--nproc ({world}) must be >= 1")
-    over = parse_cli_overrides(extra)
+    over = parse_cli_overrides(extra, flags)
     if args.profile_steps is not None:  # sugar for --logging.profile_steps (ndtrain.profiling)
         over["logging.profile_steps"] = args.profile_steps
     cfg = load_config(args.config, over, world_size=world)
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{DEFAULT_WINDOW} (= --logging.profile_steps=A:B)")
     tr.add_argument("--print-config", action="store_true",
                     help="print the resolved config (preset + overrides, validated) as YAML and exit")
+    parser.train_flags = [o for a in tr._actions for o in a.option_strings]  # for "did you mean"
     cf = sub.add_parser("config", help="list every config key with its default and meaning")
     cf_sub = cf.add_subparsers(dest="config_command", required=True)
     keys = cf_sub.add_parser("keys", help="every key: section.key = default  # comment")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command == "train":
-            return _train(args, extra)
+            return _train(args, extra, parser.train_flags)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "config":

@@ -109,13 +109,16 @@ def resolve_preset(preset: str) -> Path:
                       f"presets: {', '.join(known)}")
 
 
-def parse_cli_overrides(args: list[str]) -> dict[str, str]:
-    """``["--training.steps=50", "--data.seq_len", "64"]`` -> ``{"training.steps": "50", ...}``."""
+def parse_cli_overrides(args: list[str], flags: list[str] = ()) -> dict[str, str]:
+    """``["--training.steps=50", "--data.seq_len", "64"]`` -> ``{"training.steps": "50", ...}``.
+    ``flags``: the command's own options (``--nproc``...), suggested for a near miss.
+    Raises ConfigError for an argument that is neither an override nor followed by a value."""
     out, i = {}, 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+            hint = did_you_mean(arg.split("=", 1)[0], list(flags))
+            raise ConfigError(f"unexpected argument {arg!r}{hint}; overrides look like --section.key=value")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
         elif i + 1 < len(args):

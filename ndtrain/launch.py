@@ -73,9 +73,17 @@ def prepare_checked(cfg: Config) -> Path:
     return path
 
 
-def _announce(on: bool, run_dir: Path) -> None:
-    if on:
-        print(f"run dir: {run_dir}", flush=True)
+def _announce(on: bool, run_dir: Path, cfg: Config | None = None) -> None:
+    """Print the run directory and a note per setting that has no effect in this layout."""
+    if not on:
+        return
+    print(f"run dir: {run_dir}", flush=True)
+    if cfg is not None:
+        from ndtrain.parallel.pp.rules import inert_settings
+
+        p = cfg.parallel
+        for note in inert_settings(p.pp, p.pp_schedule, p.pp_virtual_stages):
+            print(f"note: {note}", flush=True)
 
 
 def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:
@@ -110,7 +118,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         preflight(cfg, Path(run_dir), world)
         if _already_finished(cfg, run_dir, announce):
             return
-        _announce(announce, run_dir)
+        _announce(announce, run_dir, cfg)
         device = device_for_rank(local_rank, cfg.training.device)
         if world > 1:
             dist.init_process_group(backend_for(cfg), timeout=_group_timeout(cfg),
@@ -141,7 +149,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
     preflight(cfg, Path(run_dir), nproc)
     if _already_finished(cfg, run_dir, announce):
         return
-    _announce(announce, run_dir)
+    _announce(announce, run_dir, cfg)
     data_path = prepare_checked(cfg)
     if nproc == 1 and not max_restarts:
         from ndtrain.train import run

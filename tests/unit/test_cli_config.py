@@ -101,6 +101,26 @@ def test_did_you_mean_on_presets(capsys):
     assert "config 'lama3_8b' is neither a file nor a preset (did you mean 'llama3_8b'?)" in err
 
 
+@pytest.mark.parametrize("flag, suggestion", [("--nprocs", "--nproc"), ("--run_dir=x", "--run-dir"),
+                                             ("--print_config", "--print-config")])
+def test_did_you_mean_on_train_flags(flag, suggestion, capsys):
+    assert main(["train", "--config", "debug", flag, "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"unexpected argument {flag!r} (did you mean {suggestion!r}?)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_pipeline_settings_without_a_pipeline_are_noted():
+    """pp = 1 runs one stage whatever the schedule: a non-default schedule or virtual stage count
+    is named as having no effect (printed before training), never silently dropped."""
+    from ndtrain.parallel.pp.rules import inert_settings
+
+    assert inert_settings(2, "dualpipev", 1) == [] and inert_settings(1, "1f1b", 1) == []
+    notes = inert_settings(1, "interleaved", 2)
+    assert len(notes) == 2 and "pp_schedule=interleaved has no effect with pp=1" in notes[0]
+    assert "pp_virtual_stages=2" in notes[1]
+
+
 def test_version_single_source(capsys):
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

@@ -95,3 +95,19 @@ def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
         runs.append(list(range(i, j)))
         j = i
     return runs[::-1]
+
+
+def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int) -> list[str]:
+    """Pipeline settings a valid config gives that have no effect: with pp = 1 there is one stage,
+    which runs its microbatches forward then backward whatever the schedule. Returns one sentence
+    per such setting (printed as a note before training; not an error, so a preset written for a
+    pipeline still runs scaled down to one stage)."""
+    if pp > 1:
+        return []
+    notes = []
+    if pp_schedule != "1f1b":
+        notes.append(f"parallel.pp_schedule={pp_schedule} has no effect with pp=1 (one stage runs its "
+                     "microbatches forward then backward)")
+    if pp_virtual_stages > 1:
+        notes.append(f"parallel.pp_virtual_stages={pp_virtual_stages} has no effect with pp=1")
+    return notes
