@@ -38,6 +38,7 @@ class ExtraLosses:
         self.cfg, self.model, self.mesh, self.device = cfg, model, mesh, device
         self.depth = cfg.model.mtp_depth
         self.group = mesh.group("dp_cp")
+        self.stage_metrics = None  # pp > 1: the metric combiner over stages, built on first use
         # MTP logits under tensor parallel are vocab-parallel (B, T', Vp / tp): the batch plan's loss
         self.loss_sum = None
         if self.depth and mesh.group("tp").size > 1:
@@ -93,7 +94,9 @@ class ExtraLosses:
             out["mtp_loss"] = sum(per_depth) / self.depth
             out.update({f"mtp_loss_{k + 1}": v for k, v in enumerate(per_depth)})
         if self.mesh.dims.pp > 1:  # each stage saw its own layers (and the head's stage MTP): combine
-            from ndtrain.parallel.pp.stage_metrics import combine_over_stages
+            if self.stage_metrics is None:
+                from ndtrain.parallel.pp.stage_metrics import StageMetrics
 
-            out = combine_over_stages(out, n_moe, self.mesh.group("pp"), self.device)
+                self.stage_metrics = StageMetrics(self.mesh.group("pp"), self.device)
+            out = self.stage_metrics.combine(out, n_moe)
         return out

@@ -11,8 +11,8 @@ stays local (a layer's bias and its load counts live on one stage, the counts al
   -- every layer routes the same B T k assignments, so the dropped fraction is a per-layer mean
   too): weighted by each stage's MoE layer count.
 
-One all-gather of the metric names and two all-reduces over ``pp`` per step (one SUM, one MAX,
-a few float64 values each).
+Two all-reduces over ``pp`` per step (one SUM, one MAX, a few float64 values each); the metric
+names are gathered once and re-gathered only when a stage's names change (``StageMetrics``).
 """
 from __future__ import annotations
 
@@ -33,23 +33,60 @@ def _kind(key: str) -> str:
     return "mean"
 
 
+class StageMetrics:
+    """Combines a stage's metrics over the pp ``group`` each step (module docstring).
+
+    The union of the stages' metric names is gathered once (one object all-gather) and reused:
+    every later step checks it in the MAX all-reduce it runs anyway (one more value: 1 on a rank
+    whose own names changed since the gather). When any rank flags a change, every rank re-gathers
+    the names and repeats the step's reductions, so a new key is never dropped and the collectives
+    never mismatch. Steady state: two all-reduces per step, no object collective.
+    """
+
+    def __init__(self, group: AxisGroup, device: torch.device | str = "cpu"):
+        self.group, self.device = group, device
+        self.keys: list[str] | None = None  # union over the stages
+        self.mine: list[str] | None = None  # this rank's names when the union was gathered
+        self.gathers = 0
+
+    def combine(self, out: dict[str, float], n_moe_layers: int) -> dict[str, float]:
+        """``out`` (this stage's metrics; ``n_moe_layers``: the MoE layers it counted) combined over
+        the stages; a stage without MoE layers reports no load metrics and contributes zero weight.
+        Returns a new dict with every key some stage reported, the same on every pp rank."""
+        if self.group.size == 1:
+            return dict(out)
+        mine = sorted(out)
+        for _ in range(2):
+            if self.keys is None:
+                self.keys = sorted({k for names in comm.all_gather_object(mine, self.group) for k in names})
+                self.mine, self.gathers = mine, self.gathers + 1
+            res, changed = _reduce(out, n_moe_layers, self.keys, mine != self.mine, self.group, self.device)
+            if not changed:
+                return res
+            self.keys = None  # some stage's names changed: every rank re-gathers
+        raise RuntimeError("pp stage metric names changed twice within one step")
+
+
 def combine_over_stages(out: dict[str, float], n_moe_layers: int, group: AxisGroup,
                         device: torch.device | str = "cpu") -> dict[str, float]:
-    """``out`` (this stage's metrics; ``n_moe_layers``: the MoE layers it counted) combined over
-    the pp ``group`` as described in the module docstring; a stage without MoE layers reports no
-    load metrics and contributes zero weight. Returns a new dict with every key some stage
-    reported, the same on every pp rank. Collective over ``group`` (one object all-gather of the
-    key names, then the two all-reduces)."""
-    if group.size == 1:
-        return dict(out)
-    keys = sorted({k for names in comm.all_gather_object(sorted(out), group) for k in names})
+    """One step of ``StageMetrics`` without a cache (gathers the names every call)."""
+    return StageMetrics(group, device).combine(out, n_moe_layers)
+
+
+def _reduce(out: dict[str, float], n_moe_layers: int, keys: list[str], changed: bool, group: AxisGroup,
+            device) -> tuple[dict[str, float], bool]:
+    """The SUM and MAX all-reduces of one step over ``keys``; returns (combined metrics, whether
+    any rank flagged ``changed``)."""
     n = float(n_moe_layers)
     summed = torch.tensor([n, *[float(k in out) for k in keys],
                            *[out.get(k, 0.0) * (n if _kind(k) == "mean" else 1.0) for k in keys]],
                           dtype=torch.float64, device=device)
-    peaks = torch.tensor([out.get(k, float("-inf")) for k in keys], dtype=torch.float64, device=device)
+    peaks = torch.tensor([float(changed), *[out.get(k, float("-inf")) for k in keys]],
+                         dtype=torch.float64, device=device)
     comm.all_reduce(summed, group)
     comm.all_reduce(peaks, group, op=dist.ReduceOp.MAX)
+    if peaks[0].item() > 0:
+        return {}, True
     total, seen, values = summed[0].item(), summed[1:1 + len(keys)], summed[1 + len(keys):]
     res = {}
     for i, k in enumerate(keys):
@@ -57,9 +94,9 @@ def combine_over_stages(out: dict[str, float], n_moe_layers: int, group: AxisGro
             continue
         kind = _kind(k)
         if kind == "max":
-            res[k] = peaks[i].item()
+            res[k] = peaks[1 + i].item()
         elif kind == "mean":
             res[k] = values[i].item() / max(total, 1.0)
         else:
             res[k] = values[i].item()
-    return res
+    return res, False
