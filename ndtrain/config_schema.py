@@ -195,11 +195,13 @@ class ParallelConfig:
     keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
     expert_tp: int = 1  # MoE experts under tp: 1 = whole experts per tp rank, tp = each expert's hidden split over tp
+    moe_shared_overlap: bool = False  # ep > 1: run the shared experts while the MoE dispatch all-to-all is in flight (Megatron moe_shared_expert_overlap)
     cp_impl: str = "ring"  # ring | ulysses
     cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev (2 chunks per rank in a V)
     pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
     pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
+    pp_overlap: str = "auto"  # auto | true | false: DualPipeV runs each F&B pair's backward in a thread beside its forward, so one microbatch's EP all-to-all waits under the other's compute (auto: where pp/rules.overlap_blockers allow; CPU)
     bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
     grad_reduce_dtype: str = "float32"  # float32 | bfloat16: dtype of gradient reductions
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl

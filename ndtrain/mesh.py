@@ -15,7 +15,11 @@ ranks. Two more groups follow:
 * ``edp`` = dp_replicate x (dp_shard x cp / ep): ranks holding the *same* experts, over which
   expert gradients are reduced (the expert-data-parallel group);
 * ``edp_shard`` = dp_shard x cp / ep: the part of ``edp`` inside one dp_shard x cp block, over
-  which ZeRO shards the expert parameters (``ndtrain.parallel.zero.domains``).
+  which ZeRO shards the expert parameters (``ndtrain.parallel.zero.domains``);
+* ``ep_bwd`` = the same ranks as ``ep`` on a second process group (also ``mesh.group("ep").bwd``):
+  every backward all-to-all of expert parallel runs on it, so DualPipeV's overlapped F&B pairs
+  (``parallel.pp_overlap``) can run one microbatch's forward all-to-alls (on ``ep``) and another's
+  backward all-to-alls at the same time from two threads without mixing their order on one group.
 
 With ep = 1, ``ep`` has size 1, ``edp`` is ``dp_cp`` and ``edp_shard`` is ``dp_shard_cp``.
 
@@ -43,7 +47,10 @@ class AxisGroup:
     """A named process group plus the byte counters of the mesh it belongs to.
 
     ``pg`` is None when the axis has size 1 (or there is no process group at all); the collectives
-    in ``ndtrain.parallel.comm`` then return their input unchanged and count nothing.
+    in ``ndtrain.parallel.comm`` then return their input unchanged and count nothing. ``bwd``: a
+    twin of this group (same name, ranks and counters, its own process group) that backward
+    collectives run on, so a backward in one thread and a forward in another never share a
+    process group (``ep`` only, ``Mesh._make_expert_groups``); None: backward uses this group.
     """
 
     name: str
@@ -51,6 +58,7 @@ class AxisGroup:
     rank: int
     pg: object | None
     stats: dict[str, float] = field(default_factory=dict)
+    bwd: AxisGroup | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -164,7 +172,7 @@ class Mesh:
         """Add the ``ep`` and ``edp`` groups (see module docstring)."""
         d = self.dims
         if d.ep == 1:
-            self._groups["ep"] = AxisGroup("ep", 1, 0, None, self.stats)
+            self._groups["ep"] = self._groups["ep_bwd"] = AxisGroup("ep", 1, 0, None, self.stats)
             dp_cp = self._groups["dp_cp"]
             self._groups["edp"] = AxisGroup("edp", dp_cp.size, dp_cp.rank, dp_cp.pg, self.stats)
             sc = self._groups["dp_shard_cp"]
@@ -178,6 +186,7 @@ class Mesh:
         self.ep_device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         ep_mesh = self.ep_device_mesh["ep"]
         self._groups["ep"] = AxisGroup("ep", d.ep, ep_mesh.get_local_rank(), ep_mesh.get_group(), self.stats)
+        self._groups["ep_bwd"] = self._twin(self._groups["ep"], self.ep_device_mesh.mesh.movedim(3, -1))
         n_shard = d.dp_shard * d.cp // d.ep
         sub = self.ep_device_mesh["edp_shard"] if n_shard > 1 else None
         self._groups["edp_shard"] = AxisGroup("edp_shard", n_shard, sub.get_local_rank() if sub else 0,
@@ -188,6 +197,19 @@ class Mesh:
         else:
             edp = self.ep_device_mesh[("dp_replicate", "edp_shard")]._flatten("edp")
             self._groups["edp"] = AxisGroup("edp", edp_size, edp.get_local_rank(), edp.get_group(), self.stats)
+
+    def _twin(self, group: AxisGroup, ranks: torch.Tensor) -> AxisGroup:
+        """A second process group over the ranks of ``group`` (``ranks``: global ranks, the group's
+        axis last), set as ``group.bwd`` and returned. Collective: every rank creates every twin,
+        in the same order (``new_group``); a gloo group costs a few sockets, an NCCL one nothing
+        until its first collective."""
+        mine = None
+        for row in ranks.reshape(-1, ranks.shape[-1]).tolist():
+            pg = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine = pg
+        group.bwd = AxisGroup(group.name, group.size, group.rank, mine, self.stats)  # same name: same counter
+        return group.bwd
 
     def group(self, name: str) -> AxisGroup:
         return self._groups[name]

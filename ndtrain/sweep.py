@@ -65,6 +65,9 @@ FEATURES: dict[str, dict] = {
     # DeepSeek-V3's combination (MLA + MoE + MTP: the MTP depth's MoE layer under cp masks its padded
     # tail); its parts have the full product, the combination only the representative layouts
     "deepseek": {**_MLA, **_MOE, "mtp_depth": 1},
+    # a shared expert beside the routed ones (DeepSeekMoE); its expert-parallel layouts run again
+    # with the shared expert under the dispatch all-to-all (parallel.moe_shared_overlap)
+    "moe_shared": {**_MOE, "moe_shared_experts": 1},
 }
 # features crossed with every layout of the layout tier; the others only with REPRESENTATIVE there
 FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
@@ -193,6 +196,7 @@ def layout_name(par: dict) -> str:
             s += "+sp" if ax == "tp" and par.get("sequence_parallel") else ""
             etp = par.get("expert_tp", 1) if ax == "tp" else 1
             s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""
+            s += "+overlap" if ax == "ep" and par.get("moe_shared_overlap") else ""
             parts.append(s)
     return " x ".join(parts) or "single"
 
@@ -242,10 +246,13 @@ def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]
 
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
-    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``."""
+    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``, and with shared experts
+    their ep layouts again with ``moe_shared_overlap``."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
     if FEATURES[feature].get("moe_experts", 0):
         out += expert_tp_layouts(out)
+    if FEATURES[feature].get("moe_shared_experts", 0):
+        out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out if par.get("ep", 1) > 1]
     return out
 
 
@@ -297,7 +304,8 @@ def enumerate_combos(tiers: tuple[str, ...] = TIERS) -> list[Combo]:
 # the default test suite's share (tests/integration/test_sweep.py): every axis, schedule, model
 # feature, ZeRO stage, checkpointing policy and dtype at least once, on 1 or 2 ranks, and one
 # representative of each composition made to work lately (EP x ZeRO-3, MoE x TP with split experts,
-# MLA + MTP x CP, linear mixers x CP / TP, MTP x ZeRO-3, MTP x DualPipeV, fused loss x PP)
+# MLA + MTP x CP, linear mixers x CP / TP, MTP x ZeRO-3, MTP x DualPipeV, fused loss x PP, the shared
+# expert under the dispatch all-to-all)
 _PP = {"pp": 2, "pp_virtual_stages": 1}
 SUBSET = (
     ("dense", 2, {"dp_shard": 2}, {"zero": 2}),
@@ -313,6 +321,7 @@ SUBSET = (
     ("dense", 2, {**_PP, "pp_schedule": "zero_bubble"}, {"zero": 3}),
     ("mtp", 2, {**_PP, "pp_schedule": "dualpipev"}, {"zero": 1}),  # MoE-free MTP, V
     ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 3}),
+    ("moe_shared", 2, {"dp_shard": 2, "ep": 2, "moe_shared_overlap": True}, {"zero": 1}),
     ("moe", 2, {"dp_shard": 2}, {"zero": 3, "dtype": "float16"}),
     ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
     ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),

@@ -146,6 +146,8 @@ def _validate_axes(cfg, world_size: int | None) -> None:
     world-size rules."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     check_axes(ModelFacts.of_config(m), p, cfg.data.seq_len, t.activation_checkpoint)
+    pp_rules.check_overlap(p.pp_overlap, p.pp, p.pp_schedule, p.tp, p.cp, p.zero_stage, t.activation_checkpoint,
+                           t.compile, t.device)
     if world_size is not None:
         from ndtrain.mesh import ParallelDims  # torch: imported only when a world size is checked
 
@@ -206,7 +208,8 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     pp_rules.check(p.pp, f.n_layers, sched, v, p.pp_microbatches, activation_checkpoint, moe=moe,
                    mtp=mtp, end_stages_may_hold_no_block=not runtime)
     dp_shard = None if p.dp_shard == -1 else p.dp_shard
-    ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0)
+    ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0,
+                   shared_overlap=runtime and getattr(p, "moe_shared_overlap", False), shared_ffn=f.moe_ffn[1])
     if dp is not None:
         dp_rules.check_batch(global_batch_size, dp, micro_batch_size, p.pp, p.pp_microbatches)
         if runtime:  # DualPipeV's ramps need >= 2 pp microbatches

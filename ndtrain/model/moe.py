@@ -26,6 +26,11 @@ takes the mask explicitly (tensor parallel passes each rank its slice).
 ``MoE.run_experts(xs, counts)`` calls ``self.experts``, the module expert parallel replaces per instance
 (as context parallel replaces ``Attention.core``): given tokens sorted by global expert id and the count per
 expert, return the expert outputs in the same order. This file never communicates.
+
+**Shared-expert overlap.** When expert parallel sets ``shared_overlap`` (``parallel.moe_shared_overlap``)
+and ``experts`` declares ``accepts_side_fn``, the layer calls ``experts(xs, counts, side_fn=f)``,
+which returns ``(ys, f())`` with ``f`` (the shared experts and their gate) run while the dispatch
+all-to-all is in flight (``ndtrain.parallel.ep.overlap``). Same ops, other order: bitwise equal.
 """
 from __future__ import annotations
 
@@ -148,6 +153,7 @@ class MoE(nn.Module):
         self.stats = moe_balance.LoadStats(cfg.moe_experts)
         self.aux_sum: torch.Tensor | None = None  # weighted aux-loss token sum of the last forward
         self.token_mask: torch.Tensor | None = None  # (B, T) bool, routed tokens; None = all (docstring)
+        self.shared_overlap = False  # set by expert parallel (parallel.moe_shared_overlap); docstring
 
     def init_buffers(self) -> None:
         """Zero the aux-loss-free bias (called by ``init_weights``)."""
@@ -206,6 +212,13 @@ class MoE(nn.Module):
         """xs (M, C) sorted by expert id, counts (E,) -> (M, C). Expert parallel replaces ``experts``."""
         return self.experts(xs, counts)
 
+    def shared_output(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output, times the Qwen3-Next gate if any: flat (N, C) -> (N, C)."""
+        shared = self.shared(flat)  # (N, C)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(flat)) * shared
+        return shared
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_tokens(x, self.token_mask)
 
@@ -232,15 +245,17 @@ class MoE(nn.Module):
         kept = int(counts.sum())
         order = order[:kept]
         xs = flat[order // k]  # (M, C) tokens in expert order
-        ys = self.run_experts(xs, counts)  # (M, C)
+        shared = None
+        if self.shared is not None and self.shared_overlap and getattr(self.experts, "accepts_side_fn", False):
+            # after the gather above, so the input's gradient still sums in the same order (overlap docstring)
+            ys, shared = self.experts(xs, counts, side_fn=lambda: self.shared_output(flat))
+        else:
+            ys = self.run_experts(xs, counts)  # (M, C)
         y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C), dropped rows stay 0
         out_dtype = torch.promote_types(ys.dtype, weights.dtype)
         out = (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, C)
         if self.shared is not None:
-            shared = self.shared(flat)  # (N, C)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(flat)) * shared
-            out = out + shared
+            out = out + (self.shared_output(flat) if shared is None else shared)
         if self.training and torch.is_grad_enabled():
             # An activation-checkpoint recompute (inside backward) rebuilds the same aux graph, so
             # the recomputed saved tensors line up, but must not count loads or losses twice.

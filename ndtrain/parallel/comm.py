@@ -18,6 +18,7 @@ take part in autograd are classes named for their forward effect with "fwd: X, b
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -35,8 +36,12 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_COUNT_LOCK = threading.Lock()  # DualPipeV's overlapped pairs count from two threads (pp/runtime.py)
+
+
 def count(group: AxisGroup, nbytes: float) -> None:
-    group.stats[group.name] = group.stats.get(group.name, 0.0) + nbytes
+    with _COUNT_LOCK:
+        group.stats[group.name] = group.stats.get(group.name, 0.0) + nbytes
 
 
 def all_reduce(t: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op: bool = False):

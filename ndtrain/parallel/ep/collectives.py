@@ -1,9 +1,16 @@
 """Expert parallel collectives: the variable-size all-to-all of MoE token dispatch and combine
 (GShard, Lepikhin et al. 2020), counted as the bytes a rank sends to other ranks.
+
+Backward all-to-alls run on the ``ep`` group's twin (``backward_group``: same ranks, its own
+process group, ``ndtrain.mesh``), always, so DualPipeV's overlapped pairs (``parallel.pp_overlap``,
+``ndtrain.parallel.pp.runtime``) can run one microbatch's backward in a worker thread while the main
+thread runs another's forward: each process group then sees its collectives in the schedule's
+order on every ep rank (ep peers share the pp rank, hence the action sequence).
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -11,6 +18,21 @@ import torch.distributed as dist
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel.comm import count
 from ndtrain.parallel.flight_recorder import run_collective
+
+_TALLY_LOCK = threading.Lock()  # a pair's forward and backward threads may both add to a tally
+
+
+def backward_group(group: AxisGroup) -> AxisGroup:
+    """The group a backward collective of ``group`` runs on: its twin ``group.bwd`` when the mesh
+    built one (``ep`` with ep > 1), else ``group`` itself."""
+    return group.bwd if group.bwd is not None else group
+
+
+def add_tally(tally, nbytes: float) -> None:
+    """``tally.a2a_bytes += nbytes`` under a lock (None: nothing)."""
+    if tally is not None:
+        with _TALLY_LOCK:
+            tally.a2a_bytes += nbytes
 
 
 def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -29,8 +51,7 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in
     row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
     b = (sum(in_splits) - in_splits[group.rank]) * row
     count(group, b)
-    if tally is not None:
-        tally.a2a_bytes += b
+    add_tally(tally, b)
     inp = inp.contiguous()
     run_collective("all_to_all_v", group, b, lambda: dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=group.pg, async_op=True), False)
@@ -40,8 +61,9 @@ class AllToAllV(torch.autograd.Function):
     """Send variable numbers of rows to every rank of ``group`` (MoE dispatch and combine).
 
     fwd: variable all-to-all with (out_splits, in_splits), bwd: the reverse all-to-all
-    (in_splits, out_splits) of the gradient. x (sum(in_splits), ...) -> (sum(out_splits), ...).
-    Both directions add their bytes to ``tally`` (see ``all_to_all_v``) when given.
+    (in_splits, out_splits) of the gradient, on ``backward_group(group)`` (the ``ep`` twin).
+    x (sum(in_splits), ...) -> (sum(out_splits), ...). Both directions add their bytes to
+    ``tally`` (see ``all_to_all_v``) when given, and count them on the group's axis.
     """
 
     @staticmethod
@@ -56,5 +78,5 @@ class AllToAllV(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         out_splits, in_splits = ctx.splits
         gx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        all_to_all_v(gx, g.contiguous(), in_splits, out_splits, ctx.group, ctx.tally)
+        all_to_all_v(gx, g.contiguous(), in_splits, out_splits, backward_group(ctx.group), ctx.tally)
         return gx, None, None, None, None

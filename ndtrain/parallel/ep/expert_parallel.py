@@ -15,6 +15,9 @@ replaces the layer's ``GroupedExperts``; ``MoE.run_experts`` hands it the tokens
 3. the local experts run as one grouped matmul (``ndtrain.model.moe.grouped_mm``);
 4. **combine**: the inverse permutation and the reverse all-to-all return every row to its source.
 
+With ``parallel.moe_shared_overlap`` the dispatch of step 2 is started asynchronously and the
+shared experts run while it is in flight (``ndtrain.parallel.ep.overlap``; bitwise the same result).
+
 Backward mirrors it: each all-to-all's gradient is the reverse all-to-all. Bytes per layer per
 direction, for N routed tokens per rank, top-k, width C and b bytes per element, with uniform
 routing: ``N k C b (ep-1)/ep`` (``bench/moe_all_to_all.py`` measures it). Capacity dropping
@@ -89,6 +92,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
             continue
         check_experts(moe.n_experts, ep.size)
         moe.experts = ExpertParallelExperts(moe.experts, ep, tally=moe.stats)
+        moe.shared_overlap = bool(cfg.parallel.moe_shared_overlap) and moe.shared is not None
         names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names
 

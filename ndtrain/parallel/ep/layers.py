@@ -15,6 +15,7 @@ from ndtrain.mesh import AxisGroup
 from ndtrain.model.moe import GroupedExperts
 from ndtrain.optim import SHARD_AXES_ATTR
 from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
+from ndtrain.parallel.ep.overlap import dispatch_overlapped
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -32,6 +33,8 @@ class ExpertParallelExperts(GroupedExperts):
     Raises ValueError if E is not divisible by ep.
     """
 
+    accepts_side_fn = True  # MoE.forward_tokens' duck-typed overlap entry (parallel.moe_shared_overlap)
+
     def __init__(self, full: GroupedExperts, group: AxisGroup, tally=None):
         n_experts = full.w1.shape[0]
         if n_experts % group.size:
@@ -47,7 +50,11 @@ class ExpertParallelExperts(GroupedExperts):
             setattr(local, SHARD_AXES_ATTR, ("ep",))
             setattr(self, w, local)
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, side_fn=None):
+        """xs (M, C), counts (E,) -> (M, C); with ``side_fn`` (``parallel.moe_shared_overlap``:
+        ``MoE`` passes its shared-expert closure) -> ((M, C), ``side_fn()``), ``side_fn`` run while
+        the dispatch all-to-all is in flight (``ndtrain.parallel.ep.overlap``; backward synchronous).
+        Called through the module (``self.experts(...)``) so ZeRO-3's unit hooks still fire."""
         ep = self.group.size
         el = counts.numel() // ep
         send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
@@ -55,12 +62,16 @@ class ExpertParallelExperts(GroupedExperts):
         all_to_all_v(recv, send, [1] * ep, [1] * ep, self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         tally = self.tally if self.training else None  # the metric counts training steps, not evaluation
-        xr = AllToAllV.apply(xs, out_splits, in_splits, self.group, tally)  # (R, C), (source, expert) order
+        if side_fn is None:
+            xr = AllToAllV.apply(xs, out_splits, in_splits, self.group, tally)  # (R, C), (source, expert) order
+        else:
+            xr, side = dispatch_overlapped(xs, out_splits, in_splits, self.group, tally, side_fn)
         seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
         y = super().forward(xr[perm], recv.sum(0))  # (R, C)
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
-        return AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
+        out = AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
+        return out if side_fn is None else (out, side)
 
     def extra_repr(self) -> str:
         el, r = self.w1.shape[0], self.group.rank

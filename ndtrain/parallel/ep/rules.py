@@ -8,12 +8,19 @@ from __future__ import annotations
 from ndtrain.errors import require
 
 
-def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0) -> None:
+def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0,
+          shared_overlap: bool = False, shared_ffn: int = 0) -> None:
     """``ep`` divides the experts (E) and the dp_shard x cp block it borrows its ranks from
     (``dp_shard`` None = not known yet, e.g. -1 before the world size is); needs an MoE model.
     Every ZeRO stage composes (experts sharded over edp_shard, ``ndtrain.parallel.zero.domains``):
-    ``zero_stage`` is accepted for the callers' sake and checked by the ZeRO rules."""
+    ``zero_stage`` is accepted for the callers' sake and checked by the ZeRO rules.
+    ``shared_overlap`` (``parallel.moe_shared_overlap``) needs ep > 1 and shared experts
+    (``shared_ffn``: their hidden size, 0 = none): it overlaps them with the ep dispatch."""
     require(ep >= 1, f"parallel.ep ({ep}) must be >= 1")
+    require(not shared_overlap or (ep > 1 and shared_ffn > 0),
+            f"parallel.moe_shared_overlap=true needs ep > 1 and model.moe_shared_experts > 0 (ep={ep}, "
+            f"shared experts: {'yes' if shared_ffn else 'none'}): it overlaps the shared experts with the "
+            "expert-parallel dispatch all-to-all")
     if dp_shard is not None:
         require((dp_shard * cp) % ep == 0, f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
     if ep == 1:

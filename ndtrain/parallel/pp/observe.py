@@ -21,6 +21,7 @@ Observers here:
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 from ndtrain.parallel.pp.schedules import Action
@@ -55,21 +56,24 @@ class ActionTimer(RuntimeObserver):
         self.events: list[Event] = []
         self.wait_s = 0.0
         self.name, self.m, self.v = "", 0, 1
-        self._t_wait = self._t0 = 0.0
+        self._t_wait: dict[Action, float] = {}  # by action: an overlapped pair's B times from a thread
+        self._t0: dict[Action, float] = {}
+        self._lock = threading.Lock()
 
     def on_step_start(self, runtime, schedule, train: bool) -> None:
         self.events, self.wait_s = [], 0.0
         self.name, self.m, self.v = schedule.name, schedule.m, schedule.v
 
     def on_wait(self, a: Action) -> None:
-        self._t_wait = time.time()
+        self._t_wait[a] = time.time()
 
     def on_action_start(self, a: Action) -> None:
-        self._t0 = time.time()
-        self.wait_s += self._t0 - self._t_wait
+        self._t0[a] = t = time.time()
+        with self._lock:
+            self.wait_s += t - self._t_wait.pop(a, t)
 
     def on_action_end(self, a: Action) -> None:
-        self.events.append(Event(a.kind, a.mb, a.chunk, self._t0, time.time()))
+        self.events.append(Event(a.kind, a.mb, a.chunk, self._t0.pop(a), time.time()))
 
 
 class Jitter(RuntimeObserver):

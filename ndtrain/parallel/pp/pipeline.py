@@ -28,6 +28,7 @@ from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.mtp import feeding_token_ids
 from ndtrain.optim import clip_coefficient
 from ndtrain.parallel import comm
+from ndtrain.parallel.pp.rules import resolve_overlap
 from ndtrain.parallel.pp.runtime import PipelineRuntime
 from ndtrain.parallel.pp.stage import stage_chunks, stage_info
 
@@ -150,8 +151,11 @@ class StagePipeline:
         self.model, self.dp, self.mesh, self.m = model, dp, mesh, m
         self.tied_group = build_tied_group(mesh, cfg)
         schedule = cfg.parallel.pp_schedule if mesh.dims.pp > 1 else "1f1b"  # one stage: F, B in turn
+        p, t = cfg.parallel, cfg.training
+        overlap = resolve_overlap(p.pp_overlap, mesh.dims.pp, schedule, p.tp, p.cp, p.zero_stage,
+                                  t.activation_checkpoint, t.compile, torch.device(device).type)
         self.runtime = LabelledRuntime(stage_chunks(model), mesh.group("pp"), schedule, loss_fn, dp,
-                                       forward_ctx, device, labelled=labelled)
+                                       forward_ctx, device, labelled=labelled, overlap=overlap)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denom: float,
                          positions: torch.Tensor | None = None, extra_loss=None,

@@ -58,6 +58,59 @@ def check_microbatches(pp: int, pp_schedule: str, n_micro: int) -> None:
                                    f"(got {n_micro}: local batch / micro_batch_size, or pp_microbatches)")
 
 
+OVERLAP_MODES = ("auto", "true", "false")
+
+
+def overlap_blockers(pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
+                     activation_checkpoint: str = "none", compiled: bool = False,
+                     device: str = "cpu") -> list[str]:
+    """Why DualPipeV's overlapped F&B pairs cannot run in two threads (``parallel.pp_overlap``,
+    ``ndtrain.parallel.pp.runtime``); empty when they can. Every collective of a pair must be on a
+    group only one of its threads uses: expert parallel's forward all-to-alls on ``ep``, its
+    backward ones on the twin ``ep_bwd``, pipeline sends from the main thread only. Tensor and
+    context parallel put forward and backward collectives on one group (``tp`` / ``cp``); ZeRO-3
+    all-gathers on one group in both; a recompute in the backward thread would re-run forwards that
+    read per-microbatch module state (MoE token masks, MTP ids); torch.compile is not run from two
+    threads at once; on CUDA both threads would queue on one stream (the overlap needs streams)."""
+    out = []
+    if pp < 2 or pp_schedule != "dualpipev":
+        out.append(f"pp_schedule=dualpipev with pp >= 2 (got {pp_schedule}, pp={pp}): only DualPipeV has pairs")
+    if tp > 1:
+        out.append(f"tp ({tp}) == 1: tensor-parallel collectives run in forward and backward on one group")
+    if cp > 1:
+        out.append(f"cp ({cp}) == 1: context-parallel collectives run in forward and backward on one group")
+    if zero_stage > 2:
+        out.append(f"zero_stage ({zero_stage}) <= 2: ZeRO-3 all-gathers in forward and backward on one group")
+    if activation_checkpoint != "none":
+        out.append(f"activation_checkpoint=none (got {activation_checkpoint}): a recompute in the backward "
+                   "thread would re-run forwards that read per-microbatch module state")
+    if compiled:
+        out.append("training.compile=false: compiled code is not run from two threads at once")
+    if device == "cuda":
+        out.append("training.device=cpu: on CUDA the two threads would queue on one stream")
+    return out
+
+
+def check_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
+                  activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu") -> None:
+    """``parallel.pp_overlap`` is auto | true | false, and ``true`` only where every condition of
+    ``overlap_blockers`` holds (the error names the first that fails)."""
+    mode = str(pp_overlap).lower()
+    require(mode in OVERLAP_MODES, f"parallel.pp_overlap ({pp_overlap}) must be auto|true|false")
+    if mode == "true":
+        why = overlap_blockers(pp, pp_schedule, tp, cp, zero_stage, activation_checkpoint, compiled, device)
+        require(not why, f"parallel.pp_overlap=true needs {why[0] if why else ''}")
+
+
+def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
+                    activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu") -> bool:
+    """Whether the runtime overlaps DualPipeV's pairs: ``true`` (checked: raises ConfigError like
+    ``check_overlap``), ``auto`` where no blocker holds, never for ``false``."""
+    args = (pp, pp_schedule, tp, cp, zero_stage, activation_checkpoint, compiled, device)
+    check_overlap(pp_overlap, *args)
+    return str(pp_overlap).lower() != "false" and not overlap_blockers(*args)
+
+
 def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
                  last_extra: float = 0.0) -> list[list[int]]:
     """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (the trainer's

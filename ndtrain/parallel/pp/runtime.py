@@ -34,7 +34,17 @@ chunk's forward (an MoE router's weight is applied functionally, ``F.linear``, i
 parameters owned by two modules (a tied embedding / head), are differentiated directly in ``B``
 and accumulated with the rest in ``W`` (``split_backward.direct_parameters``).
 
-Timing, jitter and activation metering are observers (``observe``), attached by the caller.
+DualPipeV's overlapped pairs (``overlap=True``, ``parallel.pp_overlap``; ``pairs.run_pair``): each
+pair "F of one microbatch & B of another" (``Schedule.pairs``) runs B -- its receive and its autograd
+-- in a worker thread while the main thread runs F, then joins; B's input gradient is sent after the
+join, so every send leaves in the schedule's order from the main thread. CPU autograd runs on the
+calling thread and torch ops and gloo waits release the GIL, so one thread's expert all-to-all wait
+(the forward's on ``ep``, the backward's on its twin ``ep_bwd``) hides under the other's compute.
+The results are bitwise those of the sequential pair: the same ops on the same tensors.
+
+Timing, jitter and activation metering are observers (``observe``), attached by the caller; a
+pair's B calls its hooks from the worker thread, and with an activation meter attached the pairs
+run sequentially.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
 from ndtrain.parallel.pp.observe import ActivationMemory
 from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
+from ndtrain.parallel.pp.pairs import run_pair
 from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
 from ndtrain.parallel.pp.split_backward import (
     accumulate_weight_grads,
@@ -93,6 +104,8 @@ class PipelineRuntime:
         dp: the gradient synchroniser (``no_sync`` / ``finish_grad_sync``), or None.
         forward_ctx: factory of the context forwards run in (e.g. bf16 autocast).
         timeout_s: how long a receive may wait before raising TimeoutError.
+        overlap: run DualPipeV's overlapped F&B pairs in two threads (``pairs.run_pair``; the
+            caller resolves ``parallel.pp_overlap`` with ``rules.resolve_overlap``).
     Attributes: ``observers`` (list of ``observe.RuntimeObserver``), ``microbatch_losses`` (the
     last step's per-microbatch token-loss sums, float64 0-d, on the last stage; else empty).
     """
@@ -100,12 +113,13 @@ class PipelineRuntime:
     def __init__(self, chunks: list[nn.Module], group: AxisGroup, schedule: str,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp=None,
                  forward_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 device: torch.device | str = "cpu", timeout_s: float = 300.0):
+                 device: torch.device | str = "cpu", timeout_s: float = 300.0, overlap: bool = False):
         self.chunks, self.group, self.schedule_name = chunks, group, schedule
         self.loss_fn, self.dp, self.forward_ctx = loss_fn, dp, forward_ctx
         self.device = torch.device(device)
         self.p, self.rank, self.v = group.size, group.rank, len(chunks)
         self.timeout_s = timeout_s
+        self.overlap = overlap
         self.observers: list = []
         self.microbatch_losses: list[torch.Tensor] = []
         self._schedules: dict[tuple[str, int], Schedule] = {}
@@ -153,20 +167,17 @@ class PipelineRuntime:
         st.last_grad = max((i for i, a in enumerate(acts) if a.kind == grad_kind), default=-1)
         for o in obs:
             o.on_step_start(self, s, train)
+        pairs = self._overlapped_pairs(s, train)
         try:
             with contextlib.nullcontext() if train else torch.no_grad():
-                for i, a in enumerate(acts):
-                    st.index = i
-                    self._reap_sends()
-                    for o in obs:
-                        o.on_wait(a)
-                    inp = self._receive(a)
-                    for o in obs:
-                        o.on_action_start(a)
-                    with self._dp_context(i):
-                        {"F": self._forward, "B": self._backward, "W": self._weight_grad}[a.kind](a, inp)
-                    for o in obs:
-                        o.on_action_end(a)
+                i = 0
+                while i < len(acts):
+                    if i in pairs:  # F at i, B at i + 1: B in a worker thread beside F
+                        run_pair(self, i, acts[i], acts[i + 1])
+                        i += 2
+                    else:
+                        self._run_action(i, acts[i])
+                        i += 1
                 self._reap_sends(final=True)
                 st.recv.join()
         finally:
@@ -181,6 +192,31 @@ class PipelineRuntime:
             loss_sum += loss
         comm.all_reduce(loss_sum, self.group)  # only the last stage holds a non-zero sum
         return loss_sum
+
+    def _run_action(self, i: int, a: Action) -> None:
+        """Action ``i`` of the rank's list: wait for its input, run it (observers around both)."""
+        st, obs = self._step, self.observers
+        st.index = i
+        self._reap_sends()
+        for o in obs:
+            o.on_wait(a)
+        inp = self._receive(a)
+        for o in obs:
+            o.on_action_start(a)
+        with self._dp_context(i):
+            {"F": self._forward, "B": self._backward, "W": self._weight_grad}[a.kind](a, inp)
+        for o in obs:
+            o.on_action_end(a)
+
+    def _overlapped_pairs(self, s: Schedule, train: bool) -> set[int]:
+        """Indices i of this rank's actions that start an overlapped F&B pair this step: DualPipeV's
+        ``Schedule.pairs`` when ``overlap`` is on, in training, with no activation meter attached (it
+        sees the calling thread's operators only), and the pair is (F, B) of a split backward (so
+        B never touches ``.grad`` nor data-parallel hooks: W does, on the main thread)."""
+        if not (self.overlap and train and s.split_backward and s.pairs) or self.track_memory:
+            return set()
+        acts = s.actions[self.rank]
+        return {i for i in s.pairs[self.rank] if acts[i].kind == "F" and acts[i + 1].kind == "B"}
 
     def _dp_context(self, i: int):
         """``dp.no_sync()`` for every gradient-producing action of the rank but its last."""
@@ -270,6 +306,11 @@ class PipelineRuntime:
         return t * st.loss_scale if st.loss_scale != 1.0 else t
 
     def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
+        self._send(self._input_grad(a, grad_out), a)
+
+    def _input_grad(self, a: Action, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """B's autograd: the stage input's gradient (None on stage 0); split schedules keep the
+        weight-gradient pieces for W. Sends nothing (an overlapped pair's B runs in a thread)."""
         st = self._step
         saved = st.saved[(a.mb, a.chunk)]
         out, x, extra = saved.pop("out"), saved["x"], saved.pop("extra")
@@ -289,7 +330,7 @@ class PipelineRuntime:
             k = (1 if x is not None else 0) + len(captured)
             saved["wgrads"] = list(zip(captured, got[1 if x is not None else 0:k]))
             saved["direct"] = list(zip(direct, got[k:]))
-        self._send(gx, a)
+        return gx
 
     def _weight_grad(self, a: Action, _inp=None) -> None:
         saved = self._step.saved.pop((a.mb, a.chunk))
