@@ -28,6 +28,7 @@ from ndtrain.mem_account import MemorySampler, StateMemory, state_tensors
 from ndtrain.mesh import Mesh
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
+from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.dp.diloco import DiLoCo
 from ndtrain.parallel.dp.grad_sync import max_over_mesh
 from ndtrain.parallel.parallelize import parallelize, param_dtype
@@ -36,6 +37,30 @@ from ndtrain.precision import build_loss_scaler, compute_dtype
 from ndtrain.train_extras import ExtraLosses
 
 IGNORE_INDEX = -100
+
+
+class _ValidCount:
+    """A step's global count of valid labels: known (``value``), or pending on an all-reduce in
+    flight (``resolve``: waits and checks, may raise ValueError). ``denom()`` is the loss
+    denominator ``max(count, 1)``: a float when known, else this object, which the pipeline
+    runtime's ``loss_sum / denom`` resolves (``__rtruediv__``) after the first forward."""
+
+    def __init__(self, value: float | None = None, resolve=None):
+        self._value, self._resolve = value, resolve
+
+    def value(self) -> float:
+        if self._value is None:
+            self._value, self._resolve = self._resolve(), None
+        return self._value
+
+    def denom(self):
+        return max(self._value, 1.0) if self._value is not None else self
+
+    def __float__(self) -> float:
+        return max(self.value(), 1.0)
+
+    def __rtruediv__(self, t):
+        return t / float(self)
 
 
 class _StateSampler(RuntimeObserver):
@@ -103,6 +128,10 @@ class Trainer:
         # the loss group is the whole world (plain data parallel): the loss sum rides in the
         # bad-step agreement's all-reduce, one blocking collective per step instead of two
         self.fold_loss = self.world.size > 1 and self.mesh.group(self.loss_group).size == self.world.size
+        # the batch agreement may overlap the first forward (``_agree_on_batch``) when that forward
+        # has no data-parallel collectives to desynchronise: plain DDP, one stage, no MoE / MTP
+        self.overlap_agree = (type(self.dp) is DataParallel and mesh.dims.pp == 1 and self.extras is None
+                              and self.outer is None)
 
     def _forward_ctx(self):
         return (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
@@ -117,26 +146,43 @@ class Trainer:
             out = self.model(inputs, positions)  # (B, T, V), (B, T, V / tp) under tp, or the fused 0-d sum
         return batch.stage_loss(out, labels, self.param_dtype)
 
-    def _agree_on_batch(self, labels: torch.Tensor) -> float:
+    def _agree_on_batch(self, labels: torch.Tensor) -> _ValidCount:
         """Valid labels of the global batch, after checking that every dp x cp rank holds the same
         number of sequences -- in the same all-reduce (sum of B and of B^2: they are all equal iff
-        n * sum(B^2) == sum(B)^2), before any forward. Uneven local batches would desynchronise the
-        per-microbatch collectives of ZeRO-2/3 (a size mismatch or a hang), so every rank raises
-        the same ValueError instead. Raises ValueError also for an empty batch (on every rank).
-        Under DiLoCo the same over one replica (``dp_shard_cp``)."""
+        n * sum(B^2) == sum(B)^2). Uneven local batches would desynchronise the per-microbatch
+        collectives of ZeRO-2/3 (a size mismatch or a hang), so every rank raises the same
+        ValueError instead. Raises ValueError also for an empty batch (on every rank). Under
+        DiLoCo the same over one replica (``dp_shard_cp``).
+
+        Blocking, before any forward, except under ``self.overlap_agree`` (plain DDP, one stage, no
+        MoE: a forward without data-parallel collectives), where the all-reduce runs during the
+        first microbatch's forward and is waited for at its ``loss_sum / denom`` (``_ValidCount``),
+        so its latency is hidden; a rank with no sequences waits at once (it runs no forward), and
+        every rank still raises before any gradient collective."""
         group = self.mesh.group(self.loss_group)
         b = float(labels.shape[0])
         stats = torch.tensor([float((labels != IGNORE_INDEX).sum()), b, b * b], dtype=torch.float64,
                              device=self.device)
-        comm.all_reduce(stats, group)
-        n_valid, total, total_sq = stats.tolist()
-        if group.size * total_sq != total * total:
-            raise ValueError(f"local batch sizes differ across the {group.size} data-parallel x cp ranks "
-                             f"({total:.0f} sequences in all, mean {total / group.size:g}): every rank must "
-                             f"hold the same number of sequences (global_batch_size / dp)")
-        if total == 0:
-            raise ValueError("empty batch: every rank holds 0 sequences")
-        return n_valid
+
+        def check() -> float:
+            n_valid, total, total_sq = stats.tolist()
+            if group.size * total_sq != total * total:
+                raise ValueError(f"local batch sizes differ across the {group.size} data-parallel x cp ranks "
+                                 f"({total:.0f} sequences in all, mean {total / group.size:g}): every rank "
+                                 f"must hold the same number of sequences (global_batch_size / dp)")
+            if total == 0:
+                raise ValueError("empty batch: every rank holds 0 sequences")
+            return n_valid
+
+        if not self.overlap_agree or group.size == 1 or b == 0:
+            comm.all_reduce(stats, group)
+            return _ValidCount(check())
+        work = comm.all_reduce(stats, group, async_op=True)
+
+        def resolve() -> float:
+            work.wait()
+            return check()
+        return _ValidCount(resolve=resolve)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64; any
@@ -148,7 +194,7 @@ class Trainer:
         """
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         inputs, labels, positions = self.plan.shard(inputs, labels)  # this cp rank's tokens
-        n_valid = self._agree_on_batch(labels)
+        count = self._agree_on_batch(labels)
         if self.extras is not None:
             self.extras.begin_step(inputs, labels)
         self.mem.reset()
@@ -159,7 +205,7 @@ class Trainer:
         if self.mesh.dims.pp == 1:  # one stage: microbatches of micro_batch rows, the last may be short
             self.pipeline.m = -(-inputs.shape[0] // self.micro_batch)
         loss_sum = self.pipeline.forward_backward(
-            inputs, labels, max(n_valid, 1.0), positions,
+            inputs, labels, count.denom(), positions,
             extra_loss=self.extras.micro_loss if self.extras is not None else None,
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
@@ -172,7 +218,7 @@ class Trainer:
         if self.measure_memory:  # live activation storages of the whole step on this stage
             self.activation_peak_bytes = runtime.peak_activation_bytes
         out["mem_activations_peak_bytes"] = self.activation_peak_bytes
-        return self._finish(out, loss_sum, n_valid)
+        return self._finish(out, loss_sum, count.value())
 
     def _update(self, clip_fn, loss_sum: torch.Tensor) -> dict:
         """fp16 unscale (an overflow on any rank skips the step everywhere), clip, bad-step

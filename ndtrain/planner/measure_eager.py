@@ -147,18 +147,20 @@ def _ring_attention_seconds(cp: int, b: int, t_local: int, H: int, G: int, D: in
 
 def _param_pass_seconds(shapes, dt, reps: int) -> dict:
     """Seconds per parameter of the trainer's per-parameter passes over tensors of ``shapes``:
-    AdamW (foreach, as ``ndtrain.optim.build_optimizer``), the fp64 global-norm clip, gradient
-    accumulation (``add_``) and a flatten + copy back (data-parallel buckets / ZeRO packs)."""
+    AdamW (fused or foreach, as ``ndtrain.optim.build_optimizer`` chooses for plain tensors), the
+    global-norm clip (``ndtrain.optim.clip_grad_norm``), gradient accumulation (``add_``) and a
+    flatten + copy back (data-parallel buckets / ZeRO packs)."""
     import torch
 
-    from ndtrain.optim import clip_grad_norm
+    from ndtrain.optim import clip_grad_norm, fused_adamw_ok
 
     ps = [torch.nn.Parameter(torch.randn(s, dtype=dt)) for s in shapes]
     for p in ps:
         p.grad = torch.randn_like(p)
     other = [torch.randn_like(p) for p in ps]
     n = sum(p.numel() for p in ps)
-    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)
+    impl = {"fused": True} if fused_adamw_ok(ps) else {"foreach": True}
+    opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, **impl)
     opt.step()
 
     def flat():
