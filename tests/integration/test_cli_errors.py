@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.corpus import source_text
 from tests.dist_utils import is_alive, live_descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _corpus(tmp_path: Path) -> Path:
-    text = "\n".join(p.read_text() for p in sorted((ROOT / "ndtrain").rglob("*.py")))[:60000]
+    text = source_text(60000)
     path = tmp_path / "corpus.txt"
     path.write_text(text)
     return path

@@ -24,6 +24,7 @@ from ndtrain.fault.events import read_events
 from ndtrain.metrics import read_metrics
 from ndtrain.spawn import SpawnError, spawn
 from ndtrain.train import run
+from tests.corpus import source_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _corpus(tmp: Path) -> Path:
     path = tmp / "corpus.txt"
     if not path.exists():
-        path.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ndtrain").rglob("*.py")))[:60000])
+        path.write_text(source_text(60000))
     return path
 
 

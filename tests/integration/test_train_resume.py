@@ -19,11 +19,11 @@ from ndtrain.config import load_config
 from ndtrain.data import prepare_data
 from ndtrain.metrics import read_metrics
 from ndtrain.train import run
+from tests.corpus import source_text
 
 
 def _corpus(tmp_path: Path) -> Path:
-    src = Path(__file__).resolve().parents[2] / "ndtrain"
-    text = "\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:60000]
+    text = source_text(60000)
     path = tmp_path / "corpus.txt"
     path.write_text(text)
     return path

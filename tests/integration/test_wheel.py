@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.corpus import source_text
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # builds and installs a wheel, then trains: ~40 s on 2 cores
@@ -43,7 +45,7 @@ def test_wheel_ships_presets_and_trains_debug(tmp_path):
     work = tmp_path / "elsewhere"  # no ndtrain/ or configs/ below the working directory
     work.mkdir()
     corpus = work / "corpus.txt"
-    corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "ndtrain").rglob("*.py")))[:60000])
+    corpus.write_text(source_text(60000))
     env = dict(os.environ, PYTHONPATH=str(target))
     where = _run([sys.executable, "-c", "import ndtrain; print(ndtrain.__file__)"], cwd=work, env=env)
     assert where.stdout.strip() == str(target / "ndtrain" / "__init__.py")  # the wheel, not the repo

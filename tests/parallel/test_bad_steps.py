@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from ndtrain.fault.bad_steps import BadStepGuard
+from tests.corpus import source_text
 from tests.dist_utils import run_ranks
 from tests.parallel.test_zero import global_batch, tiny_cfg
 
@@ -113,8 +114,7 @@ def _all(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_bad_steps_skip_rollback_and_straggler(tmp_path):
-    src = Path(__file__).resolve().parents[2] / "ndtrain"
-    (tmp_path / "corpus.txt").write_text("\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:60000])
+    (tmp_path / "corpus.txt").write_text(source_text(60000))
     res = run_ranks(_all, 2, str(tmp_path), timeout_s=240)
     for rank in (0, 1):
         for stage in (0, 3):

@@ -45,6 +45,7 @@ from ndtrain.config import load_config
 from ndtrain.data import prepare_data
 from ndtrain.metrics import read_metrics
 from ndtrain.train import run
+from tests.corpus import source_text
 from tests.dist_utils import run_ranks
 
 SAVE, STEPS, TOL = 4, 8, 1e-6
@@ -70,8 +71,7 @@ KEYS = ("loss", "grad_norm", "lr", "aux_loss", "aux_seq", "aux_switch", "aux_z",
 def _cfg(tmp_path: Path, world: int, **over):
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
-        src = Path(__file__).resolve().parents[2] / "ndtrain"
-        corpus.write_text("\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:40000])
+        corpus.write_text(source_text(40000))
     base = {"data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache"), **MODEL, **TRAIN}
     base.update({k: str(v) for k, v in over.items()})
     return load_config("deepseek_v3_debug", base, world_size=world)

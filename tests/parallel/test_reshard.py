@@ -21,14 +21,14 @@ from ndtrain.config import load_config
 from ndtrain.data import prepare_data
 from ndtrain.metrics import read_metrics
 from ndtrain.train import run
+from tests.corpus import source_text
 from tests.dist_utils import run_ranks
 
 
 def _cfg(tmp_path: Path, world: int, **over):
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
-        src = Path(__file__).resolve().parents[2] / "ndtrain"
-        corpus.write_text("\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:40000])
+        corpus.write_text(source_text(40000))
     base = {"data.source": str(corpus), "data.tokenizer": "bytes", "data.cache_dir": str(tmp_path / "cache"),
             "data.seq_len": 16, "model.vocab_size": 257, "model.dim": 30, "model.n_heads": 3,
             "model.n_kv_heads": 1, "model.ffn_hidden": 45, "training.dtype": "float64",

@@ -20,6 +20,7 @@ from ndtrain.generate import KVCache, generate
 from ndtrain.metrics import flops_per_token
 from ndtrain.model import build_model, count_params
 from ndtrain.planner.model_spec import from_model_config
+from tests.corpus import source_text
 
 
 def test_pattern_letters_names_and_repetition():
@@ -158,9 +159,8 @@ def test_train_hybrid_debug_loss_decreases(tmp_path: Path):
     from ndtrain.train import run
 
     torch.set_num_threads(1)
-    src = Path(__file__).resolve().parents[2] / "ndtrain"
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(p.read_text() for p in sorted(src.rglob("*.py")))[:40000])
+    corpus.write_text(source_text(40000))
     cfg = load_config("hybrid_debug", {"data.source": str(corpus), "data.tokenizer": "bytes",
                                        "data.cache_dir": str(tmp_path / "cache"), "training.steps": 8,
                                        "logging.log_every": 1, "training.eval_every": 0,
