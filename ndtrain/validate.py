@@ -141,13 +141,24 @@ def _validate_speed(cfg) -> None:
         _check(not why, why)
 
 
+def _overlap_device(pp_overlap, device: str) -> str:
+    """The device type ``parallel.pp_overlap=true`` is checked against: ``training.device``, with
+    ``auto`` resolved as the ranks will resolve it (CUDA when present), so the rule fails here and
+    not inside every rank. torch is imported only for ``true`` with ``auto``."""
+    if device != "auto" or str(pp_overlap).lower() != "true":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _validate_axes(cfg, world_size: int | None) -> None:
     """Each axis's own ``check`` via ``check_axes`` (the planner calls the same), then the
     world-size rules."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     check_axes(ModelFacts.of_config(m), p, cfg.data.seq_len, t.activation_checkpoint)
     pp_rules.check_overlap(p.pp_overlap, p.pp, p.pp_schedule, p.tp, p.cp, p.zero_stage, t.activation_checkpoint,
-                           t.compile, t.device)
+                           t.compile, _overlap_device(p.pp_overlap, t.device))
     if world_size is not None:
         from ndtrain.mesh import ParallelDims  # torch: imported only when a world size is checked
 

@@ -15,7 +15,8 @@ rank 0 adds to the metrics row:
 * ``step_time_p50_s`` / ``_p90_s`` / ``_max_s``, ``data_time_*``, ``busy_time_*``: over the ranks,
   the median of the per-rank p50s, the max of the per-rank p90s and the max of the maxima;
 * ``slowest_rank`` (largest busy p50 + data p50) and ``slowest_vs_median`` (its ratio to the median
-  rank's); above ``THRESHOLD`` (1.10: more than 10% slower) a ``straggler`` event goes to
+  rank's); above ``THRESHOLD`` (1.10: more than 10% slower) and ``MIN_GAP_S`` (5 ms per step)
+  slower, a ``straggler`` event goes to
   ``events.jsonl`` and one console line names the rank;
 * ``per_rank``: each rank's [step p50, data p50, busy p50] (for plots; small for CPU-sized runs).
 """
@@ -31,6 +32,7 @@ from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm, flight_recorder
 
 THRESHOLD = 1.10  # the slowest rank is reported when its time exceeds the median rank's by 10%
+MIN_GAP_S = 0.005  # ... and by at least 5 ms per step (a ratio of two sub-millisecond times is noise)
 
 
 def percentiles(xs: list[float]) -> tuple[float, float, float]:
@@ -90,7 +92,7 @@ class StragglerMonitor:
         ratio = own[slowest] / median if median > 0 else 1.0
         out.update({"slowest_rank": slowest, "slowest_vs_median": ratio,
                     "per_rank": [[r[0], r[3], r[6]] for r in rows]})
-        if ratio > THRESHOLD and len(rows) > 1:
+        if ratio > THRESHOLD and own[slowest] - median >= MIN_GAP_S and len(rows) > 1:
             print(f"straggler: rank {slowest} is {100 * (ratio - 1):.0f}% slower than the median rank "
                   f"({own[slowest]:.3f} s vs {median:.3f} s of own work per step)", flush=True)
             if run_dir is not None:

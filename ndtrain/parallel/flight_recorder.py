@@ -51,7 +51,7 @@ class FlightRecorder:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.grace_s = grace_s if grace_s is not None else min(10.0, max(1.0, 0.5 * self.timeout_s))
         self.seq = 0
-        self.wait_s = 0.0  # seconds spent blocked in waits (the straggler report subtracts it)
+        self.wait_s = 0.0  # seconds the main thread spent blocked in waits (``add_wait``)
         self._lock = threading.Lock()  # pipeline receiver threads record too
 
     def start(self, op: str, axis: str, nbytes: float, peer: int | None = None) -> dict:
@@ -81,7 +81,16 @@ class FlightRecorder:
         else:
             work.wait()
         entry["t_end"] = time.time()
-        self.wait_s += time.perf_counter() - t0
+        self.add_wait(time.perf_counter() - t0)
+
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` of blocking in ``wait_s`` when the calling thread is the main thread
+        (the one that runs the step): the pipeline's receiver threads and an overlapped pair's
+        backward thread wait beside the step, not in it, so their waits are not the step's idle
+        time (the straggler report subtracts ``wait_s`` from the step's wall time)."""
+        if threading.current_thread() is threading.main_thread():
+            with self._lock:
+                self.wait_s += seconds
 
     def timeout_error(self, entry: dict, group) -> CollectiveTimeoutError:
         """Post this rank's state, find the peers that did not, dump the buffer; the error to raise."""

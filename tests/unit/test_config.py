@@ -92,3 +92,16 @@ def test_cli_rejects_bad_layout_before_starting_processes(tmp_path):
     assert "global_batch_size (6) is not divisible" in proc.stderr
     assert not run_dir.exists()
     assert "Traceback" not in proc.stderr
+
+
+def test_pp_overlap_true_with_device_auto_is_checked_against_the_device_the_ranks_will_use(monkeypatch):
+    """``training.device=auto`` on a CUDA machine resolves to CUDA in the ranks, where DualPipeV's
+    overlapped pairs are not supported: the rule must fail before any process starts."""
+    import torch
+
+    over = {"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "parallel.pp_overlap": "true",
+            "model.n_layers": 4, "training.global_batch_size": 8, "training.micro_batch_size": 1}
+    load_config("debug", over, world_size=2)  # CPU here: accepted
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="pp_overlap=true needs training.device=cpu"):
+        load_config("debug", over, world_size=2)

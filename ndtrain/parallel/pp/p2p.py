@@ -91,16 +91,22 @@ class Receiver:
                 self.cond.notify_all()
 
     def take(self, key: tuple) -> torch.Tensor:
-        deadline = time.monotonic() + self.timeout_s
-        with self.cond:
-            while key not in self.inbox:
-                if self.error is not None:
-                    raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"pipeline: message {key} did not arrive in {self.timeout_s:.0f} s")
-                self.cond.wait(timeout=min(left, 1.0))
-            return self.inbox.pop(key)
+        """The message ``key``, blocking until it arrives; the time blocked counts as a wait of the
+        step (``FlightRecorder.add_wait``: a stage waiting for its neighbour is idle, not slow)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        try:
+            with self.cond:
+                while key not in self.inbox:
+                    if self.error is not None:
+                        raise RuntimeError(f"pipeline receive failed: {self.error!r}") from self.error
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"pipeline: message {key} did not arrive in {self.timeout_s:.0f} s")
+                    self.cond.wait(timeout=min(left, 1.0))
+                return self.inbox.pop(key)
+        finally:
+            recorder().add_wait(time.monotonic() - t0)
 
     def join(self) -> None:
         for th in self.threads:
