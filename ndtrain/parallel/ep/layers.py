@@ -34,6 +34,15 @@ class ExpertParallelExperts(GroupedExperts):
     """
 
     accepts_side_fn = True  # MoE.forward_tokens' duck-typed overlap entry (parallel.moe_shared_overlap)
+    # The split backward's W pass (pp zero_bubble / dualpipev) differentiates a module's output
+    # w.r.t. its own weights. Ours comes after the combine all-to-all, whose backward B already
+    # ran: W from there would repeat it. So when the pipeline runtime asks for it
+    # (``keep_weight_grad_output``, set only under split schedules, so no other schedule keeps a
+    # reference to an activation) the forward leaves the local grouped-GEMM output in
+    # ``weight_grad_output``, which the runtime's forward hook records instead of the output
+    # (and clears): W then reaches the weights through the local GEMMs only.
+    keep_weight_grad_output = False
+    weight_grad_output: torch.Tensor | None = None
 
     def __init__(self, full: GroupedExperts, group: AxisGroup, tally=None):
         n_experts = full.w1.shape[0]
@@ -54,7 +63,9 @@ class ExpertParallelExperts(GroupedExperts):
         """xs (M, C), counts (E,) -> (M, C); with ``side_fn`` (``parallel.moe_shared_overlap``:
         ``MoE`` passes its shared-expert closure) -> ((M, C), ``side_fn()``), ``side_fn`` run while
         the dispatch all-to-all is in flight (``ndtrain.parallel.ep.overlap``; backward synchronous).
-        Called through the module (``self.experts(...)``) so ZeRO-3's unit hooks still fire."""
+        Called through the module (``self.experts(...)``) so ZeRO-3's unit hooks still fire.
+        With ``keep_weight_grad_output`` set, also sets ``weight_grad_output`` to the local experts'
+        output (R, C) (R: rows received), in (expert, source) order, before the combine."""
         ep = self.group.size
         el = counts.numel() // ep
         send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
@@ -69,6 +80,8 @@ class ExpertParallelExperts(GroupedExperts):
         seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
         y = super().forward(xr[perm], recv.sum(0))  # (R, C)
+        if self.keep_weight_grad_output:  # both paths (side_fn or not): the same B / W split
+            self.weight_grad_output = y
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
         out = AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
         return out if side_fn is None else (out, side)

@@ -132,6 +132,9 @@ class PipelineRuntime:
             unique = {id(mod): mod for owners in self._owners for mod in owners}  # one hook per module,
             self._hooks = [mod.register_forward_hook(self._record_output)  # even one two chunks share
                            for mod in unique.values()]
+            for mod in unique.values():  # owners that can name their W-pass tensor: ask them to
+                if hasattr(mod, "keep_weight_grad_output"):
+                    mod.keep_weight_grad_output = True
 
     def schedule(self, m: int, name: str | None = None) -> Schedule:
         name = name or self.schedule_name
@@ -266,8 +269,16 @@ class PipelineRuntime:
         self._step.sends = keep
 
     def _record_output(self, module, args, output) -> None:
-        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            self._capture.append((module, output))
+        """Forward hook of every parameter owner under a split schedule: record the tensor W will
+        differentiate -- the output, or the one the module names in ``weight_grad_output`` (an
+        expert-parallel layer's local GEMM output, before its combine all-to-all, whose backward
+        B has already run: ``ep.layers``); that attribute is cleared either way (even when not
+        capturing), so the module keeps no activation alive."""
+        y = output
+        if getattr(module, "keep_weight_grad_output", False):
+            y, module.weight_grad_output = module.weight_grad_output, None
+        if self._capture is not None and isinstance(y, torch.Tensor) and y.requires_grad:
+            self._capture.append((module, y))
 
     # --- compute actions --------------------------------------------------------------------------
     def _forward(self, a: Action, inp: torch.Tensor | None) -> None:
@@ -358,4 +369,8 @@ class PipelineRuntime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for owners in self._owners:  # nothing would clear weight_grad_output any more
+            for mod in owners:
+                if getattr(mod, "keep_weight_grad_output", False):
+                    mod.keep_weight_grad_output = False
 

@@ -7,6 +7,12 @@ gradient into that module's own parameters (exactly the skipped terms), then acc
 into ``.grad`` in one backward, so data-parallel hooks and ZeRO's end-of-backward flush fire once
 per W, not once per module. Needs modules that use their parameters only in their forward.
 
+A module whose output lies behind a collective names an earlier tensor instead: with
+``keep_weight_grad_output`` set (by the runtime, under split schedules only) its forward leaves it
+in ``weight_grad_output``, and the runtime's hook records that tensor (and clears the attribute).
+An expert-parallel layer (``ep.layers.ExpertParallelExperts``) names its local grouped-GEMM output:
+W from the layer output would run the combine all-to-all's backward a second time (B has run it).
+
 Most owners' weight gradients need no parameter *values* (a linear layer's is g^T x, from saved
 activations), so ZeRO-3 may free a unit between B and W. An owner that chains its own parameters,
 or holds parameter-owning children its own parameters feed (``reads_parameters``: MoE's stacked
