@@ -35,6 +35,39 @@ def add_tally(tally, nbytes: float) -> None:
             tally.a2a_bytes += nbytes
 
 
+class PendingAllToAll:
+    """An all-to-all in flight: the recorder's ``TimedWork`` (None for a size-1 group, already
+    done) and the send buffer, kept alive until ``wait``."""
+
+    def __init__(self):
+        self.work = None
+        self.send: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        """Block until the all-to-all has filled its output (under the flight recorder's deadline)."""
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.send = None, None
+
+
+def start_all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                       group: AxisGroup, tally=None) -> PendingAllToAll:
+    """Start ``all_to_all_v`` asynchronously: ``out`` is valid after the returned handle's
+    ``wait()``. The bytes are counted at the start (axis, flight recorder, ``tally``)."""
+    pending = PendingAllToAll()
+    if group.pg is None:
+        out.copy_(inp)
+        return pending
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
+    b = (sum(in_splits) - in_splits[group.rank]) * row
+    count(group, b)
+    add_tally(tally, b)
+    send = pending.send = inp.contiguous()
+    pending.work = run_collective("all_to_all_v", group, b, lambda: dist.all_to_all_single(
+        out, send, out_splits, in_splits, group=group.pg, async_op=True), True)
+    return pending
+
+
 def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                  group: AxisGroup, tally=None) -> None:
     """``out`` <- rows from every rank: rank r sends ``inp`` rows ``in_splits`` (one count per
@@ -45,16 +78,7 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in
     ``tally``: optional object whose ``a2a_bytes`` also receives those bytes (an MoE layer's
     ``LoadStats``, for the per-step ``moe_a2a_bytes`` metric).
     """
-    if group.pg is None:
-        out.copy_(inp)
-        return
-    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
-    b = (sum(in_splits) - in_splits[group.rank]) * row
-    count(group, b)
-    add_tally(tally, b)
-    inp = inp.contiguous()
-    run_collective("all_to_all_v", group, b, lambda: dist.all_to_all_single(
-        out, inp, out_splits, in_splits, group=group.pg, async_op=True), False)
+    start_all_to_all_v(out, inp, out_splits, in_splits, group, tally).wait()
 
 
 class AllToAllV(torch.autograd.Function):

@@ -16,51 +16,10 @@ backward is the identity.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 from ndtrain.mesh import AxisGroup
-from ndtrain.parallel.comm import count
-from ndtrain.parallel.ep.collectives import AllToAllV, add_tally
-from ndtrain.parallel.flight_recorder import run_collective
-
-
-class PendingAllToAll:
-    """The in-flight dispatch of one forward: the recorder's ``TimedWork`` (None for a size-1
-    group, already done) and the send buffer, kept alive until the wait."""
-
-    def __init__(self):
-        self.work = None
-        self.send: torch.Tensor | None = None
-
-    def wait(self) -> None:
-        """Block until the all-to-all has filled its output (under the flight recorder's deadline)."""
-        if self.work is not None:
-            self.work.wait()
-        self.work, self.send = None, None
-
-
-def start_all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                       group: AxisGroup, tally=None) -> PendingAllToAll:
-    """``all_to_all_v`` (``ndtrain.parallel.ep.collectives``) started asynchronously: the same
-    byte counting (axis, flight recorder, ``tally.a2a_bytes`` under ``add_tally``'s lock), but
-    ``out`` is valid only after
-    the returned handle's ``wait()``. Size-1 group: ``out.copy_(inp)`` at once."""
-    pending = PendingAllToAll()
-    if group.pg is None:
-        out.copy_(inp)
-        return pending
-    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (inp may have 0 rows)
-    b = (sum(in_splits) - in_splits[group.rank]) * row
-    count(group, b)
-    add_tally(tally, b)
-    pending.send = inp.contiguous()
-    send = pending.send
-    pending.work = run_collective("all_to_all_v", group, b, lambda: dist.all_to_all_single(
-        out, send, out_splits, in_splits, group=group.pg, async_op=True), True)
-    return pending
+from ndtrain.parallel.ep.collectives import AllToAllV, PendingAllToAll, start_all_to_all_v
 
 
 class DispatchStart(torch.autograd.Function):
