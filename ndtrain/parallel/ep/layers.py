@@ -79,8 +79,11 @@ class ExpertParallelExperts(GroupedExperts):
             xr, side = dispatch_overlapped(xs, out_splits, in_splits, self.group, tally, side_fn)
         seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
+        self.weight_grad_output = None
         y = super().forward(xr[perm], recv.sum(0))  # (R, C)
-        if self.keep_weight_grad_output:  # both paths (side_fn or not): the same B / W split
+        # both paths (side_fn or not): the same B / W split; a tp-split compute (expert_tp = tp)
+        # has already named its own partial sums, before its reduce-scatter
+        if self.keep_weight_grad_output and self.weight_grad_output is None:
             self.weight_grad_output = y
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
         out = AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)

@@ -206,7 +206,14 @@ class SplitExpertsTP(GroupedExperts):
     """``parallel.expert_tp = tp``: each expert's hidden F split over tp. xs (M, C) this rank's
     rows sorted by (local) expert, counts (E_l,) -> (M, C) the whole expert outputs of those rows:
     all-gather the tp ranks' rows (variable sizes), run them through the F/tp slice, reduce-scatter
-    the partial sums back. Every tp rank must call it (collectives), also with M = 0."""
+    the partial sums back. Every tp rank must call it (collectives), also with M = 0.
+
+    Under a split backward (``keep_weight_grad_output``, set by the pipeline runtime) the partial
+    sums before the reduce-scatter are left in ``weight_grad_output`` for the W pass, which then
+    reaches the weights through the local GEMMs only (as ``ep.layers.ExpertParallelExperts``)."""
+
+    keep_weight_grad_output = False
+    weight_grad_output: torch.Tensor | None = None
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         g, el, m = self.tp_group, counts.numel(), xs.shape[0]
@@ -218,6 +225,8 @@ class SplitExpertsTP(GroupedExperts):
         seg = torch.arange(tp * el, device=xs.device).repeat_interleave(every.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * tp + seg // el, stable=True)  # -> (expert, source) order
         y = super().forward(xa[perm], every.sum(0))  # (R, C) partial sums over F/tp
+        if self.keep_weight_grad_output:
+            self.weight_grad_output = y
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
         return AllToAllV.apply(y, [m] * tp, rows, g).view(tp, m, -1).sum(0)  # (M, C)
 
