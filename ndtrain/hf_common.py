@@ -57,6 +57,17 @@ def export_frame(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return out
 
 
+def unstack_experts(out: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], ff: str, moe: str,
+                    names: dict[str, str], n_experts: int) -> None:
+    """Write ndtrain's stacked expert weights ``{ff}.experts.{w}`` (E, out, in) into ``out`` as
+    Hugging Face's per-expert ``{moe}.experts.{j}.{names[w]}.weight`` (out, in), j < ``n_experts``.
+    Each slice is cloned: safetensors refuses tensors that share storage."""
+    for n_name, h_name in names.items():
+        stacked = sd[f"{ff}.experts.{n_name}"]
+        for j in range(n_experts):
+            out[f"{moe}.experts.{j}.{h_name}.weight"] = stacked[j].clone()
+
+
 def require(hf: dict[str, Any], keys: tuple[str, ...]) -> None:
     """Raise ValueError naming the ``keys`` missing from ``hf`` (only possible without transformers;
     see ``with_family_defaults``)."""

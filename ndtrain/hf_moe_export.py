@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import export_frame, rope_config
+from ndtrain.hf_common import export_frame, rope_config, unstack_experts
 from ndtrain.hf_moe import _deinterleave
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
@@ -92,10 +92,7 @@ def _moe_layer(sd: dict[str, torch.Tensor], cfg: ModelConfig, ff: str, hp: str, 
         for n_name, h_name in _DENSE.items():
             out[f"{moe}.shared_experts.{h_name}.weight"] = sd[f"{ff}.shared.{n_name}.weight"]
     out[f"{moe}.gate.weight"] = sd[f"{ff}.router.weight"]
-    for n_name, h_name in names.items():
-        stacked = sd[f"{ff}.experts.{n_name}"]  # (E, out, in)
-        for j in range(cfg.moe_experts):  # clone: safetensors refuses tensors sharing storage
-            out[f"{moe}.experts.{j}.{h_name}.weight"] = stacked[j].clone()
+    unstack_experts(out, sd, ff, moe, names, cfg.moe_experts)
     return out
 
 

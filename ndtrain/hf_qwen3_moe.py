@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf_common import export_frame, require, rope_config, with_family_defaults
+from ndtrain.hf_common import export_frame, require, rope_config, unstack_experts, with_family_defaults
 from ndtrain.hf_moe import _common, state_dict_from_hf_moe
 
 _NEEDED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -151,8 +151,5 @@ def state_dict_to_hf_qwen3_moe(sd: dict[str, torch.Tensor], cfg: ModelConfig) ->
         if sd[f"{ff}.expert_bias"].any():
             raise ValueError(f"{ff}.expert_bias is non-zero; Qwen3-MoE has no selection bias")
         out[f"{hp}.mlp.gate.weight"] = sd[f"{ff}.router.weight"]
-        for n_name, h_name in _SWIGLU.items():
-            stacked = sd[f"{ff}.experts.{n_name}"]  # (E, out, in)
-            for j in range(cfg.moe_experts):  # clone: safetensors refuses tensors sharing storage
-                out[f"{hp}.mlp.experts.{j}.{h_name}.weight"] = stacked[j].clone()
+        unstack_experts(out, sd, ff, f"{hp}.mlp", _SWIGLU, cfg.moe_experts)
     return out

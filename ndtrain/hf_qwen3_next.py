@@ -37,6 +37,7 @@ from ndtrain.hf_common import (
     require,
     rope_config,
     rope_params,
+    unstack_experts,
     with_family_defaults,
 )
 from ndtrain.hf_moe import _stack_experts
@@ -244,9 +245,7 @@ def state_dict_to_hf_qwen3_next(sd: dict[str, torch.Tensor], cfg: ModelConfig) -
             ff, moe = f"{n}.feed_forward", f"{h}.mlp"
             if sd[f"{ff}.expert_bias"].any():
                 raise ValueError(f"{ff}.expert_bias is non-zero; Qwen3-Next has no selection bias")
-            for a, b in _SWIGLU.items():
-                for j in range(cfg.moe_experts):  # clone: safetensors refuses tensors sharing storage
-                    out[f"{moe}.experts.{j}.{b}.weight"] = sd[f"{ff}.experts.{a}"][j].clone()
+            unstack_experts(out, sd, ff, moe, _SWIGLU, cfg.moe_experts)
             if not cfg.moe_shared_experts:
                 w, f = sd[f"{ff}.router.weight"], cfg.expert_ffn_dim
                 for b, shape in (("gate_proj", (f, cfg.dim)), ("up_proj", (f, cfg.dim)), ("down_proj", (cfg.dim, f))):
