@@ -23,10 +23,10 @@ from ndtrain.config import Config, DataConfig, ModelConfig
 from ndtrain.errors import ConfigError
 from ndtrain.generate import KVCache
 from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_common import read_safetensors
 from ndtrain.hf_mamba2 import config_from_hf_mamba2, config_to_hf_mamba2
 from ndtrain.model import build_model
 from ndtrain.validate import validate
+from tests.hf_utils import assert_hf_round_trip_exact, assert_same_state
 
 
 def tokens(t: int = 21):
@@ -84,8 +84,7 @@ def test_native_model_exports_and_decodes(tmp_path):
     assert ref.abs().max() > 1.0
     torch.testing.assert_close(hf(tokens()).logits, ref, atol=1e-4, rtol=0)
     _, back = load_hf_checkpoint(tmp_path)
-    for name, t in model.state_dict().items():
-        torch.testing.assert_close(back.state_dict()[name], t, atol=0, rtol=0)
+    assert_same_state(model, back)
     cache, steps = KVCache(2, 64), []
     for i in range(tokens().shape[1]):  # token by token through the conv window and the SSM state
         steps.append(model(tokens()[:, i:i + 1], kv_cache=cache))
@@ -96,13 +95,7 @@ def test_native_model_exports_and_decodes(tmp_path):
 def test_transformers_round_trip_keeps_tensors(tmp_path):
     torch.manual_seed(1)
     hf = _tiny()
-    hf.save_pretrained(tmp_path / "a")
-    cfg, model = load_hf_checkpoint(tmp_path / "a")
-    save_hf_checkpoint(model, cfg, tmp_path / "b")
-    a, b = read_safetensors(tmp_path / "a"), read_safetensors(tmp_path / "b")
-    assert sorted(a) == sorted(b)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0)
+    cfg = assert_hf_round_trip_exact(hf, tmp_path)
     assert config_from_hf_mamba2(config_to_hf_mamba2(cfg)) == cfg
 
 

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig
 from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_common import read_safetensors
 from ndtrain.hf_qwen3_moe import config_from_hf_qwen3_moe, config_to_hf_qwen3_moe
 from ndtrain.model import build_model
 from ndtrain.validate import validate
+from tests.hf_utils import assert_hf_round_trip_exact, assert_same_state
 
 
 def tokens():
@@ -86,8 +86,7 @@ def test_native_model_exports_to_transformers(tmp_path):
     torch.testing.assert_close(hf(tokens()).logits, ref, atol=1e-5, rtol=0)
     ncfg, back = load_hf_checkpoint(tmp_path)
     assert [ncfg.is_moe_layer(i) for i in range(4)] == [cfg.is_moe_layer(i) for i in range(4)]
-    for name, t in model.state_dict().items():
-        torch.testing.assert_close(back.state_dict()[name], t, atol=0, rtol=0)
+    assert_same_state(model, back)
 
 
 @torch.no_grad()
@@ -95,13 +94,7 @@ def test_transformers_round_trip_keeps_tensors(tmp_path):
     """HF -> ndtrain -> HF writes back the same tensors (per-expert layout) and config."""
     torch.manual_seed(1)
     hf = _tiny(decoder_sparse_step=2)
-    hf.save_pretrained(tmp_path / "a")
-    cfg, model = load_hf_checkpoint(tmp_path / "a")
-    save_hf_checkpoint(model, cfg, tmp_path / "b")
-    a, b = read_safetensors(tmp_path / "a"), read_safetensors(tmp_path / "b")
-    assert sorted(a) == sorted(b)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0)
+    cfg = assert_hf_round_trip_exact(hf, tmp_path)
     assert config_from_hf_qwen3_moe(config_to_hf_qwen3_moe(cfg)) == cfg
 
 
