@@ -66,6 +66,8 @@ def _fused_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0)):
         return False  # the CUDA kernel is bf16-only, Hopper or newer
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch.compile's fake-tensor kernel of _grouped_mm takes bf16 only
     align = 16 // x.element_size()  # the kernel needs 16-byte aligned row strides
     return x.shape[0] > 0 and x.shape[1] % align == 0 and w.shape[1] % align == 0
 

@@ -277,3 +277,16 @@ def test_moe_with_activation_checkpointing_matches():
     for key in ("loss", "aux_loss", "moe_load_max_mean"):
         assert [o[key] for o in a] == [o[key] for o in b], key
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+def test_grouped_mm_under_torch_compile_float32():
+    """torch.compile's fake-tensor kernel of ``torch._grouped_mm`` takes bf16 only: a float32 MoE
+    under ``training.compile`` crashed in tracing. Compiled (dynamo, eager backend: the same
+    tracing) must equal the eager loop exactly (same matmuls)."""
+    from ndtrain.model.moe import grouped_mm, grouped_mm_loop
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(2, 16, 16, generator=g)
+    counts = torch.tensor([3, 5])
+    got = torch.compile(grouped_mm, backend="eager")(x, w, counts)
+    torch.testing.assert_close(got, grouped_mm_loop(x, w, [3, 5]), rtol=0, atol=0)
