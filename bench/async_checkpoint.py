@@ -1,7 +1,7 @@
 """Blocking time of a checkpoint save: synchronous DCP save vs ``checkpoint.async_save``.
 
 One process trains a model (AdamW, so the state is weights + two moments) and saves it every
-``--every`` steps through ``ndtrain.checkpoint.CheckpointSaver``, once synchronously and once
+``--every`` steps through ``ndtrain.checkpoint.dcp.CheckpointSaver``, once synchronously and once
 asynchronously, alternating the two modes ``--rounds`` times in this command so machine load hits
 both alike. Reports per mode the median ``block_s`` (how long ``save`` kept the training loop
 waiting; for async: the copy to host memory plus waiting for the previous save), the median
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import ModelConfig
-from ndtrain.fault.events import read_events
+from ndtrain.events import read_events
 from ndtrain.model import build_model
 
 

@@ -9,7 +9,7 @@ chunked), ``gated_deltanet`` (chunked WY form), ``sliding_window`` (window 256, 
 (indexer + top-256 keys) -- built from one scaled-down ``ModelConfig`` (dim 128, 4 heads of 32, 2
 kv heads, chunk 64, fp32, batch 1), runs forward + backward of ``sum(out * g)`` for each length T:
 
-* tokens/s = T / median seconds of forward + backward (``ndtrain.bench_utils.time_fn``; one
+* tokens/s = T / median seconds of forward + backward (``ndtrain.tools.bench_utils.time_fn``; one
   warm-up per mixer at the shortest length, then one warm-up and ``--repeats`` per length), by the
   wall clock and on-core (process CPU time: on a shared machine a long call is descheduled part of
   its wall time; the figure and ``crossover_T_on_core`` use the on-core rate);
@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain import bench_utils
-from ndtrain.config_schema import ModelConfig
+from ndtrain.config.schema import ModelConfig
+from ndtrain.tools import bench_utils
 
 KINDS = ("attention", "linear", "mamba2", "gated_deltanet", "sliding_window", "dsa")
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)

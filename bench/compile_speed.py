@@ -7,10 +7,10 @@ own sequence length and global batch) are built side by side, one with ``trainin
 (``torch.compile`` of each block's forward, ``ndtrain/parallel/compile.py``); warm-up steps
 (Inductor compiles during the first ones) are not timed. Then steps alternate A, B / B, A on the
 same random batches, so a load change on a shared machine hits both alike; the medians give
-tokens/s and ``ratio = compiled tokens/s / eager tokens/s`` (issue 17's target: >= 1.1).
+tokens/s and ``ratio = compiled tokens/s / eager tokens/s`` (target: >= 1.1).
 Also reports the two runs' losses on the last step (compiled and eager should agree to bf16
 roundoff). Writes ``bench/results/compile_speed.json`` with the load average before and after
-(``ndtrain.bench_utils.write_result``: machine info and date too).
+(``ndtrain.tools.bench_utils.write_result``: machine info and date too).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 def build(compile_: bool):
     from ndtrain.config import load_config
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     cfg = load_config("default", {"training.compile": compile_, "training.device": "cpu"}, world_size=1)
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def main() -> None:
            "eager_tokens_per_s": B * T / med["eager"], "compiled_tokens_per_s": B * T / med["compiled"],
            "ratio": med["eager"] / med["compiled"], "last_loss": losses,
            "load_before": load_before, "load_after": os.getloadavg()}
-    from ndtrain.bench_utils import write_result  # adds machine info and the UTC date
+    from ndtrain.tools.bench_utils import write_result  # adds machine info and the UTC date
 
     write_result(ROOT / "bench" / "results" / args.out, res)
     print(json.dumps(res, indent=1))

@@ -42,13 +42,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.bench_utils import time_fn, write_result
 from ndtrain.mesh import ParallelDims
 from ndtrain.ops.gated_delta.chunk import chunk_gated_delta
 from ndtrain.ops.linear_attn.chunk import chunk_linear_attn
 from ndtrain.parallel.cp.state_passing import StatePasser
 from ndtrain.parallel.cp.ulysses_mixer import state_passing_bytes, ulysses_bytes, ulysses_scan
 from ndtrain.spawn import spawn
+from ndtrain.tools.bench_utils import time_fn, write_result
 
 B, H, DK, DV, CHUNK = 1, 4, 32, 32, 64
 KINDS = ("linear", "mamba2", "gated_deltanet")

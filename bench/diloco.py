@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ndtrain.cli.launch import launch
 from ndtrain.config import load_config
-from ndtrain.launch import launch
-from ndtrain.metrics import read_metrics
+from ndtrain.train.metrics import read_metrics
 
 
 def _cfg(steps: int, h: int, every: int, out: Path):

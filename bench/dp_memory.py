@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.spawn import spawn
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 
 def _cfg(stage: int, nproc: int) -> Config:

@@ -32,7 +32,7 @@ import eager_vs_plain as E
 
 def _sides():
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     cfg = E.ndtrain_cfg(1, False)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, 1).build_mesh(), torch.device("cpu"))

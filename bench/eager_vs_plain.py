@@ -102,7 +102,7 @@ def ndtrain_cfg(world: int, fused_loss: bool):
 
 def measure(steps: int, warmup: int, rank: int = 0, world: int = 1, fused_loss: bool = False) -> dict:
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     cfg = ndtrain_cfg(world, fused_loss)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))

@@ -11,7 +11,7 @@ Pairs (fast = ``ndtrain.ops`` Triton kernel, baseline = PyTorch):
 * ``fused_linear_cross_entropy`` vs eager ``F.cross_entropy(h @ W^T)`` (full fp32 logits).
 
 Each side runs forward + backward on the same inputs; time = median over repeats with warm-up and
-CUDA events (``ndtrain.bench_utils.time_fn``); memory = rise of peak memory over the inputs during
+CUDA events (``ndtrain.tools.bench_utils.time_fn``); memory = rise of peak memory over the inputs during
 one forward + backward (``bench_utils.peak_bytes``: CUDA allocator; on CPU live storages). The
 outputs of both sides are compared (relative RMS) so a fast wrong kernel cannot pass unnoticed.
 ``--size gpu`` (default with CUDA): B 4, T 4096, H 32 / G 8, D 128, bf16; RMSNorm / SwiGLU rows
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ndtrain import bench_utils
+from ndtrain.tools import bench_utils
 
 SIZES = {
     "gpu": {

@@ -3,9 +3,9 @@
     python bench/matmul_sweep.py [--sizes 256,512,...] [--dtypes float32,bfloat16] [--budget-s 60]
                                  [--out bench/results/matmul_sweep_<device>.json] [--png PATH]
 
-For each dtype and size n, ``C = A @ B`` with A, B (n, n) is timed by ``ndtrain.bench_utils.time_fn``
+For each dtype and size n, ``C = A @ B`` with A, B (n, n) is timed by ``ndtrain.tools.bench_utils.time_fn``
 (warm-up, CUDA events on GPU, median of repeats); achieved FLOP/s = 2 n^3 / median seconds, and
-``hfu`` = achieved / peak. Peak: on a GPU the datasheet dense peak of ``ndtrain.metrics`` (e.g. H100
+``hfu`` = achieved / peak. Peak: on a GPU the datasheet dense peak of ``ndtrain.train.metrics`` (e.g. H100
 / H200 bf16 989 TFLOP/s); on a CPU ``bench_utils.cpu_peak_estimate`` (cores x nominal clock x FLOPs
 per cycle of the widest unit, or the best matmul rate measured, whichever is larger: stated in the
 JSON). Small matrices cannot fill the machine (launch / threading overhead, too few tiles per core);
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain import bench_utils
+from ndtrain.tools import bench_utils
 
 SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -34,7 +34,7 @@ SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 def peak_for(device: torch.device, dtype: str) -> dict:
     """{"peak": FLOP/s, "source": text, ...} for ``dtype`` on ``device``."""
     if device.type == "cuda":
-        from ndtrain.metrics import UnknownPeak, gpu_peak_flops
+        from ndtrain.train.metrics import UnknownPeak, gpu_peak_flops
 
         name = torch.cuda.get_device_name(device)
         try:

@@ -38,12 +38,12 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.bench_utils import write_result
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel import flight_recorder
 from ndtrain.spawn import spawn
-from ndtrain.train import Trainer
+from ndtrain.tools.bench_utils import write_result
+from ndtrain.train.loop import Trainer
 
 C, L, FE, K, B, T, VOCAB = 256, 2, 256, 2, 8, 128, 2048
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.bench_utils import time_fn, write_result
 from ndtrain.model.moe import grouped_mm
+from ndtrain.tools.bench_utils import time_fn, write_result
 
 C, FH = 256, 256
 

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
-from ndtrain.metrics import flops_per_token
 from ndtrain.model.moe import moe_layers
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
+from ndtrain.train.metrics import flops_per_token
 
 C, L, FE, E, K, B, T = 256, 4, 256, 8, 2, 8, 128
 

@@ -37,12 +37,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ndtrain.calibration.calibrate import compare_with_runs, format_comparison, load_run, predict_memory
+from ndtrain.calibration.eager_axes_time import axis_collective_gap, rate_spec
+from ndtrain.calibration.measure import measure_collectives, measure_matmul_flops, measure_sync_latency
+from ndtrain.calibration.measure_eager import measure_eager_rates, measure_trainer_baseline_rss
+from ndtrain.calibration.measure_ep import measure_ep_imbalance
 from ndtrain.config import load_config
-from ndtrain.planner.calibrate import compare_with_runs, format_comparison, load_run, predict_memory
-from ndtrain.planner.eager_axes_time import axis_collective_gap, rate_spec
-from ndtrain.planner.measure import measure_collectives, measure_matmul_flops, measure_sync_latency
-from ndtrain.planner.measure_eager import measure_eager_rates, measure_trainer_baseline_rss
-from ndtrain.planner.measure_ep import measure_ep_imbalance
 from ndtrain.planner.model_spec import from_model_config
 
 MODEL = {"model.vocab_size": 512, "model.dim": 384, "model.n_layers": 6, "model.n_heads": 6,
@@ -75,7 +75,7 @@ def _overrides(extra: dict, steps: int) -> list[str]:
 
 def _train(run_dir: Path, nproc: int, extra: dict, steps: int, env: dict) -> float:
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", str(nproc),
            "--run-dir", str(run_dir)] + _overrides(extra, steps)
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode:

@@ -81,7 +81,7 @@ def _toy(rank: int, world: int, ms: list[int], t: float, steps: int, docs: set, 
 def _memory(rank: int, world: int, m_values: list[int], scheds) -> dict:
     from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
     from ndtrain.mesh import ParallelDims
-    from ndtrain.train import Trainer
+    from ndtrain.train.loop import Trainer
 
     torch.set_num_threads(1)
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()

@@ -7,7 +7,7 @@ byte of DRAM / HBM traffic) cannot exceed min(peak FLOP/s, I x memory bandwidth)
 ceilings are measured or stated here:
 
 * bandwidth: a STREAM-like copy (``dst.copy_(src)`` of 256 MiB on CPU, 2 GiB on GPU), counting the
-  bytes read plus the bytes written, median of repeats (``ndtrain.bench_utils.time_fn``); on a CPU
+  bytes read plus the bytes written, median of repeats (``ndtrain.tools.bench_utils.time_fn``); on a CPU
   the on-core rate (process CPU time) makes the roof, as it does the kernels' filled points, since a
   shared machine deschedules the process for part of the wall time (wall-clock rates are kept too);
 * peak: ``bench/matmul_sweep.peak_for`` (GPU datasheet; CPU max(vector-unit estimate, best measured
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from matmul_sweep import peak_for
 
-from ndtrain import bench_utils
+from ndtrain.tools import bench_utils
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float | None]:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from ndtrain.config import load_config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 
 def _batch(cfg, step: int, n: int):

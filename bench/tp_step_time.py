@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.spawn import spawn
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 
 def make_cfg(args, world: int, **par) -> Config:

@@ -31,7 +31,7 @@ from ndtrain.config import load_config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.optim import build_optimizer, build_scheduler
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 
 def _batch(cfg, step: int):

@@ -1,7 +1,7 @@
 """The project's error types, in a module with no imports so every layer can raise them.
 
-``ConfigError`` lives here (re-exported by ``ndtrain.config``) so that ``ndtrain.validate``,
-``ndtrain.mesh`` and the per-axis ``rules`` modules can raise it without importing ``ndtrain.config``,
+``ConfigError`` lives here (re-exported by ``ndtrain.config.load``) so that ``ndtrain.config.validate``,
+``ndtrain.mesh`` and the per-axis ``rules`` modules can raise it without importing ``ndtrain.config.load``,
 which itself runs validation: no import cycle between config, validate and mesh.
 """
 from __future__ import annotations

@@ -30,16 +30,23 @@ a global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ndtrain.errors import ConfigError
-from ndtrain.parallel.ep import rules as ep_rules
+
+if TYPE_CHECKING:
+    import torch
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DERIVED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
            "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+def check_ep_borrow(ep: int, dp_shard: int, cp: int) -> None:
+    """ep borrows its ranks from the dp_shard x cp block (``Mesh`` builds its groups there), so ep
+    divides dp_shard x cp. Raises ConfigError naming the rule."""
+    if (dp_shard * cp) % ep:
+        raise ConfigError(f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
 
 
 @dataclass
@@ -79,7 +86,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p, world_size: int) -> ParallelDims:
-        """Degrees from a ``ParallelConfig`` ``p`` (typed by name: ``ndtrain.config`` imports this
+        """Degrees from a ``ParallelConfig`` ``p`` (typed by name: ``ndtrain.config.load`` imports this
         module's users, not the other way round) on ``world_size`` ranks."""
         if world_size < 1:
             raise ConfigError(f"world_size ({world_size}) must be >= 1")
@@ -103,8 +110,7 @@ class ParallelDims:
         prod = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if prod != self.world_size:
             raise ConfigError(f"pp*dp_replicate*dp_shard*cp*tp ({prod}) != world_size ({self.world_size})")
-        if (self.dp_shard * self.cp) % self.ep:  # ep borrows its ranks from dp_shard x cp
-            ep_rules.check(self.ep, 0, self.dp_shard, self.cp)
+        check_ep_borrow(self.ep, self.dp_shard, self.cp)
 
     @property
     def dp(self) -> int:
@@ -135,6 +141,8 @@ class Mesh:
     """
 
     def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
+        import torch.distributed as dist  # torch only once a mesh is built: the rules above stay torch-free
+
         self.dims = dims
         self.stats: dict[str, float] = {}
         self.device_mesh = None
@@ -203,6 +211,8 @@ class Mesh:
         axis last), set as ``group.bwd`` and returned. Collective: every rank creates every twin,
         in the same order (``new_group``); a gloo group costs a few sockets, an NCCL one nothing
         until its first collective."""
+        import torch.distributed as dist
+
         mine = None
         for row in ranks.reshape(-1, ranks.shape[-1]).tolist():
             pg = dist.new_group(row)
@@ -222,6 +232,8 @@ class Mesh:
 
     @property
     def rank(self) -> int:
+        import torch.distributed as dist
+
         return dist.get_rank() if self.device_mesh is not None else 0
 
 
@@ -233,6 +245,8 @@ def _prod(dims: ParallelDims, axes: tuple[str, ...]) -> int:
 
 
 def device_for_rank(local_rank: int, requested: str = "auto") -> torch.device:
+    import torch
+
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -1,5 +1,5 @@
 """Which token mixer each layer uses, and what each mixer costs: pure Python (no torch), shared by
-the model (``ndtrain.model.mixers``), validation, ``ndtrain.metrics.flops_per_token`` and the
+the model (``ndtrain.model.mixers``), validation, ``ndtrain.train.metrics.flops_per_token`` and the
 planner's model spec, so all of them count the same parameters and FLOPs.
 
 ``model.layer_pattern`` is either a string of letters, repeated over the layers (its length must
@@ -11,7 +11,7 @@ divide ``n_layers``), or a comma list of mixer names (same rule). Letters:
 
 Empty means every layer is softmax attention. E.g. ``"GGGA"`` is Qwen3-Next's 3:1 hybrid.
 
-FLOPs follow the PaLM convention of ``ndtrain.metrics``: 6 per parameter per token (forward 2,
+FLOPs follow the PaLM convention of ``ndtrain.train.metrics``: 6 per parameter per token (forward 2,
 backward 4) plus, per layer, a sequence-mixing term counted as 6 x its multiply-adds per token:
 
     attention        6 H (d_qk + d_v) T            (all T x T pairs, causal half not subtracted)

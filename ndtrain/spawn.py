@@ -1,4 +1,4 @@
-"""``spawn``: the one helper that starts local ranks, for the trainer (``ndtrain.launch``), the
+"""``spawn``: the one helper that starts local ranks, for the trainer (``ndtrain.cli.launch``), the
 planner's measurements, the tests (``tests/dist_utils.run_ranks``) and the benchmarks.
 
 Each rank is a fresh interpreter (multiprocessing "spawn": no state forked from the launcher, and

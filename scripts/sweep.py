@@ -6,7 +6,7 @@
     python scripts/sweep.py --list           # validation only: each combination and its rule
     python scripts/sweep.py --from-json runs/sweep/results.json   # rewrite the doc, no training
 
-The product and the checks are in ``ndtrain/sweep.py``; process groups in ``ndtrain/sweep_groups.py``.
+The product and the checks are in ``ndtrain/tools/sweep.py``; process groups in ``ndtrain/tools/sweep_groups.py``.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ndtrain import sweep as S
-from ndtrain.sweep import Combo
-from ndtrain.sweep_groups import Result
+from ndtrain.tools import sweep as S
+from ndtrain.tools.sweep import Combo
+from ndtrain.tools.sweep_groups import Result
 
 FAIL = ("mismatch", "error", "timeout", "crash", "nonfinite")
 SYMBOL = {"pass": "✓", "runs": "~", "mismatch": "✗", "error": "E", "timeout": "T", "crash": "C",
@@ -95,7 +95,7 @@ def run(combos: list[Combo], timeout_s: float) -> list[Result]:
 
 
 def _train(todo: list[Combo], timeout_s: float, log) -> list[Result]:
-    from ndtrain.sweep_groups import run_group
+    from ndtrain.tools.sweep_groups import run_group
 
     out = []
     for world in sorted({c.world for c in todo}):
@@ -137,7 +137,7 @@ single-process run of the same model config:
 * `✗` mismatch, `E` error (a rank raised), `T` timeout (hang), `C` crash (a rank died), `N`
   non-finite loss: see *Known failures*. Nothing is marked passing that was not run.
 
-The product (`ndtrain.sweep.enumerate_combos`): model features {full} x (a) every layout with
+The product (`ndtrain.tools.sweep.enumerate_combos`): model features {full} x (a) every layout with
 degrees in {{1, 2, 4}} of pp, dp_replicate, dp_shard, cp, tp on <= 4 ranks (both cp implementations, tp
 with and without SP, each pp schedule, ep dividing dp_shard x cp; MoE also with expert_tp = tp
 where there is no pp) x ZeRO 0-3 on 1-2 ranks and on 4-rank layouts with ep or HSDP, ZeRO {{0, 3}} on
@@ -146,7 +146,7 @@ layouts x each activation-checkpointing policy x ZeRO {{0, 3}}; (c) the same {n_
 float32 / bfloat16 / float16 x ZeRO {{0, 3}}; (d) the same {n_rep} layouts x ZeRO {{0, 3}} with
 `training.fused_loss`. Combined features ({combined}) run (a) on the {n_rep} representative layouts
 x ZeRO 0-3 only. Model features: {features}. The default test suite runs the {n_subset}
-combinations of `ndtrain.sweep.SUBSET` (`tests/integration/test_sweep.py`).
+combinations of `ndtrain.tools.sweep.SUBSET` (`tests/integration/test_sweep.py`).
 
 Totals: {totals}.
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_common import read_safetensors
+from ndtrain.hf.common import read_safetensors
+from ndtrain.hf.folder import load_hf_checkpoint, save_hf_checkpoint
 
 
 def assert_hf_round_trip_exact(hf, folder: Path):

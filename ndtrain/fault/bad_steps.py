@@ -1,6 +1,6 @@
 """Bad steps: skip a non-finite step on every rank, detect loss spikes, decide when to roll back.
 
-Three parts, used by ``ndtrain.trainer`` (the skip) and ``ndtrain.train`` (the rollback):
+Three parts, used by ``ndtrain.train.trainer`` (the skip) and ``ndtrain.train.loop`` (the rollback):
 
 * ``agree_bad_ranks``: one all-reduce over the whole world of a (world,) flag vector, each rank
   setting its own slot when its local loss or gradient norm is not finite. Every rank learns the
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.fault.events import log_event
+from ndtrain.events import log_event
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.parallel import comm
 
@@ -139,7 +139,7 @@ def after_step(guard: BadStepGuard, step: int, out: dict, run_dir: Path, rank: i
                rollback: Callable[[str], dict]) -> bool:
     """Log this step's bad-step / spike events (rank 0) and roll back when the guard asks.
 
-    ``rollback(reason)`` reloads the last good checkpoint (``ndtrain.train``) and returns the
+    ``rollback(reason)`` reloads the last good checkpoint (``ndtrain.train.loop``) and returns the
     ``rollback`` event's fields; it raises RuntimeError when there is none. Returns True when the
     run was rolled back (the caller then skips logging / saving this step)."""
     bad = bool(out.get("bad_step"))
@@ -164,12 +164,12 @@ def rollback(r, resume: Callable, reason: str) -> dict:
     """Reload the newest verified checkpoint into the running trainer (collective) and keep the
     sampler where it is, so every batch since that checkpoint is skipped.
 
-    ``r`` is ``ndtrain.train``'s run state (``saver``, ``ckpt_root``, ``run_dir``, ``sampler``,
+    ``r`` is ``ndtrain.train.loop``'s run state (``saver``, ``ckpt_root``, ``run_dir``, ``sampler``,
     ``trainer``), ``resume(r, path)`` its resume function. Returns the ``rollback`` event's fields:
     ``to_step``, ``checkpoint``, ``skipped_stream`` ([first, end) sampler stream positions skipped).
 
     Raises RuntimeError when the run directory holds no checkpoint to roll back to."""
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
 
     if getattr(r, "saver", None) is not None:
         r.saver.wait()  # an asynchronous save in flight becomes the newest good checkpoint

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.fault.events import log_event
+from ndtrain.events import log_event
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm, flight_recorder
 

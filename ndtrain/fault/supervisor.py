@@ -6,7 +6,7 @@ The local launcher (``ndtrain train --nproc N --max-restarts K``) runs each atte
 non-zero exit, a signal such as ``kill -9`` or the out-of-memory killer, or a hang past its
 timeout) and names the rank to blame. ``supervise`` then logs a ``restart`` event and starts a
 fresh attempt; the ranks resume with ``checkpoint.resume`` from the newest checkpoint that verifies
-(``ndtrain.checkpoint.usable_checkpoint``), so a failure costs the steps since that checkpoint plus
+(``ndtrain.checkpoint.dcp.usable_checkpoint``), so a failure costs the steps since that checkpoint plus
 one start-up. Under torchrun, torchrun's own ``--max-restarts`` restarts the workers; they see
 ``TORCHELASTIC_RESTART_COUNT > 0`` and ``note_torchrun_restart`` logs the event.
 
@@ -24,7 +24,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from ndtrain.fault.events import log_event
+from ndtrain.events import log_event
 from ndtrain.spawn import SpawnError
 
 NEVER_RETRY = ("ConfigError", "CheckpointUnusableError")
@@ -41,7 +41,7 @@ def retryable(error: SpawnError) -> bool:
 def _checkpoint_step(run_dir: Path) -> int:
     """Step of the newest complete checkpoint folder (0 when none): where the next attempt resumes,
     unless that checkpoint fails verification (then a ``checkpoint_corrupt`` event follows)."""
-    from ndtrain.checkpoint import latest_checkpoint  # imports torch: only once a rank failed
+    from ndtrain.checkpoint.dcp import latest_checkpoint  # imports torch: only once a rank failed
 
     path = latest_checkpoint(Path(run_dir) / "checkpoints")
     return int(path.name[5:]) if path else 0

@@ -20,7 +20,7 @@ from ndtrain.model.rope import apply_rope
 
 
 class KVCacheLike(Protocol):
-    """What attention needs from a KV cache (``ndtrain.generate.KVCache`` implements it)."""
+    """What attention needs from a KV cache (``ndtrain.inference.generate.KVCache`` implements it)."""
 
     length: int  # tokens already cached (same for every layer during one forward)
 

@@ -2,7 +2,7 @@
 Algorithms Through Structured State Space Duality"), with ``mamba_groups`` B / C groups (heads
 h * g / n_h share group g's B, C; the gated norm normalises each group's slice of the inner width on
 its own), parameter names and layout as in Hugging Face's ``Mamba2Mixer`` (``in_proj``, ``conv1d``,
-``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``; ``ndtrain.hf_mamba2`` maps them 1:1).
+``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``; ``ndtrain.hf.mamba2`` maps them 1:1).
 
     [z, xBC, dt] = in_proj(u);  xBC = silu(conv1d(xBC));  [x, B, C] = xBC
     dt = softplus(dt + dt_bias);  A = -exp(A_log)                       (one scalar per head)

@@ -5,7 +5,7 @@ Every mixer is an ordinary single-device ``nn.Module`` with the attention signat
 ``forward(x (B, T, C), cos, sin, kv_cache=None) -> (B, T, C)``, so ZeRO, DDP, activation
 checkpointing and autocast apply unchanged. Softmax and window layers keep keys / values in the
 cache's ``update``; the linear family (linear, mamba2, gated_deltanet) keeps a fixed-size
-recurrent state in ``kv_cache.states[layer_id]`` (``ndtrain.generate.KVCache``), and a cached
+recurrent state in ``kv_cache.states[layer_id]`` (``ndtrain.inference.generate.KVCache``), and a cached
 forward of one token takes the ``recurrent`` op, of several the ``chunk`` op from that state.
 
 ``LINEAR_IMPL`` selects the sequence form of the linear family: "chunk" (default) or "naive" (the

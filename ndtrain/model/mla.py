@@ -19,7 +19,7 @@ and the RoPE key as a 1-head "value" of width d_r.
 
 Parameter names: ``wq`` (full-rank) or ``wq_a`` / ``q_norm`` / ``wq_b``; ``wkv_a``, ``kv_norm``,
 ``wkv_b``, ``wo``. Heads are read from ``wkv_b``'s shape at forward time. RoPE uses the
-rotate-half pairing of ``ndtrain.model.rope``; ``ndtrain.hf_moe`` permutes the RoPE rows of
+rotate-half pairing of ``ndtrain.model.rope``; ``ndtrain.hf.moe`` permutes the RoPE rows of
 interleaved (DeepSeek-layout) checkpoints on import.
 
 Parallelism hooks (the code stays single-device): ``enter_heads`` separates the replicated latent

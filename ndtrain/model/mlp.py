@@ -26,7 +26,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)  # gate (F, C)
         self.w3 = nn.Linear(dim, hidden, bias=False)  # up   (F, C)
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down (C, F)
-        # the gate (a, b) -> silu(a) * b; ndtrain.ops.select may swap in a fused kernel
+        # the gate (a, b) -> silu(a) * b; ndtrain.model.kernels may swap in a fused kernel
         self.gate = _silu_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ embedding for the lookup of the shifted tokens (``ndtrain.parallel.pp.stage``); 
 is hidden states, so the runtime hands it the token ids (``feeding_token_ids``).
 
 Loss (DeepSeek-V3 eq. 24-25): ``lambda / D * sum_k L^k`` with ``L^k`` the token-weighted mean
-cross-entropy of depth k over the global batch (``ndtrain.train_extras`` computes it). At inference
+cross-entropy of depth k over the global batch (``ndtrain.train.extras`` computes it). At inference
 the modules are skipped (they could serve speculative decoding; not implemented).
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))  # (C,)
-        # a fused kernel (x, weight, eps) -> y set from outside (ndtrain.ops.select); None = eager
+        # a fused kernel (x, weight, eps) -> y set from outside (ndtrain.model.kernels); None = eager
         self.fused = None
 
     def reset_parameters(self) -> None:

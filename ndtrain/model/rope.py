@@ -4,7 +4,7 @@ Convention: **rotate-half** (the Hugging Face / GPT-NeoX layout). Dim i of a hea
 dim i + D/2, and the pair is rotated by angle ``position * inv_freq[i]``. Meta's original
 checkpoints use the interleaved layout (pairs (2i, 2i+1)); the two are equivalent up to a fixed
 permutation of the rows of ``wq`` / ``wk``, which Hugging Face checkpoints already carry, so
-``ndtrain.hf`` copies q/k weights unchanged. Converting a Meta-format checkpoint would need that
+``ndtrain.hf.llama`` copies q/k weights unchanged. Converting a Meta-format checkpoint would need that
 permutation (not provided here).
 
 Tables are computed exactly as Hugging Face computes them (fp32 inverse frequencies, fp32 angles

@@ -10,7 +10,7 @@ Single-device and parallel-agnostic, but composable:
 * Head counts are inferred from weight shapes at forward time, so tensor parallel shards heads
   without changing this code; ``Attention.core`` is the hook for context parallel.
 
-Module names (``attention.wq`` ..., ``feed_forward.w1`` ...) are the contract with ``ndtrain.hf``
+Module names (``attention.wq`` ..., ``feed_forward.w1`` ...) are the contract with ``ndtrain.hf.llama``
 and the parallelisms that shard by name.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Transformer(nn.Module):
             tokens: (B, T) int64 token ids, or (B, T, C) hidden states when ``tok_embeddings`` is None.
             positions: (T,) or (B, T) int64 RoPE positions (need not be contiguous, e.g. for context
                 parallel); default ``arange(T)``, offset by ``kv_cache.length`` when a cache is given.
-            kv_cache: optional cache (``ndtrain.generate.KVCache``); keys / values of these tokens are
+            kv_cache: optional cache (``ndtrain.inference.generate.KVCache``); keys / values of these tokens are
                 appended and the cache is advanced by T.
 
         Returns: logits (B, T, V) in the parameter / autocast dtype, or hidden states (B, T, C) when

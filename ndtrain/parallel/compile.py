@@ -14,7 +14,7 @@ FP8 (torchao float8 training; Micikevicius et al. 2022, "FP8 Formats for Deep Le
 ``nn.Linear`` inside the blocks whose in / out features are multiples of 16 becomes torchao's
 ``Float8Linear`` (dynamic tensorwise scaling: e4m3 forward, e5m2 gradients), the output head and
 embedding stay in the compute dtype (as torchtitan does). Needs the optional ``torchao`` package
-and a CUDA GPU of compute capability >= 8.9; ``ndtrain.validate`` rejects the rest before launch.
+and a CUDA GPU of compute capability >= 8.9; ``ndtrain.config.validate`` rejects the rest before launch.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
 
 def apply_fp8(model: nn.Module) -> int:
     """Swap the blocks' ``nn.Linear`` s for torchao ``Float8Linear`` in place (parameter names
-    unchanged); returns how many. Raises ImportError without torchao (``ndtrain.validate``
+    unchanged); returns how many. Raises ImportError without torchao (``ndtrain.config.validate``
     rejects ``training.fp8`` first)."""
     from torchao.float8 import convert_to_float8_training
 

@@ -19,7 +19,7 @@ The deadline is applied with ``Work.wait(timeout)``, which gloo honours on CPU. 
 with a timeout would serialise the host with every kernel, so on CUDA the recorder only records and
 the process group's own timeout (``init_process_group(timeout=...)``, the NCCL watchdog) is the
 deadline. The settings are per process (one recorder per rank, like NCCL's), set by
-``configure`` from ``ndtrain.train``; until then the timeout is 600 s and nothing is written.
+``configure`` from ``ndtrain.train.loop``; until then the timeout is 600 s and nothing is written.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class FlightRecorder:
                f"({entry['bytes']} bytes) did not finish within parallel.collective_timeout_s="
                f"{self.timeout_s:g} s; {who}" + (f"; flight recorder: {path}" if path else ""))
         if self.run_dir is not None:
-            from ndtrain.fault.events import log_event
+            from ndtrain.events import log_event
 
             log_event(self.run_dir, "collective_timeout", rank=rank, axis=entry["axis"], op=entry["op"],
                       seq=entry["seq"], suspects=suspects, timeout_s=self.timeout_s)
@@ -156,7 +156,7 @@ RECORDER = FlightRecorder()
 
 
 def configure(timeout_s: float, capacity: int, run_dir: str | Path | None) -> FlightRecorder:
-    """Set this process's deadline, buffer size and run directory (``ndtrain.train`` calls it from
+    """Set this process's deadline, buffer size and run directory (``ndtrain.train.loop`` calls it from
     ``parallel.collective_timeout_s`` / ``flight_recorder_entries``); returns the recorder."""
     global RECORDER
     RECORDER = FlightRecorder(capacity, timeout_s, run_dir)

@@ -21,19 +21,22 @@ runner (pp > 1) and whether rank 0 may generate alone. ``parallelize`` returns t
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ndtrain.config import Config
 from ndtrain.mesh import Mesh
 from ndtrain.model import build_model
-from ndtrain.ops.select import apply_kernels, resolve_kernels
+from ndtrain.model.kernels import apply_kernels, resolve_kernels
 from ndtrain.parallel.api import GradSync, ParallelPlan
 from ndtrain.parallel.batch import BatchPlan
 from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.state import CheckpointAdapter
 from ndtrain.precision import compute_dtype, grad_reduce_dtype
+
+if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
+    from ndtrain.config import Config
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, expert_names: list[str] = ()) -> DataParallel:
@@ -118,7 +121,7 @@ def _build_pipeline(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, mes
 
 
 def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:
-    """"" if rank 0 can run ``ndtrain.generate`` alone on its model, else why not: a forward that
+    """"" if rank 0 can run ``ndtrain.inference.generate`` alone on its model, else why not: a forward that
     needs other ranks (split heads / vocabulary, cut sequences, other stages, experts elsewhere,
     ZeRO-3 parameters gathered by collectives)."""
     d = mesh.dims

@@ -1,7 +1,7 @@
 """Layout rules that belong to no single mesh axis: the activation-checkpointing policy string
 (``ndtrain.parallel.activation_ckpt``; Korthikanti 2022 for selective recompute).
 
-Called by ``ndtrain.validate`` and the planner's feasibility check; raises ``ConfigError``. Pure Python.
+Called by ``ndtrain.config.validate`` and the planner's feasibility check; raises ``ConfigError``. Pure Python.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ a fixed order, because each finds its tensors by name:
         ``tok_embeddings.weight``, groups keyed by name)
   load: the inverse, pp first, then tp scatter, then the wrapper's ``load_*_state_dict``.
 
-Renaming before the gather (the bug of issue 11 item 3) saved one tp rank's slice of the tied
+Renaming before the gather saved one tp rank's slice of the tied
 head's moments under the embedding's name.
 """
 from __future__ import annotations

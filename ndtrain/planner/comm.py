@@ -154,7 +154,7 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
             ag = shard("all_gather", pb * dense, pb * expert)
             if z == 1:
                 out["dp_grad"], out["dp_param"] = rs + rep, ag
-            elif z == 2:  # issue 3: each bucket reduce-scattered as backward produces it
+            elif z == 2:  # each bucket reduce-scattered as backward produces it
                 out["zero_bwd"], out["dp_grad"], out["dp_param"] = rs, rep, ag
             else:  # FSDP: gather for forward, again for backward, reduce-scatter gradients
                 out["zero_fwd"], out["zero_bwd"], out["dp_grad"] = ag, ag + rs, rep

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ndtrain.config_schema import ParallelConfig
+from ndtrain.config.schema import ParallelConfig
+from ndtrain.config.validate import ModelFacts, check_axes
 from ndtrain.errors import ConfigError
 from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.ac_policy import every_blocks
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
-from ndtrain.validate import ModelFacts, check_axes
 
 CP_IMPLS = ("ring", "allgather", "ulysses")  # allgather (Llama 3): modelled, not in ndtrain's runtime
 
@@ -147,7 +147,7 @@ def microbatches(layout: Layout, workload: Workload) -> int:
 
 
 def model_facts(spec):
-    """The facts the axis rules read (``ndtrain.validate.ModelFacts``) from a planner spec."""
+    """The facts the axis rules read (``ndtrain.config.validate.ModelFacts``) from a planner spec."""
     return ModelFacts(spec.n_heads, spec.n_kv_heads, spec.ffn_hidden, spec.n_layers,
                       spec.n_experts if spec.is_moe else 0, spec.kv_lora_rank > 0, spec.mtp_depth,
                       spec.moe_seq_aux_loss, spec.moe_capacity,
@@ -177,7 +177,7 @@ def config_overrides(lay: Layout, workload: Workload) -> dict:
 def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_node: int = 8,
                  runtime: bool = True) -> list[str]:
     """The violated rules (empty list = valid): the degrees multiply to ``gpus``, then
-    ``ndtrain.validate.check_axes`` -- the very function the trainer's validation calls -- with the
+    ``ndtrain.config.validate.check_axes`` -- the very function the trainer's validation calls -- with the
     model's MoE / MLA / MTP facts, so a layout that passes here passes ``ndtrain train``'s
     validation. ``runtime=False``: only the arithmetic rules (what the planner can model; see
     ``check_axes``); ``unsupported_rules`` names what such a layout lacks in ndtrain."""

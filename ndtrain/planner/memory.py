@@ -29,7 +29,7 @@ above and, per routed copy (top-k), 2sbh dispatched in + 6sbf_e/t expert activat
 Policies: ``none``; ``full`` keeps each layer's input (2sbh/t with SP) and, while one block runs its
 backward, that block's recomputed activations and their gradients (``backward_working``; without
 recompute only the gradients);
-``every:C`` checkpoints every C-th block (issue 3; ``sqrt``: C = round(sqrt L)); ``selective``
+``every:C`` checkpoints every C-th block (``sqrt``: C = round(sqrt L)); ``selective``
 recomputes the attention core and SiLU(g)*u (Korthikanti's selective recompute).
 """
 from __future__ import annotations

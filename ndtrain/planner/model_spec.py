@@ -1,13 +1,13 @@
 """A model as the planner sees it: shapes, parameter counts and FLOPs per token.
 
-Built from an ndtrain preset (name or YAML path, via ``ndtrain.config``) or a Hugging Face
+Built from an ndtrain preset (name or YAML path, via ``ndtrain.config.load``) or a Hugging Face
 ``config.json`` (Llama / Mistral / Qwen dense; Mixtral ``num_local_experts`` /
 ``num_experts_per_tok``; Qwen-MoE ``num_experts`` / ``moe_intermediate_size`` /
 ``shared_expert_intermediate_size``; DeepSeek-V2/V3 ``n_routed_experts`` / ``n_shared_experts`` /
 ``first_k_dense_replace`` / ``moe_layer_freq`` and MLA ranks). Missing fields take Llama defaults.
 
 FLOPs per token follow the MFU convention of training logs (PaLM, Chowdhery et al. 2022, appendix
-B; identical to ``ndtrain.metrics.flops_per_token``)::
+B; identical to ``ndtrain.train.metrics.flops_per_token``)::
 
     6 * N_active_nonembed + 12 * L * H * D * T
 
@@ -200,7 +200,7 @@ def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int
 
 
 def from_model_config(m, name: str = "") -> ModelSpec:
-    """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
+    """From an ``ndtrain.config.load.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
     ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
     moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
            # moe_shared_ffn_hidden (Qwen3-Next) sizes the shared experts together: one of that width

@@ -77,7 +77,7 @@ def inflight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, st
 
 
 def partition_layers(n_layers: int, p: int, head_cost: float = 0.0, embed_cost: float = 0.0) -> list[int]:
-    """Layers per stage balancing compute (Llama 3 / issue 5: first and last stages may take fewer
+    """Layers per stage balancing compute (Llama 3: first and last stages may take fewer
     blocks because they also run the embedding and the output head). ``head_cost`` and
     ``embed_cost`` are in units of one block's time. Returns a list of p counts summing to L."""
     if p < 1 or p > n_layers:

@@ -4,7 +4,7 @@ The search enumerates factorizations ``pp x dp_replicate x dp_shard x cp x tp`` 
 (tp and pp any divisor the model's shapes allow, tp within a node; cp powers of two; ep
 for MoE models), ZeRO stages, checkpointing
 policies, microbatch sizes and pipeline schedules; drops layouts that break a rule of ``ndtrain
-train``'s validation (the same ``ndtrain.validate.check_axes``; ``include_unsupported`` keeps the
+train``'s validation (the same ``ndtrain.config.validate.check_axes``; ``include_unsupported`` keeps the
 ones the planner can model, marked with the rule) or do not fit in memory on their peak pipeline
 stage; ranks the rest by predicted MFU. For each mesh and microbatch it only keeps
 the least recompute that fits per ZeRO stage (more recompute never runs faster), which keeps a

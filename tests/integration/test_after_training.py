@@ -1,4 +1,4 @@
-"""After training, from the run directory alone (issue 16 items 1-4): train ``debug`` 20 steps on
+"""After training, from the run directory alone: train ``debug`` 20 steps on
 2 processes under tp=2 through the CLI, then ``generate``, ``eval`` and ``convert`` both ways.
 
 References and tolerances:
@@ -29,12 +29,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndtrain.cli import main
+from ndtrain.cli.main import main
 from ndtrain.config import load_config
 from ndtrain.data import GlobalBatchSampler, TokenData, prepare_data
-from ndtrain.generate import generate
-from ndtrain.metrics import read_metrics
-from ndtrain.rundir import RunDir
+from ndtrain.inference.generate import generate
+from ndtrain.train.metrics import read_metrics
+from ndtrain.train.rundir import RunDir
 from tests.corpus import source_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("after")
     data = _data_args(tmp)
     run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+    cmd = [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
            "--run-dir", str(run_dir), "--parallel.tp=2", "--checkpoint.every=10",
            "--training.sample_tokens=12", *data]
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_COLOR="1")
@@ -169,7 +169,7 @@ def test_convert_to_hf_loads_in_transformers(trained, capsys):
 
 def test_convert_from_hf_then_fine_tune(trained, capsys):
     transformers = pytest.importorskip("transformers")
-    from ndtrain.train import run as train_run
+    from ndtrain.train.loop import run as train_run
 
     tmp, _, _, data = trained
     hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -33,7 +33,7 @@ def _data_args(tmp_path: Path) -> list[str]:
 
 
 def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ndtrain.cli", "train", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", *args], check=False, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -113,7 +113,7 @@ def _kill_left(pids: set[int], grace_s: float) -> list[int]:
 def test_sigint_to_launcher_stops_all_workers(tmp_path):
     """Before: a SIGINT to the launcher alone printed a traceback and left both ranks training."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
          f"--run-dir={tmp_path / 'run'}", *_data_args(tmp_path), "--training.steps=1000000",
          "--logging.log_every=1", "--training.eval_every=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""Issue 14 items 1, 4, 5: supervised restarts under ``kill -9`` (the chaos test), checkpoint
+"""supervised restarts under ``kill -9`` (the chaos test), checkpoint
 integrity (a damaged newest checkpoint falls back to the previous one), asynchronous checkpoints.
 
 Reference for every loss comparison: an uninterrupted run of the same config and layout. float64 on
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import load_config
 from ndtrain.data import prepare_data
+from ndtrain.events import read_events
 from ndtrain.fault.chaos import chaos_run
-from ndtrain.fault.events import read_events
-from ndtrain.metrics import read_metrics
 from ndtrain.spawn import SpawnError, spawn
-from ndtrain.train import run
+from ndtrain.train.loop import run
+from ndtrain.train.metrics import read_metrics
 from tests.corpus import source_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_chaos_kill9_five_times_equals_uninterrupted(tmp_path):
     args = [f"--{k}={v}" for k, v in _overrides(tmp_path, **{"training.steps": 40, "checkpoint.every": 3}).items()]
 
     def cmd(run_dir: Path, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+        return [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
                 f"--run-dir={run_dir}", *args, *extra]
 
     env = dict(os.environ, OMP_NUM_THREADS="1")

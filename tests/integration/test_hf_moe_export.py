@@ -1,4 +1,4 @@
-"""Export to Hugging Face Mixtral / DeepSeek-V3 (``ndtrain.hf_moe_export`` via ``save_hf_checkpoint``).
+"""Export to Hugging Face Mixtral / DeepSeek-V3 (``ndtrain.hf.moe`` via ``save_hf_checkpoint``).
 
 Round trip: a tiny transformers model (random weights, initializer_range 0.2 so logits are O(5) and
 routing is far from uniform) is saved, imported, exported, and the export is loaded with
@@ -24,10 +24,9 @@ from transformers import (
     MixtralForCausalLM,
 )
 
-from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_common import read_safetensors
-from ndtrain.hf_moe import config_from_hf_moe
-from ndtrain.hf_moe_export import config_to_hf_moe, state_dict_to_hf_moe
+from ndtrain.hf.common import read_safetensors
+from ndtrain.hf.folder import load_hf_checkpoint, save_hf_checkpoint
+from ndtrain.hf.moe import config_from_hf_moe, config_to_hf_moe, state_dict_to_hf_moe
 from ndtrain.model import build_model
 
 

@@ -32,8 +32,9 @@ from transformers import (
     MixtralForCausalLM,
 )
 
-from ndtrain.hf import config_from_hf, load_hf_checkpoint
-from ndtrain.hf_moe import config_from_hf_moe
+from ndtrain.hf.folder import load_hf_checkpoint
+from ndtrain.hf.llama import config_from_hf
+from ndtrain.hf.moe import config_from_hf_moe
 from ndtrain.model.moe import moe_layers
 
 
@@ -81,7 +82,7 @@ def test_deepseek_v3_logits_match(tmp_path, q_lora):
     assert ref.abs().max() > 1.0
     torch.testing.assert_close(model(tokens()), ref, atol=1e-5, rtol=0)
     # cached generation path (latent KV cache) reproduces the full forward
-    from ndtrain.generate import generate
+    from ndtrain.inference.generate import generate
 
     prompt = tokens()[0, :5]
     assert torch.equal(generate(model, prompt, 6), generate(model, prompt, 6, use_cache=False))

@@ -16,14 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ndtrain.hf import (
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from ndtrain.hf.folder import load_hf_checkpoint, save_hf_checkpoint
+from ndtrain.hf.llama import config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf
 from ndtrain.model import build_model
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

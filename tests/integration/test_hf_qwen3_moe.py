@@ -20,10 +20,10 @@ if not hasattr(transformers, "Qwen3MoeForCausalLM"):
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig
-from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_qwen3_moe import config_from_hf_qwen3_moe, config_to_hf_qwen3_moe
+from ndtrain.config.validate import validate
+from ndtrain.hf.folder import load_hf_checkpoint, save_hf_checkpoint
+from ndtrain.hf.qwen3_moe import config_from_hf_qwen3_moe, config_to_hf_qwen3_moe
 from ndtrain.model import build_model
-from ndtrain.validate import validate
 from tests.hf_utils import assert_hf_round_trip_exact, assert_same_state
 
 
@@ -136,8 +136,8 @@ def test_convert_from_hf(tmp_path):
     dim and the MoE layer set, which validates."""
     import yaml
 
+    from ndtrain.cli.convert import from_hf
     from ndtrain.config import config_from_dict
-    from ndtrain.convert import from_hf
 
     torch.manual_seed(3)
     _tiny(decoder_sparse_step=2).save_pretrained(tmp_path / "hf")
@@ -152,7 +152,7 @@ def test_convert_from_hf(tmp_path):
 def test_flops_count_qk_norm_and_head_dim():
     """metrics.flops_per_token = 6 x the non-embedding parameters (q / k norms, head_dim 24 != 64 / 4;
     every expert active) + the attention term 6 H (D + D) T."""
-    from ndtrain.metrics import flops_per_token
+    from ndtrain.train.metrics import flops_per_token
 
     cfg = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True, attn_head_dim=24,
                       ffn_hidden=96, moe_experts=4, moe_top_k=4, moe_ffn_hidden=32, moe_layer_start=1)

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-Next import / export (``ndtrain.hf_qwen3_next`` via ``ndtrain.hf``).
+"""Hugging Face Qwen3-Next import / export (``ndtrain.hf.qwen3_next`` via ``ndtrain.hf.folder``).
 
 A tiny ``Qwen3NextForCausalLM`` built here (4 layers, 3 Gated DeltaNet : 1 gated attention with
 head_dim 32 != 64 / 4 and partial RoPE 0.25, grouped value heads, 4 experts top-2 plus a gated
@@ -23,14 +23,14 @@ if not hasattr(transformers, "Qwen3NextForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no Qwen3NextForCausalLM", allow_module_level=True)
 from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
+from ndtrain.cli.convert import from_hf
 from ndtrain.config import Config, ModelConfig, config_from_dict
-from ndtrain.convert import from_hf
-from ndtrain.generate import generate
-from ndtrain.hf import load_hf_checkpoint, save_hf_checkpoint
-from ndtrain.hf_common import read_safetensors
-from ndtrain.hf_qwen3_next import config_to_hf_qwen3_next, state_dict_from_hf_qwen3_next
+from ndtrain.config.validate import validate
+from ndtrain.hf.common import read_safetensors
+from ndtrain.hf.folder import load_hf_checkpoint, save_hf_checkpoint
+from ndtrain.hf.qwen3_next import config_to_hf_qwen3_next, state_dict_from_hf_qwen3_next
+from ndtrain.inference.generate import generate
 from ndtrain.model import build_model
-from ndtrain.validate import validate
 
 TOL = 1e-4
 

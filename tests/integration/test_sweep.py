@@ -1,7 +1,7 @@
-"""The configuration sweep's share of the default suite (issue 11 item 5; the full sweep is
+"""The configuration sweep's share of the default suite (the full sweep is
 ``python scripts/sweep.py``, which writes ``docs/compatibility.md``).
 
-``ndtrain.sweep.SUBSET``: 17 combinations on 2 gloo ranks covering every axis (dp_replicate,
+``ndtrain.tools.sweep.SUBSET``: 17 combinations on 2 gloo ranks covering every axis (dp_replicate,
 dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule including DualPipeV, ep,
 expert_tp), every model feature (dense, tied head, MoE, MLA, MTP, the LMGA hybrid of linear-family
 mixers, DeepSeek's MLA + MoE + MTP), ZeRO 0-3, each activation-checkpointing policy, each dtype and
@@ -9,11 +9,11 @@ the fused loss at least once, with one representative of each composition made t
 x ZeRO-3, MoE x TP with split experts, MLA + MTP x CP, hybrid x CP / TP, MTP x ZeRO-3); plus
 rejected combinations whose rule text is checked (no processes).
 
-Reference: the single-process run of the same model config (``ndtrain.sweep.reference``: world 1,
+Reference: the single-process run of the same model config (``ndtrain.tools.sweep.reference``: world 1,
 ZeRO 0, no checkpointing, same fixed batches). float64 combinations must match its loss, gradient
-norm and MoE aux / MTP losses on every rank and step to 1e-9 relative (``ndtrain.sweep.RTOL``: a
+norm and MoE aux / MTP losses on every rank and step to 1e-9 relative (``ndtrain.tools.sweep.RTOL``: a
 layout only reorders float64 sums, ~1e-14 after 2 steps; a fault moves them by far more than 1e-6);
-float32 to 1e-5 (3e-7 seen at most; ``ndtrain.sweep.TOLERANCE``). bfloat16 / float16 have no exact
+float32 to 1e-5 (3e-7 seen at most; ``ndtrain.tools.sweep.TOLERANCE``). bfloat16 / float16 have no exact
 reference: they must run with a finite loss.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import re
 
 import pytest
 
-from ndtrain import sweep as S
-from ndtrain.sweep_groups import compare, run_group
+from ndtrain.tools import sweep as S
+from ndtrain.tools.sweep_groups import compare, run_group
 
 PP = {"pp_virtual_stages": 1}
 # every row must still be rejected, with its rule's text: the rules that remain after MoE / MLA /
@@ -96,7 +96,7 @@ def test_a_failed_rank_with_stuck_peers_is_an_error_after_the_grace(tmp_path, mo
     import json
     import time
 
-    import ndtrain.sweep_groups as G
+    import ndtrain.tools.sweep_groups as G
 
     class Alive:
         def is_alive(self):

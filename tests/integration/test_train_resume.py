@@ -1,4 +1,4 @@
-"""End-to-end training through ``ndtrain.train.run``: exact resume, atomic checkpoints, the CLI.
+"""End-to-end training through ``ndtrain.train.loop.run``: exact resume, atomic checkpoints, the CLI.
 
 Reference for resume: an uninterrupted run of the same config in the same process. float32 on CPU
 is deterministic for a fixed thread count, so the resumed losses must equal the uninterrupted ones
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import load_config
 from ndtrain.data import prepare_data
-from ndtrain.metrics import read_metrics
-from ndtrain.train import run
+from ndtrain.train.loop import run
+from ndtrain.train.metrics import read_metrics
 from tests.corpus import source_text
 
 
@@ -90,7 +90,7 @@ def test_cli_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     corpus = _corpus(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "ndtrain.cli", "train", "--config", "debug", "--nproc", "2",
+        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
          f"--run-dir={run_dir}", f"--data.source={corpus}", "--data.tokenizer=bytes",
          f"--data.cache_dir={tmp_path / 'cache'}", "--training.steps=6", "--logging.log_every=3",
          "--logging.plot=true", "--training.sample_tokens=8"],
@@ -112,7 +112,7 @@ def _val0(run_dir: Path) -> float:
 
 
 def test_own_checkpoint_wins_over_load_from_and_clear_errors(tmp_path, capsys):
-    """Issue 11 item 7: a run started from ``load_from`` resumes from its own newest checkpoint
+    """A run started from ``load_from`` resumes from its own newest checkpoint
     when run again; the console names the checkpoint; ``load_from`` past ``training.steps`` and a
     folder that is not a checkpoint are errors, not silent no-ops."""
     torch.set_num_threads(1)
@@ -158,9 +158,9 @@ def test_init_weights_from_ndtrain_checkpoint_and_hf_folder(tmp_path, capsys):
     assert _val0(tmp_path / "ft") == pytest.approx(final_val, rel=1e-7, abs=0)
     assert sorted(_losses(tmp_path / "ft")) == [1, 2, 3, 4]  # a new run: steps 1.. with warmup again
 
-    from ndtrain.hf import save_hf_checkpoint
+    from ndtrain.hf.folder import save_hf_checkpoint
     from ndtrain.mesh import ParallelDims
-    from ndtrain.train import Trainer
+    from ndtrain.train.loop import Trainer
 
     tr = Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
     state = tr.tensor_state()

@@ -18,13 +18,13 @@ pytest.importorskip("triton")
 
 from ndtrain.config import ConfigError, load_config
 from ndtrain.data import prepare_data
-from ndtrain.metrics import hfu_factor, read_metrics
 from ndtrain.model import build_model
+from ndtrain.model.kernels import apply_kernels, resolve_kernels
 from ndtrain.ops.flash_attention.triton import FlashAttentionFunction
 from ndtrain.ops.rmsnorm.triton import RMSNormFunction
-from ndtrain.ops.select import apply_kernels, resolve_kernels
 from ndtrain.ops.swiglu.triton import SwiGLUFunction
-from ndtrain.train import run
+from ndtrain.train.loop import run
+from ndtrain.train.metrics import hfu_factor, read_metrics
 
 
 def _cfg(tmp_path: Path, **over):

@@ -22,7 +22,7 @@ from ndtrain.ops.linear_cross_entropy.chunk import (
     chunk_linear_cross_entropy,
 )
 from ndtrain.parallel.fused_head import FusedLossHead
-from ndtrain.trainer import Trainer
+from ndtrain.train.trainer import Trainer
 from tests.dist_utils import run_ranks
 
 STEPS, B, T, V = 10, 4, 16, 61  # V odd: tp pads the vocabulary

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config_schema import ModelConfig
+from ndtrain.config.schema import ModelConfig
 from ndtrain.model import build_model, causal_attention, mixers
 from ndtrain.model.dsa import dense_topk_attention, select_topk, topk_attention
 from ndtrain.model.rope import apply_rope, rope_tables

@@ -18,7 +18,7 @@ from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, 
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.cp.context_parallel import local_positions, resolve_layout
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 
 V, T, G = 61, 16, 4  # vocab (not a multiple of 2 or 4: padding), sequence, global batch
 STEPS = 10

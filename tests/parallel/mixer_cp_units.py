@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from ndtrain.config_schema import ModelConfig
+from ndtrain.config.schema import ModelConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.mixers import build_mixer
 from ndtrain.model.rope import rope_tables

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_pp import STEPS, global_batch, param_diff, pp_cfg, reference
 

@@ -8,7 +8,7 @@ One group of 2 gloo ranks runs every multi-process check:
    sums the NaN shard on every rank) and leaves the weights, the
    AdamW state and the LR schedule position bitwise unchanged (``torch.equal``: a skipped step
    touches nothing); steps 2 and 4 do change the weights.
-2. Run level (``ndtrain.train.run``, debug preset, float32): rank 1 poisons steps 6 and 7 with
+2. Run level (``ndtrain.train.loop.run``, debug preset, float32): rank 1 poisons steps 6 and 7 with
    ``max_bad_steps=2`` and checkpoints every 4 steps: step 7 rolls back to the step-4 checkpoint,
    the sampler keeps its position (stream items 32..56 of G=8 skipped); events ``bad_step`` x2 and
    ``rollback``. Then rank 1 reports a 100x loss at step 9 (``Trainer.spike_steps``; the global loss
@@ -51,7 +51,7 @@ def _same(a, b) -> bool:
 
 def _trainer_checks(rank: int, world: int) -> dict:
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     out = {}
     for stage in (0, 3):
@@ -71,12 +71,12 @@ def _trainer_checks(rank: int, world: int) -> dict:
 
 
 def _run_checks(rank: int, world: int, tmp: str) -> dict:
-    from ndtrain import train
     from ndtrain.config import load_config
     from ndtrain.data import prepare_data
-    from ndtrain.fault.events import read_events
-    from ndtrain.metrics import read_metrics
-    from ndtrain.trainer import Trainer
+    from ndtrain.events import read_events
+    from ndtrain.train import loop as train
+    from ndtrain.train.metrics import read_metrics
+    from ndtrain.train.trainer import Trainer
 
     tmp = Path(tmp)
     cfg = load_config("debug", {"data.source": str(tmp / "corpus.txt"), "data.tokenizer": "bytes",

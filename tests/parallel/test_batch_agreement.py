@@ -16,7 +16,7 @@ import torch
 
 from ndtrain.config import validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.trainer import IGNORE_INDEX, Trainer
+from ndtrain.train.trainer import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_pp import global_batch, pp_cfg
 

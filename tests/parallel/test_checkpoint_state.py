@@ -1,5 +1,5 @@
-"""Checkpoints hold every tensor whole under its global name (issue 11 item 3), and ranks with
-different local batch sizes fail together with one clear error (issue 11 item 1).
+"""Checkpoints hold every tensor whole under its global name, and ranks with
+different local batch sizes fail together with one clear error.
 
 Round trip: each layout trains 2 steps on the same global batches as one plain process, saves a
 checkpoint, and a fresh trainer of the same layout loads it back. Then, in the test process (no
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_pp import global_batch, pp_cfg
 

@@ -85,7 +85,7 @@ def test_sleeping_rank_makes_peers_fail_naming_rank_and_axis(tmp_path):
     assert entries[1]["bytes"] == 4000 and entries[1]["seq"] == entries[0]["seq"] + 1
     assert r2["err"] and 3.0 <= r2["elapsed"] < SLEEP_S - 0.5, r2
     assert "recv(from dp_shard rank 1, tag 10)" in r2["err"] and "rank(s) [3] never reached" in r2["err"]
-    from ndtrain.fault.events import read_events
+    from ndtrain.events import read_events
 
     ev = read_events(tmp_path, "collective_timeout")
     assert sorted((e["rank"], e["axis"], tuple(e["suspects"])) for e in ev) == [(0, "dp_shard", (1,)),

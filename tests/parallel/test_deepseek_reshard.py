@@ -1,10 +1,10 @@
-"""Resharding the DeepSeek-V3 debug layout (issue 12, "What it must show"): a checkpoint of the
+"""Resharding the DeepSeek-V3 debug layout ("What it must show"): a checkpoint of the
 ``deepseek_v3_debug`` model (MLA, first layer dense, sigmoid group-limited routing, aux-loss-free
 expert bias, Switch + sequence-wise + z losses, one MTP module) saved by the issue's 8-rank layout
 ``pp2 x ep2 x dp2`` with ZeRO-1 resumes in one process and under ``ep=4, zero_stage=3`` (pp 1,
 dp_shard 4, 4 ranks) with the losses of an uninterrupted run.
 
-Everything goes through ``ndtrain.train.run`` (float64, the byte corpus of ``test_reshard``), so the
+Everything goes through ``ndtrain.train.loop.run`` (float64, the byte corpus of ``test_reshard``), so the
 checkpoint carries the model, AdamW moments and step counts, the LR schedule, the data sampler and
 the persistent buffers exactly as a user's run does:
 
@@ -40,11 +40,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import load_config
 from ndtrain.data import prepare_data
-from ndtrain.metrics import read_metrics
-from ndtrain.train import run
+from ndtrain.train.loop import run
+from ndtrain.train.metrics import read_metrics
 from tests.corpus import source_text
 from tests.dist_utils import run_ranks
 
@@ -108,7 +108,7 @@ def _final_state(tmp_path: Path, ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under their single-process names, loaded (DCP, no process group)
     into a fresh one-process trainer's template: model parameters, buffers, AdamW state."""
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     cfg = _cfg(tmp_path, 1)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, 1).build_mesh(), torch.device("cpu"))
@@ -165,7 +165,7 @@ def _check_final_states(tmp_path: Path, saved: Path, runs) -> None:
 def _resume_without_bias(tmp_path: Path, saved: Path, monkeypatch) -> dict[str, float]:
     """The one-process resume with every expert bias zeroed right after the checkpoint loads:
     the fault this test must catch. Returns its worst differences from ``ref``."""
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     load = Trainer.load_tensor_state
 

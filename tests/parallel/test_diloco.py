@@ -37,7 +37,7 @@ def _weights(tr) -> dict:
 
 def _trainer(world: int, steps_h: int, outer_lr: float, mom: float, **parallel):
     from ndtrain.mesh import ParallelDims
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     cfg = tiny_cfg(8, 4, **parallel)
     cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_hidden = 32, 4, 2, 64  # tp 2 fits
@@ -60,7 +60,7 @@ def _twin_ddp(rank: int, world: int) -> float:
 
 
 def _twin_reference(rank: int, world: int, tmp: str) -> dict:
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
 
     dil = _trainer(world, 2, 0.7, 0.9, dp_replicate=2, dp_shard=1)
     reps = [_trainer(1, 0, 0.7, 0.9, dp_shard=1) for _ in range(2)]  # one process, world-1 meshes

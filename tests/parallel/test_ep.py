@@ -19,7 +19,7 @@ import torch
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_tp import FakeMesh
 
@@ -170,7 +170,7 @@ def _checkpoint_round_trip(rank: int, world: int, ckpt_dir: str) -> dict:
     under EP1 x DP2 (full experts on each rank): every value comes back."""
     from pathlib import Path
 
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
 
     cfg = moe_cfg(world, 2, 0)
     src = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))

@@ -1,5 +1,5 @@
 """Expert parallel with ZeRO-1 / -2 / -3 and HSDP against the single-process model, and checkpoints
-that reshard across ep degrees and ZeRO stages (issue 12 item 1).
+that reshard across ep degrees and ZeRO stages.
 
 Reference: a world-size-1 ``Trainer`` inside each rank on the whole global batch, with
 ``micro_batch_size`` = the parallel layouts' local batch so its microbatches are exactly the
@@ -24,7 +24,7 @@ import torch
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_ep import STEPS, E, G, global_batch
 
@@ -146,7 +146,7 @@ def _parity(rank: int, world: int) -> dict:
 def _reshard(rank: int, world: int, ckpt_dir: str) -> dict:
     """Uninterrupted reference; ep4 ZeRO-3 trains ``SAVE_AT`` steps and saves; ep2 ZeRO-1 on the
     same ranks resumes from it and trains the rest."""
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
 
     ref = train(build(1, G // world), range(STEPS))
     src = build(world, dp_shard=4, ep=4, zero_stage=3)
@@ -167,7 +167,7 @@ def _reshard(rank: int, world: int, ckpt_dir: str) -> dict:
 
 def _resume_one_process(path: str, bias: list) -> tuple[list[float], bool]:
     """The ep4 ZeRO-3 checkpoint resumed in one process (no process group at all)."""
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
 
     tr = build(1, G // 4)
     state = tr.tensor_state()

@@ -25,7 +25,7 @@ from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.optim import build_optimizer, build_scheduler
 from ndtrain.parallel.zero.observe import GatherCounter
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_zero import V, global_batch, tiny_cfg
 

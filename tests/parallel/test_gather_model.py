@@ -1,4 +1,4 @@
-"""The end-of-run sample works under every layout (issue 16 item 2): ``rundir.gather_model``
+"""The end-of-run sample works under every layout: ``rundir.gather_model``
 assembles a parallelized trainer's weights into one single-process ``Transformer`` on rank 0.
 
 Reference: the single-process model built from the same config and seed (``build_model``). Every
@@ -14,8 +14,8 @@ import torch
 from ndtrain.config import load_config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
-from ndtrain.rundir import gather_model
-from ndtrain.trainer import Trainer
+from ndtrain.train.rundir import gather_model
+from ndtrain.train.trainer import Trainer
 from tests.dist_utils import run_ranks
 
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_hidden": 32}
@@ -42,7 +42,7 @@ class _Bytes:
 
 
 def _rank(rank: int, world: int) -> dict:
-    from ndtrain.train import sample_text
+    from ndtrain.train.loop import sample_text
 
     torch.set_num_threads(1)
     out = {}
@@ -71,7 +71,7 @@ def test_gather_model_under_every_layout():
 
 
 def _compare(results: dict) -> None:
-    from ndtrain.train import sample_text
+    from ndtrain.train.loop import sample_text
 
     assert sorted(results) == sorted(LAYOUTS)
     for name, (state, text) in results.items():

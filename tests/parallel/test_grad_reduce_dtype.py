@@ -1,4 +1,4 @@
-"""Every weight-gradient reduction honours ``parallel.grad_reduce_dtype`` (issue 11 item 2).
+"""Every weight-gradient reduction honours ``parallel.grad_reduce_dtype``.
 
 Setup: 2 gloo ranks, ``training.dtype=bfloat16`` (bf16 autocast; ZeRO keeps bf16 model parameters),
 one forward, then backward + ``finish_grad_sync`` under a recorder that wraps the
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel import comm
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 
 _NDTRAIN = os.path.dirname(os.path.dirname(os.path.abspath(comm.__file__)))  # .../ndtrain

@@ -19,7 +19,7 @@ clipping active; a wrong head split, a missing state or a missing gradient reduc
 
 Cases: the dense feed-forward under plain data parallel and under ZeRO-3, and the preset's MoE
 feed-forward (4 experts, top-2, shared expert, global-scope Switch loss) whenever ``validate``
-accepts MoE with tp > 1 (expert tensor parallel, issue 12; the MoE test is skipped with the rule's
+accepts MoE with tp > 1 (expert tensor parallel; the MoE test is skipped with the rule's
 message where it does not). The same spawn also pins ``ulysses_mixer.ulysses_scan`` (the all-to-all
 baseline of ``bench/cp_state_passing.py``) to the whole-sequence op of each linear mixer, float64.
 One spawn (8 processes) runs every case: slow on 2 cores (40-90 s).
@@ -33,7 +33,7 @@ from ndtrain.config import apply_overrides, load_config, validate
 from ndtrain.errors import ConfigError
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.tp.tensor_parallel import tp_specs
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import _expected_local, _full_param, _record_grads
 

@@ -22,7 +22,7 @@ import torch
 
 from ndtrain.config import ConfigError, apply_overrides, load_config, validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 
 V, T, G, STEPS = 61, 16, 4, 10

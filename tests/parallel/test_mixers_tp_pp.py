@@ -45,7 +45,7 @@ def _cfg(world: int, model: dict = MODEL, **par) -> Config:
 
 
 def _trainer(cfg: Config, world: int):
-    from ndtrain.train import Trainer
+    from ndtrain.train.loop import Trainer
 
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
     return Trainer(cfg, mesh, torch.device("cpu")), mesh
@@ -64,7 +64,7 @@ def _gather_checks(tr, cfg: Config, mesh, ref: dict, rank: int) -> dict:
     """The trained tp model gathered whole on rank 0 (names, shapes, values) and the checkpoint
     state's gather / scatter round trip on every rank."""
     from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
-    from ndtrain.rundir import gather_model
+    from ndtrain.train.rundir import gather_model
 
     local = {n: v.detach().clone() for n, v in tr.dp.model_state_dict().items()}
     back = scatter_tp_state(gather_tp_state({"model": dict(local)}, tr.model, mesh), tr.model, mesh)["model"]

@@ -15,7 +15,7 @@ import torch
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 
 V, T, G, STEPS = 61, 16, 4, 6

@@ -1,5 +1,5 @@
 """MLA and MTP (DeepSeek-V2 / V3) under tensor, sequence and context parallel and ZeRO-3, against
-the single-process oracle (issue 12 item 4).
+the single-process oracle.
 
 Model: a tiny dense DeepSeek-like decoder, 2 MLA layers (query latent, q / k head dim
 d_n + d_r = 12 and value head dim d_v = 6, so the ring's v width differs from q / k's) and 2 MTP
@@ -28,7 +28,7 @@ import torch
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import (
     STEPS,

@@ -1,4 +1,4 @@
-"""MoE statistics do not depend on the layout (issue 12, items 5 and 7).
+"""MoE statistics do not depend on the layout.
 
 Reference: one single-process ``Trainer`` (on rank 0) fed the whole global batch with
 ``micro_batch_size`` 2, the same microbatch size as every parallel layout, so every layout's
@@ -28,12 +28,12 @@ import torch
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.metrics import format_line
 from ndtrain.model.moe import moe_layers
 from ndtrain.model.moe_capacity import SequenceShards, capacity_keep
 from ndtrain.parallel import comm
 from ndtrain.parallel.cp.context_parallel import chunk_ids, local_positions, resolve_layout
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
+from ndtrain.train.metrics import format_line
 from tests.dist_utils import run_ranks
 
 V, T, G, E, K, C, MICRO, STEPS = 64, 16, 8, 8, 2, 32, 2, 10

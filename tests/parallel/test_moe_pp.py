@@ -20,9 +20,10 @@ import pytest
 import torch
 import yaml
 
-from ndtrain.config import Config, _flatten, apply_overrides, resolve_preset, validate
+from ndtrain.config import Config, apply_overrides, resolve_preset, validate
+from ndtrain.config.load import _flatten
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import IGNORE_INDEX
+from ndtrain.train.loop import IGNORE_INDEX
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import _record_grads, _rel
 
@@ -78,7 +79,7 @@ def global_batch(step: int, g_size: int = G):
 
 
 def _trainer(cfg: Config, world: int):
-    from ndtrain.train import Trainer
+    from ndtrain.train.loop import Trainer
 
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
     return Trainer(cfg, mesh, torch.device("cpu")), mesh
@@ -231,16 +232,16 @@ def test_deepseek_v3_pp2_ep2_dp2_zero1_8_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_moe_mtp_dualpipev_checkpoint_resumes_in_one_process(tmp_path):
-    """Through ``ndtrain.train.run`` (byte corpus of ``test_reshard``, float64): an MoE + MTP model
+    """Through ``ndtrain.train.loop.run`` (byte corpus of ``test_reshard``, float64): an MoE + MTP model
     (dense first layer, aux-loss-free bias, sequence-wise loss) trains steps 1-4 under pp2
     DualPipeV and saves (both stages hold ``tok_embeddings.weight``: the first for the input, rank
     0 of the V for MTP too -- here one Parameter -- and the expert biases of their own layers); one
     plain process resumes for steps 5-8. Losses, aux and MTP losses equal an uninterrupted
     single-process run's to 1e-6 relative (a bias or MTP weight lost in the checkpoint shows)."""
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
     from ndtrain.data import prepare_data
-    from ndtrain.metrics import read_metrics
-    from ndtrain.train import run
+    from ndtrain.train.loop import run
+    from ndtrain.train.metrics import read_metrics
     from tests.parallel.test_reshard import _cfg, _run
 
     torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from ndtrain.config import ConfigError
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.ep import layers as ep_layers
 from ndtrain.parallel.ep import overlap
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_ep_zero import full_state, moe_cfg, train
 

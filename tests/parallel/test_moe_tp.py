@@ -30,7 +30,7 @@ from ndtrain.config import ConfigError, apply_overrides, load_config, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.parallel.tp.tensor_parallel import tp_local_slice, tp_specs
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import STEPS, G, T, V, _rel, global_batch
 
@@ -134,7 +134,7 @@ def _reference(preset: str, micro: int) -> dict:
 
 
 def _rank(rank: int, world: int) -> dict:
-    from ndtrain.rundir import gather_model
+    from ndtrain.train.rundir import gather_model
 
     torch.set_num_threads(1)
     refs, out = {}, {}

@@ -23,7 +23,7 @@ from torch import nn
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.pp.observe import ActionTimer, Jitter
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 
 V, T, G, C, STEPS = 64, 8, 8, 32, 10
@@ -248,15 +248,15 @@ def test_measured_bubble_matches_formula():
 
 # --- the training loop: logging, evaluation, checkpoints that reshard across pp degrees ------------
 def test_run_loop_evaluates_checkpoints_and_reshards(tmp_path):
-    """Through ``ndtrain.train.run`` on real data (tests/parallel/test_reshard.py's byte corpus,
+    """Through ``ndtrain.train.loop.run`` on real data (tests/parallel/test_reshard.py's byte corpus,
     float64, tied embeddings, 4 blocks): pp2 1F1B trains steps 1-4 (validation at 0 and 4, the
     last stage's loss shared by all ranks) and saves; one plain process resumes from that pp2
     checkpoint for steps 5-8; pp2 interleaved resumes from the single-process step-4 checkpoint.
     Reference: one uninterrupted single-process run. 1e-6 relative, as the parity tests."""
-    from ndtrain import checkpoint as ckpt
+    from ndtrain.checkpoint import dcp as ckpt
     from ndtrain.data import prepare_data
-    from ndtrain.metrics import read_metrics
-    from ndtrain.train import run
+    from ndtrain.train.loop import run
+    from ndtrain.train.metrics import read_metrics
     from tests.parallel.test_reshard import _cfg, _run
 
     torch.set_num_threads(1)

@@ -42,11 +42,13 @@ from tests.parallel.test_moe_pp import (
     _check,
     _expected,
     _full_state,
-    _rank as _layouts_rank,
     _reference,
     _trainer,
     global_batch,
     preset_cfg,
+)
+from tests.parallel.test_moe_pp import (
+    _rank as _layouts_rank,
 )
 
 PRESET = "deepseek_v3_debug"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_zero import MICRO, global_batch, psi_pad, tiny_cfg
 

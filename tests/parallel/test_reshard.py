@@ -1,6 +1,6 @@
 """Checkpoints that reshard: save under one layout and world size, resume under another.
 
-Everything goes through ``ndtrain.train.run`` on real data (a byte-tokenised corpus prepared in
+Everything goes through ``ndtrain.train.loop.run`` on real data (a byte-tokenised corpus prepared in
 ``tmp_path``): model, optimizer moments and steps, LR schedule and the data position.
 
 Chain: ZeRO-3 on 4 ranks trains steps 1-4 and saves; DDP on 2 ranks resumes at 5, trains 5-8 and
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import load_config
 from ndtrain.data import prepare_data
-from ndtrain.metrics import read_metrics
-from ndtrain.train import run
+from ndtrain.train.loop import run
+from ndtrain.train.metrics import read_metrics
 from tests.corpus import source_text
 from tests.dist_utils import run_ranks
 

@@ -1,5 +1,5 @@
-"""Sharded data parallel: checkpoints carry every persistent buffer (issue 11 item 4), flat sharding
-handles empty, scalar and tiny parameters (issue 11 item 6), and every flavour is a ``GradSync``.
+"""Sharded data parallel: checkpoints carry every persistent buffer, flat sharding
+handles empty, scalar and tiny parameters, and every flavour is a ``GradSync``.
 
 1. A tiny MoE (4 experts, top-2) with aux-loss-free balancing on (``moe_bias_update_rate``): the
    selection bias ``expert_bias`` is a persistent buffer that changes every step. Under DDP and
@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.optim import build_optimizer, clip_grad_norm
 from ndtrain.parallel.api import GradSync
 from ndtrain.parallel.zero.fsdp import FullyShardedDataParallel
 from ndtrain.parallel.zero.zero12 import ZeroDataParallel
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 
 V, T, G, STEPS = 61, 8, 8, 6

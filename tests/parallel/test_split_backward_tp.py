@@ -22,7 +22,7 @@ OVER = {"model.n_layers": 4, "model.dim": 32, "model.vocab_size": 61, "model.moe
 
 
 def _train(schedule: str, world: int) -> list[dict]:
-    from ndtrain.train import Trainer
+    from ndtrain.train.loop import Trainer
 
     cfg = load_config("moe_debug", {**OVER, "parallel.pp_schedule": schedule}, world_size=world)
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndtrain import checkpoint as ckpt
+from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import ConfigError, ParallelConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
 from ndtrain.model import build_model
 from ndtrain.parallel.tp.rules import check_heads as check_tp_heads
 from ndtrain.parallel.tp.tensor_parallel import apply_tp, padded_vocab
 from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import V, assert_bytes, assert_parity, global_batch, run_layout, tiny_cfg
 

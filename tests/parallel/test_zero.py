@@ -20,7 +20,7 @@ import torch
 
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 
 V, T, STEPS, MICRO = 61, 8, 10, 4

@@ -17,7 +17,7 @@ from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint, parse_policy
 from ndtrain.parallel.zero.flat_shard import FlatShardLayout
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 
 def test_parse_policy():

@@ -1,4 +1,4 @@
-"""Pieces of the after-training commands (issue 16 items 1-4), single process: nucleus sampling,
+"""Pieces of the after-training commands, single process: nucleus sampling,
 streamed detokenisation, bytes per token, safetensors sharding, the transformers tokenizer files,
 the data summary, and ``convert`` both ways for the MoE families (tensors must survive exactly)."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from ndtrain.config import DataConfig
 from ndtrain.data.tokenizer import ByteTokenizer, HFTokenizer, save_tokenizer_files, train_bpe
-from ndtrain.evaluate import token_byte_lengths
-from ndtrain.generate import TextStream, _nucleus, sample_next
-from ndtrain.hf_common import shard_plan
+from ndtrain.hf.common import shard_plan
+from ndtrain.inference.evaluate import token_byte_lengths
+from ndtrain.inference.generate import TextStream, _nucleus, sample_next
 
 TEXT = "def f(x):\n    return {'é': x, \"ü\": '🙂'}  # naïve\n" * 3
 
@@ -116,9 +116,9 @@ def test_convert_round_trip_moe_families(tmp_path):
     """HF folder -> ``convert --from-hf`` -> a run directory holding that checkpoint -> ``convert
     --to-hf``: every tensor equal to the original's, and the tokenizer travels along."""
     pytest.importorskip("transformers")
-    from ndtrain.convert import from_hf, to_hf
-    from ndtrain.hf_common import read_safetensors
-    from ndtrain.rundir import RunDir
+    from ndtrain.cli.convert import from_hf, to_hf
+    from ndtrain.hf.common import read_safetensors
+    from ndtrain.train.rundir import RunDir
 
     torch.manual_seed(0)
     for family, hf in _hf_models():
@@ -144,9 +144,9 @@ def test_sample_model_refuses_to_gather_a_huge_model(monkeypatch):
     ``GATHER_LIMIT_BYTES``; past it the sample is skipped with a reason, before any collective."""
     from types import SimpleNamespace
 
-    from ndtrain import rundir
     from ndtrain.config import load_config
     from ndtrain.model import Transformer
+    from ndtrain.train import rundir
 
     cfg = load_config("debug")
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""The benchmark harness (``ndtrain.bench_utils``) and the pure parts of the new benchmarks.
+"""The benchmark harness (``ndtrain.tools.bench_utils``) and the pure parts of the new benchmarks.
 
 Exact expectations where the harness promises them: the number of calls, the peak of live storages
 (two tensors of known size alive at once, or one after the other), the JSON's machine facts, and
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain import bench_utils
+from ndtrain.tools import bench_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

@@ -1,4 +1,4 @@
-"""Discoverable configuration and the stable run directory, through ``ndtrain.cli.main`` in process.
+"""Discoverable configuration and the stable run directory, through ``ndtrain.cli.main.main`` in process.
 
 ``--print-config``, ``config keys`` (checked against a synthetic schema source too, so the comment
 parser is tested on cases the real schema may not contain), did-you-mean on keys / sections /
@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from ndtrain import __version__
-from ndtrain.cli import main
+from ndtrain.cli.main import main
 from ndtrain.config import Config, load_config
-from ndtrain.config_keys import config_keys, format_keys
+from ndtrain.config.keys import config_keys, format_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,7 @@ def test_every_preset_checkpoints_by_default():
 def test_default_run_dir_is_stable_and_a_finished_run_says_so(tmp_path, monkeypatch, capsys):
     """``runs/<preset>`` by default; the same command again exits 0 with one line and trains
     nothing; fewer steps than the checkpoint is a one-line config error (exit 2); more resumes."""
-    from ndtrain.rerun import default_run_dir
+    from ndtrain.cli.rerun import default_run_dir
 
     assert default_run_dir("debug") == Path("runs/debug")
     assert default_run_dir("configs/my_run.yaml") == Path("runs/my_run")
@@ -183,9 +183,9 @@ def test_a_damaged_newest_checkpoint_does_not_make_a_run_look_finished(tmp_path)
     final checkpoint's shard damaged, the run resumes from step 5 (not "already finished")."""
     import json
 
+    from ndtrain.checkpoint.integrity import write_manifest
+    from ndtrain.cli.rerun import finished_message
     from ndtrain.config import load_config
-    from ndtrain.fault.integrity import write_manifest
-    from ndtrain.rerun import finished_message
 
     for step in (5, 10):
         folder = tmp_path / "checkpoints" / f"step_{step:08d}"

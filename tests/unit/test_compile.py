@@ -93,7 +93,7 @@ def test_fp8_training_close_to_bf16():
             "training.device": "cuda", "model.vocab_size": 256}
     ref = tiny_cfg(**over)
     got = tiny_cfg(**over, **{"training.fp8": True})
-    from ndtrain.trainer import Trainer
+    from ndtrain.train.trainer import Trainer
 
     losses = []
     for cfg in (ref, got):

@@ -1,4 +1,4 @@
-"""The run console (``ndtrain.console``) and the metrics log's console-facing parts.
+"""The run console (``ndtrain.train.console``) and the metrics log's console-facing parts.
 
 Single process, no training: the console is driven with hand-made metric rows, so each check
 states the exact line, log content or TensorBoard scalar a given row must produce.
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from ndtrain import console, metrics
 from ndtrain.config import load_config
 from ndtrain.mesh import ParallelDims
+from ndtrain.train import console, metrics
 
 
 class _TTY(io.StringIO):

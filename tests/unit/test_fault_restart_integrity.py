@@ -1,4 +1,4 @@
-"""Checkpoint manifests (``ndtrain.fault.integrity``) and the restart supervisor
+"""Checkpoint manifests (``ndtrain.checkpoint.integrity``) and the restart supervisor
 (``ndtrain.fault.supervisor``), without starting any process."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from ndtrain.checkpoint.integrity import MANIFEST, file_crc32, verify, write_manifest
+from ndtrain.cli.launch import launch
 from ndtrain.config import ConfigError, load_config
-from ndtrain.fault.events import read_events
-from ndtrain.fault.integrity import MANIFEST, file_crc32, verify, write_manifest
+from ndtrain.events import read_events
 from ndtrain.fault.supervisor import note_torchrun_restart, retryable, supervise
-from ndtrain.launch import launch
 from ndtrain.spawn import SpawnError
 
 
@@ -102,7 +102,7 @@ def test_supervisor_gives_up_after_max_restarts(tmp_path):
 
 @pytest.mark.parametrize("last_line", [
     "ndtrain.errors.ConfigError: tp (3) does not divide n_heads (4)",
-    "ndtrain.fault.integrity.CheckpointUnusableError: /x holds checkpoints but none verifies"])
+    "ndtrain.checkpoint.integrity.CheckpointUnusableError: /x holds checkpoints but none verifies"])
 def test_deterministic_errors_are_never_retried(tmp_path, last_line):
     err = _error(f"rank 0 of 2 failed: {last_line}", f"Traceback (most recent call last):\n  ...\n{last_line}\n", 0, 1)
     assert not retryable(err)

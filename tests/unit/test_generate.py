@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.generate import KVCache, generate, sample_next
+from ndtrain.inference.generate import KVCache, generate, sample_next
 from ndtrain.model import build_model
 
 

@@ -14,9 +14,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ndtrain.config import ModelConfig
-from ndtrain.metrics import flops_per_token, format_line, hfu_factor, recompute_flops_per_token
 from ndtrain.model import build_model
 from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
+from ndtrain.train.metrics import flops_per_token, format_line, hfu_factor, recompute_flops_per_token
 
 _SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _SDPA_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

@@ -15,11 +15,11 @@ import torch
 
 from ndtrain import mixer_spec
 from ndtrain.config import ConfigError, load_config
-from ndtrain.config_schema import ModelConfig
-from ndtrain.generate import KVCache, generate
-from ndtrain.metrics import flops_per_token
+from ndtrain.config.schema import ModelConfig
+from ndtrain.inference.generate import KVCache, generate
 from ndtrain.model import build_model, count_params
 from ndtrain.planner.model_spec import from_model_config
+from ndtrain.train.metrics import flops_per_token
 from tests.corpus import source_text
 
 
@@ -155,8 +155,8 @@ def test_planner_reads_hybrid_presets(preset):
 
 def test_train_hybrid_debug_loss_decreases(tmp_path: Path):
     from ndtrain.data import prepare_data
-    from ndtrain.metrics import read_metrics
-    from ndtrain.train import run
+    from ndtrain.train.loop import run
+    from ndtrain.train.metrics import read_metrics
 
     torch.set_num_threads(1)
     corpus = tmp_path / "corpus.txt"
@@ -177,7 +177,7 @@ def test_hf_export_of_a_hybrid_model_is_one_clear_error(tmp_path):
     import pytest as _pytest
 
     from ndtrain.config import load_config
-    from ndtrain.hf import save_hf_checkpoint
+    from ndtrain.hf.folder import save_hf_checkpoint
     from ndtrain.model import build_model
 
     cfg = load_config("mamba2_debug", {"model.dim": 32, "model.n_layers": 2, "model.vocab_size": 64})

@@ -8,14 +8,14 @@ import pytest
 import torch
 import yaml
 
-from ndtrain.config import ConfigError, ModelConfig, load_config, save_config
-from ndtrain.launch import launch, prepare_checked
-from ndtrain.preflight import (
+from ndtrain.cli.launch import launch, prepare_checked
+from ndtrain.cli.preflight import (
     check_backend,
     check_checkpoint_paths,
     check_resume_compatible,
     check_run_dir_writable,
 )
+from ndtrain.config import ConfigError, ModelConfig, load_config, save_config
 
 
 @pytest.mark.parametrize("nproc", [0, -1])
@@ -41,7 +41,7 @@ def test_data_errors_become_config_errors(tmp_path):
         prepare_checked(cfg)
 
 
-# ---- pre-start checks (ndtrain.preflight): one ConfigError line before any rank starts ----
+# ---- pre-start checks (ndtrain.cli.preflight): one ConfigError line before any rank starts ----
 
 def _fake_run_dir(path, cfg) -> None:
     """A run directory as the trainer leaves it: its config.yaml and one complete checkpoint."""
@@ -103,7 +103,7 @@ def test_read_only_run_dir(tmp_path, monkeypatch):
         def refuse(*_a, **_k):
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr("ndtrain.preflight.tempfile.TemporaryFile", refuse)
+        monkeypatch.setattr("ndtrain.cli.preflight.tempfile.TemporaryFile", refuse)
     with pytest.raises(ConfigError, match=r"cannot write in .*ro \(Permission denied\)"):
         check_run_dir_writable(ro / "run")
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
-from ndtrain.generate import KVCache
+from ndtrain.inference.generate import KVCache
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.model.mla import MLAttention
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
 
 MLA = dict(attention="mla", mla_q_rank=16, mla_kv_rank=12, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=6)
 

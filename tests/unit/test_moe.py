@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from ndtrain.config import Config, ConfigError, DataConfig, ModelConfig, TrainingConfig, load_config, validate
 from ndtrain.mesh import ParallelDims
-from ndtrain.metrics import flops_per_token
 from ndtrain.model import build_model
 from ndtrain.model.moe import MoE, grouped_mm, moe_layers
 from ndtrain.model.moe_balance import end_step, pop_aux_loss
 from ndtrain.model.upcycle import upcycle
-from ndtrain.train import Trainer
+from ndtrain.train.loop import Trainer
+from ndtrain.train.metrics import flops_per_token
 
 
 def tiny(**kw) -> ModelConfig:

@@ -1,6 +1,6 @@
 """The MoE token mask (``MoE.token_mask``): a (B, T) run whose last k positions are masked equals
 the single-process run on the truncated (B, T - k) input, in outputs at the valid positions,
-gradients, every auxiliary loss, the loads and the capacity decision (issue 12, items 4 / 7: MTP
+gradients, every auxiliary loss, the loads and the capacity decision (items 4 / 7: MTP
 depths run padded under sequence / context parallel). Single process; the cp shards are simulated
 (``SequenceShards`` whose collectives act on a list of per-shard tensors), float64.
 

@@ -151,7 +151,7 @@ def test_mfu_is_not_capped_by_one_constant():
 
 
 def test_cli_efficiency_flag(capsys):
-    from ndtrain.planner.cli import main
+    from ndtrain.cli.plan import main
 
     args = ["--model", "llama3_8b", "--hardware", "H100", "--gpus", "8", "--layout",
             "dp_shard=8,zero_stage=3,ac=full,microbatch=1", "--json"]

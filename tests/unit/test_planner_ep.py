@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from ndtrain.calibration.eager_axes_time import collectives_per_microbatch, estimate_axes_step_time
+from ndtrain.calibration.measure_ep import ep_moe_seconds, measure_ep_imbalance, rank_imbalance
 from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
-from ndtrain.planner.eager_axes_time import collectives_per_microbatch, estimate_axes_step_time
-from ndtrain.planner.measure_ep import ep_moe_seconds, measure_ep_imbalance, rank_imbalance
 from ndtrain.planner.model_spec import from_model_config
 
 

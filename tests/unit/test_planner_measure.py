@@ -4,15 +4,15 @@ import json
 import pytest
 import yaml
 
-from ndtrain.config import Config
-from ndtrain.planner.calibrate import compare_with_runs, format_comparison
-from ndtrain.planner.measure import (
+from ndtrain.calibration.calibrate import compare_with_runs, format_comparison
+from ndtrain.calibration.measure import (
     fit_alpha_beta,
     format_measurements,
     measure_matmul_flops,
     measure_sync_latency,
     measured_accelerator,
 )
+from ndtrain.config import Config
 from tests.dist_utils import run_ranks
 
 

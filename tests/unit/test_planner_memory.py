@@ -92,7 +92,7 @@ def test_checkpoint_policies_order_memory_and_recompute():
     for ac in ("none", "selective", "every:4", "every:2", "sqrt", "full"):
         p = _plan(SPEC_8B, 8, 8192, 64 * 8192, Layout(dp_shard=8, zero_stage=3, ac=ac, microbatch=2))
         mems[ac] = p.memory.breakdown["activations"]
-    # every:C checkpoints one block in C (issue 3); sqrt: C = round(sqrt 32) = 6
+    # every:C checkpoints one block in C; sqrt: C = round(sqrt 32) = 6
     assert mems["none"] > mems["sqrt"] > mems["every:4"] > mems["every:2"] > mems["full"]
     assert mems["none"] > mems["selective"] > mems["full"]
     assert recompute_fraction("full", 32) == 1 and recompute_fraction("every:4", 32) == 0.25

@@ -4,10 +4,10 @@ import json
 import pytest
 
 from ndtrain.config import load_config
-from ndtrain.metrics import flops_per_token
 from ndtrain.planner.hardware import HARDWARE, Cluster, get_accelerator
 from ndtrain.planner.layout import Layout, Workload, check_layout, parse_layout
 from ndtrain.planner.model_spec import from_hf_config, load_model_spec
+from ndtrain.train.metrics import flops_per_token
 
 
 def test_hardware_table():

@@ -1,4 +1,4 @@
-"""Issue 15 items 4 and 6: the expert all-to-all split by link, node-limited routing, fp8 dispatch,
+"""the expert all-to-all split by link, node-limited routing, fp8 dispatch,
 overlap and load imbalance; collectives on a TPU 3-D torus against a switched fabric. Every
 expected value is computed here by hand from the formulas in the docstrings."""
 from __future__ import annotations

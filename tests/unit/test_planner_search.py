@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ndtrain.planner.cli import add_plan_parser, main, run_plan
+from ndtrain.cli.plan import add_plan_parser, main, run_plan
 from ndtrain.planner.hardware import Cluster, get_accelerator
 from ndtrain.planner.layout import Workload
 from ndtrain.planner.model_spec import from_hf_config, load_model_spec

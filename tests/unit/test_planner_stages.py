@@ -1,4 +1,4 @@
-"""Issue 15 items 1, 2 and 7: every pipeline stage checked from its own layers, one source of
+"""every pipeline stage checked from its own layers, one source of
 layout rules (the planner recommends only what ``ndtrain train`` validates), the stated ZeRO
 assumption. Hand values are computed here from the model's shapes, not from the planner."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from ndtrain.config import Config, _flatten, apply_overrides, load_config, resolve_preset
+from ndtrain.config import Config, apply_overrides, load_config, resolve_preset
+from ndtrain.config.load import _flatten
 from ndtrain.errors import ConfigError
 from ndtrain.planner.hardware import Cluster, GiB, get_accelerator
 from ndtrain.planner.layout import Layout, Workload, config_overrides, parse_layout
@@ -50,7 +51,7 @@ def test_every_recommendation_validates_with_the_trainers_rules(preset, gpus, se
     ("deepseek_v3", 2048, Workload(**DSV3)),
 ])
 def test_planner_and_trainer_agree_on_every_candidate(preset, gpus, w):
-    """Both call ``ndtrain.validate.check_axes``: a layout the planner calls supported validates,
+    """Both call ``ndtrain.config.validate.check_axes``: a layout the planner calls supported validates,
     and a layout it marks unsupported fails validation with exactly the rule it names."""
     spec, _ = load_model_spec(preset)
     cluster = Cluster(get_accelerator("H100"), gpus)
@@ -169,7 +170,7 @@ def test_loss_bytes_and_allocator_overhead_tp8_zero3_16_sequences():
 
 
 def test_unsupported_layouts_are_listed_only_when_asked(capsys):
-    from ndtrain.planner.cli import main
+    from ndtrain.cli.plan import main
 
     args = ["--model", "mixtral_8x7b", "--hardware", "H100", "--gpus", "8", "--global-batch-tokens",
             str(64 * 4096), "--layout", "cp=2,cp_impl=allgather,ep=4,zero_stage=1"]

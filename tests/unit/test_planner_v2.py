@@ -9,15 +9,15 @@ import pytest
 import torch
 
 import ndtrain.model
+from ndtrain.cli.plan import main as plan_main
 from ndtrain.config import load_config
-from ndtrain.metrics import flops_per_token
 from ndtrain.planner import Cluster, Workload, evaluate, parse_layout, search
-from ndtrain.planner.cli import main as plan_main
 from ndtrain.planner.diagnose import diagnose
 from ndtrain.planner.hardware import HARDWARE, apply_overrides, get_accelerator
 from ndtrain.planner.layout import layout_assumptions
 from ndtrain.planner.model_spec import ModelSpec, from_model_config, load_model_spec
 from ndtrain.planner.search import candidate_layouts, divisors, tp_degrees
+from ndtrain.train.metrics import flops_per_token
 
 PRESETS = sorted(p.stem for p in (Path(ndtrain.__file__).parent / "configs").glob("*.yaml"))
 

@@ -15,7 +15,6 @@ import contextlib
 import pytest
 import torch
 
-from ndtrain import mem_account
 from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
 from ndtrain.mesh import AxisGroup, ParallelDims
 from ndtrain.parallel import comm
@@ -23,7 +22,8 @@ from ndtrain.parallel.pp import observe
 from ndtrain.parallel.pp.pipeline import StagePipeline
 from ndtrain.parallel.pp.runtime import PipelineRuntime
 from ndtrain.parallel.pp.schedules import Action
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain import mem_account
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 
 V, T, G = 64, 8, 8
 

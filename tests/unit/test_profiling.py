@@ -1,6 +1,6 @@
 """``ndtrain train --profile-steps A:B``: the window parser and a real 1-process run's Chrome trace.
 
-The run trains the ``debug`` model for 4 steps in this process through ``ndtrain.cli.main`` and
+The run trains the ``debug`` model for 4 steps in this process through ``ndtrain.cli.main.main`` and
 profiles steps 2..3; the trace must be valid JSON in Chrome trace format holding exactly the two
 ``ProfilerStep#N`` ranges of the window (a trace of the wrong steps, or none, fails) and operator
 events (``aten::mm`` of the model's projections) inside them.
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.cli import main
+from ndtrain.cli.main import main
+from ndtrain.config.validate import parse_profile_steps
 from ndtrain.errors import ConfigError
-from ndtrain.profiling import StepProfiler, parse_profile_steps, trace_path
+from ndtrain.train.profiling import StepProfiler, trace_path
 
 
 def test_parse_profile_steps():

@@ -1,4 +1,4 @@
-"""A short local batch is trained on exactly (issue 11 item 1).
+"""A short local batch is trained on exactly.
 
 Reference: the same 3 sequences as one microbatch. With ``micro_batch_size=2`` the trainer runs a
 microbatch of 2 and one of 1; the token-weighted loss makes that exact, so loss and every gradient
@@ -11,7 +11,7 @@ import torch
 
 from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
-from ndtrain.train import IGNORE_INDEX, Trainer
+from ndtrain.train.loop import IGNORE_INDEX, Trainer
 
 V, T = 64, 8
 

@@ -4,15 +4,19 @@ loads; GShard capacity), exactly as in the single process (``ndtrain.model.moe_c
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ndtrain.config import Config
 from ndtrain.mesh import Mesh
 from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.model.moe_capacity import SequenceShards
 from ndtrain.parallel import comm
 from ndtrain.parallel.cp.context_parallel import chunk_ids
 from ndtrain.parallel.cp.rules import resolve_layout
+
+if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
+    from ndtrain.config import Config
 
 
 def sequence_shards(mesh: Mesh, cfg: Config) -> SequenceShards | None:

@@ -1,6 +1,6 @@
 """Layout rules of context parallel: ring attention (Liu 2023) and Ulysses (Jacobs 2023).
 
-Called by ``ndtrain.validate`` and by the planner's feasibility check; raises ``ConfigError``
+Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
 naming the rule. Pure Python.
 """
 from __future__ import annotations

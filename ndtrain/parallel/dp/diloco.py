@@ -21,7 +21,7 @@ per-replica updates is not the update of the mean gradient, so H = 1 is not DDP 
 The loss of each replica is normalised by the replica's own valid tokens (the trainer reduces the
 loss over ``dp_shard_cp``), so its gradient is its batch's mean gradient whatever the number of
 replicas. Anchors and outer momentum are checkpointed (``state_dict``) with the inner optimizer
-state of every replica (``ndtrain.trainer``). Parameters are this rank's local tensors (a TP /
+state of every replica (``ndtrain.train.trainer``). Parameters are this rank's local tensors (a TP /
 PP shard, DTensor local shards): the averaging pairs the same shard across replicas.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Batch rules of data parallel: how a global batch splits over dp ranks and microbatches.
 
-Called by ``ndtrain.validate`` and by the planner's feasibility check; raises ``ConfigError``
+Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
 naming the rule. Pure Python.
 """
 from __future__ import annotations

@@ -44,11 +44,11 @@ them over ``dp_replicate``, the dense ones over ``dp_shard_cp`` as usual
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import MoE, moe_layers
 from ndtrain.parallel import comm
@@ -57,6 +57,9 @@ from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
 from ndtrain.parallel.ep.layers import EXPERT_WEIGHTS, ExpertParallelExperts
 from ndtrain.parallel.ep.rules import check_experts
+
+if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
+    from ndtrain.config import Config
 
 
 def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor:

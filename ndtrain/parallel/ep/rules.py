@@ -1,11 +1,12 @@
 """Layout rules of expert parallel (GShard / Switch; ranks borrowed from dp_shard x cp).
 
-Called by ``ndtrain.validate``, ``ndtrain.mesh.ParallelDims`` and the planner's feasibility
+Called by ``ndtrain.config.validate`` and the planner's feasibility
 check; raises ``ConfigError`` naming the rule. Pure Python.
 """
 from __future__ import annotations
 
 from ndtrain.errors import require
+from ndtrain.mesh import check_ep_borrow
 
 
 def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0,
@@ -22,7 +23,7 @@ def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, z
             f"shared experts: {'yes' if shared_ffn else 'none'}): it overlaps the shared experts with the "
             "expert-parallel dispatch all-to-all")
     if dp_shard is not None:
-        require((dp_shard * cp) % ep == 0, f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
+        check_ep_borrow(ep, dp_shard, cp)
     if ep == 1:
         return
     require(moe_experts > 0, f"parallel.ep ({ep}) > 1 needs an MoE model (model.moe_experts > 0)")

@@ -18,12 +18,12 @@ backpropagates its own MoE layers' auxiliary terms; the head's stage adds the MT
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.mtp import feeding_token_ids
 from ndtrain.optim import clip_coefficient
@@ -31,6 +31,9 @@ from ndtrain.parallel import comm
 from ndtrain.parallel.pp.rules import resolve_overlap
 from ndtrain.parallel.pp.runtime import PipelineRuntime
 from ndtrain.parallel.pp.stage import stage_chunks, stage_info
+
+if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
+    from ndtrain.config import Config
 
 
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:

@@ -1,7 +1,7 @@
 """Layout rules of pipeline parallel (GPipe, 1F1B, interleaved 1F1B of Narayanan 2021, ZB-H1,
 DualPipeV of DeepSeek-V3 2024).
 
-Called by ``ndtrain.validate`` and by the planner's feasibility check; raises ``ConfigError``
+Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
 naming the rule. Pure Python.
 """
 from __future__ import annotations

@@ -34,15 +34,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ndtrain.config import Config, ModelConfig
 from ndtrain.mesh import AXES, Mesh
 from ndtrain.mixer_spec import stage_seq_costs
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
 from ndtrain.parallel.pp.rules import split_layers  # the one split rule (the planner's too)
+
+if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
+    from ndtrain.config import Config, ModelConfig
 
 STAGE_ATTR = "ndtrain_pp_stage"
 

@@ -1,6 +1,6 @@
 """Layout rules of tensor + sequence parallel (Megatron-LM, Shoeybi 2019; SP, Korthikanti 2022).
 
-Called by ``ndtrain.validate`` (from a ``Config``) and by the planner's feasibility check
+Called by ``ndtrain.config.validate`` (from a ``Config``) and by the planner's feasibility check
 (``ndtrain.planner.layout.check_layout``, from a model spec), so the rule text is the same in both.
 Pure Python; raises ``ConfigError`` naming the rule and the numbers involved.
 """

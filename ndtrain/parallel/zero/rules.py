@@ -1,6 +1,6 @@
 """Layout rules of ZeRO-1/2/3 / FSDP (Rajbhandari 2020).
 
-Called by ``ndtrain.validate`` and by the planner's feasibility check; raises ``ConfigError``
+Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
 naming the rule. Pure Python.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ AdamW is elementwise, so stepping shards is exactly stepping the full tensors (R
 2020, ZeRO); the decoupled weight decay still skips 1-D parameters because a shard keeps its
 parameter's number of dims. Padding rows hold zeros with zero gradients and stay zero.
 
-State dicts (the checkpoint contract, ``ndtrain.checkpoint``):
+State dicts (the checkpoint contract, ``ndtrain.checkpoint.dcp``):
 
 * model: ``{fqn: tensor}`` with the model's own names and global shapes, in the master dtype
   (fp32 / fp64, never the bf16 compute copy), as DTensors ``Shard(0)`` over ``dp_shard_cp``

@@ -1,0 +1,162 @@
+"""Start the ranks of a run: N local processes, or the processes torchrun already started.
+
+* ``--nproc N``: the parent validates the config for world size N, runs the pre-start checks
+  (``ndtrain.cli.preflight``), prepares the data once (tokenizer training and token shards are cached),
+  then starts N processes with ``spawn``; each calls ``init_process_group`` (gloo on CPU, NCCL with
+  one GPU per process) and trains.
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) the process joins
+  torchrun's rendezvous; local rank 0 of each node prepares the data while the others wait.
+
+Local ranks start through ``ndtrain.spawn.spawn`` (re-exported here), the one process-starting
+helper of the package, tests and benchmarks.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.cli.preflight import backend_for, preflight
+from ndtrain.config import Config, ConfigError, validate
+from ndtrain.mesh import device_for_rank
+from ndtrain.spawn import SpawnError, free_port, spawn
+
+__all__ = ["SpawnError", "backend_for", "free_port", "launch", "prepare_checked", "spawn"]
+
+
+def _threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _group_timeout(cfg: Config) -> timedelta:
+    """The process group's own timeout: longer than ``parallel.collective_timeout_s``, so the timed
+    wait of ``ndtrain.parallel.comm`` fires first with an error naming rank, axis and op; it still
+    bounds the collectives that bypass that wrapper. Never below torch's 30 min default, which
+    covers a long first data preparation while the other ranks wait at a barrier."""
+    return timedelta(seconds=max(1800.0, cfg.parallel.collective_timeout_s + 60.0))
+
+
+def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str) -> None:
+    from ndtrain.train.loop import run
+
+    device = device_for_rank(rank, cfg.training.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group(backend_for(cfg), rank=rank, world_size=world, timeout=_group_timeout(cfg),
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        run(cfg, Path(run_dir), Path(data_path), device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare_checked(cfg: Config) -> Path:
+    """``prepare_data`` with its errors turned into ConfigError, and the splits checked to hold at
+    least one sequence of ``data.seq_len`` (+1) tokens, so a bad data setup fails before training."""
+    from ndtrain.data import TokenData, prepare_data
+
+    try:
+        path = prepare_data(cfg.data, cfg.model.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"data: {e}") from None
+    data, T = TokenData(path), cfg.data.seq_len
+    for split in ("train", "val"):
+        if data.num_sequences(split, T) < 1:
+            raise ConfigError(f"data: the {split} split has {data.num_tokens(split)} tokens, fewer than "
+                              f"one sequence of data.seq_len + 1 ({T + 1}); use a larger corpus, a "
+                              f"shorter seq_len or a larger data.val_fraction")
+    return path
+
+
+def _announce(on: bool, run_dir: Path, cfg: Config | None = None) -> None:
+    """Print the run directory and a note per setting that has no effect in this layout."""
+    if not on:
+        return
+    print(f"run dir: {run_dir}", flush=True)
+    if cfg is not None:
+        from ndtrain.parallel.pp.rules import inert_settings
+
+        p = cfg.parallel
+        for note in inert_settings(p.pp, p.pp_schedule, p.pp_virtual_stages):
+            print(f"note: {note}", flush=True)
+
+
+def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:
+    """True (and one line, printed if ``announce``) when the run directory's newest checkpoint
+    already reached this job's end (``ndtrain.run_dir.finished_message``): no process starts."""
+    from ndtrain.cli.rerun import finished_message
+
+    msg = finished_message(cfg, Path(run_dir))
+    if msg and announce:
+        print(msg, flush=True)
+    return msg is not None
+
+
+def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False,
+           max_restarts: int = 0) -> None:
+    """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
+    ``announce`` prints the run directory once the checks passed; ``max_restarts`` restarts all
+    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag).
+
+    Returns at once, starting nothing, when the run directory already reached this job's end
+    (one line; ``ndtrain.cli.rerun``). Raises ConfigError (before any rank starts) for an invalid
+    layout, an unusable run directory, backend, checkpoint path or data, a checkpoint past
+    ``training.steps``, or a model / data change against the run directory's checkpoints (``ndtrain.cli.preflight``); SpawnError when a local rank fails.
+    """
+    under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if max_restarts:
+            raise ConfigError("--max-restarts restarts local ranks; under torchrun use torchrun's --max-restarts")
+        validate(cfg, world)
+        preflight(cfg, Path(run_dir), world)
+        if _already_finished(cfg, run_dir, announce):
+            return
+        _announce(announce, run_dir, cfg)
+        device = device_for_rank(local_rank, cfg.training.device)
+        if world > 1:
+            dist.init_process_group(backend_for(cfg), timeout=_group_timeout(cfg),
+                                    device_id=device if device.type == "cuda" else None)
+        # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
+        if local_rank == 0:
+            data_path = prepare_checked(cfg)
+        if world > 1:
+            dist.barrier()
+        if local_rank != 0:
+            data_path = prepare_checked(cfg)
+        from ndtrain.fault.supervisor import note_torchrun_restart
+        from ndtrain.train.loop import run
+
+        note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
+        try:
+            run(cfg, run_dir, data_path, device)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return
+    nproc = 1 if nproc is None else nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc ({nproc}) must be >= 1")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
+    validate(cfg, nproc)
+    preflight(cfg, Path(run_dir), nproc)
+    if _already_finished(cfg, run_dir, announce):
+        return
+    _announce(announce, run_dir, cfg)
+    data_path = prepare_checked(cfg)
+    if nproc == 1 and not max_restarts:
+        from ndtrain.train.loop import run
+
+        run(cfg, run_dir, data_path)
+        return
+    from ndtrain.fault.supervisor import supervise
+
+    supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
+                            threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))

@@ -1,0 +1,235 @@
+"""``ndtrain plan``: predict memory, step time, MFU and training time; search or evaluate layouts.
+
+    ndtrain plan --model PRESET_OR_CONFIG_JSON --hardware NAME --gpus N [--gpus-per-node 8]
+                 [--seq-len T] [--global-batch-tokens B] [--train-tokens D] [--layout "tp=8,..."]
+                 [--json] [--top N] [--report DIR] [--price-per-gpu-hour P] [--nodes K]
+                 [--intra-node-gbps X] [--inter-node-gbps Y] [--pod-gpus G --inter-pod-gbps Z]
+                 [--precision mixed|fp32|lower_bound] [--measure] [--include-unsupported]
+                 [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
+
+Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
+times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
+cpu`` (or no model), plans with the measured numbers. Bandwidths on the command line are GB/s per
+GPU per direction. ``python -m ndtrain.cli.plan ...`` works without the main CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from ndtrain.planner.hardware import HARDWARE, OVERRIDES, Cluster, apply_overrides, get_accelerator
+from ndtrain.planner.layout import Workload, layout_assumptions, parse_layout
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to ``subparsers``."""
+    p = subparsers.add_parser("plan", help="plan a layout: memory, step time, MFU, training days",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    return p
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="ndtrain preset name / YAML path, or a Hugging Face config.json")
+    p.add_argument("--hardware", default="H100", help=f"accelerator: {', '.join(HARDWARE)}")
+    p.add_argument("--hardware-override", default="",
+                   help='replace datasheet fields, e.g. "memory_gb=96,peak_tflops=989,inter_node_gbps=100" '
+                        f"(keys: {', '.join(OVERRIDES)})")
+    p.add_argument("--gpus", type=int, default=0, help="accelerators in total")
+    p.add_argument("--nodes", type=int, default=0, help="alternative to --gpus: nodes x gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's (8 for GPUs)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence T (default: the preset's)")
+    p.add_argument("--global-batch-tokens", type=float, default=0,
+                   help="tokens per optimizer step (default: the preset's batch, else 4M)")
+    p.add_argument("--train-tokens", type=float, default=1e12, help="tokens to train on in total")
+    p.add_argument("--layout", default="",
+                   help='evaluate one layout, e.g. "tp=8,pp=16,dp_shard=64,zero_stage=1"')
+    p.add_argument("--precision", default="mixed", help="bytes/param convention: mixed | fp32 | lower_bound")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak is used")
+    p.add_argument("--price-per-gpu-hour", type=float, default=2.0, help="dollars")
+    p.add_argument("--efficiency", type=float, default=0.0, help="run every GEMM at this share of peak "
+                   "(v1's flat model) instead of the per-operation compute model (planner/compute.py)")
+    p.add_argument("--intra-node-gbps", type=float, default=0, help="override NVLink GB/s per direction")
+    p.add_argument("--inter-node-gbps", type=float, default=0, help="override NIC GB/s per direction")
+    p.add_argument("--pod-gpus", type=int, default=0, help="GPUs per pod (0 = no pod level)")
+    p.add_argument("--inter-pod-gbps", type=float, default=0, help="pod uplink GB/s per GPU per direction")
+    p.add_argument("--top", type=int, default=10, help="layouts shown by the search")
+    p.add_argument("--json", action="store_true", help="print one JSON object per layout")
+    p.add_argument("--report", default="", help="write plan.md, memory.png, timeline.png into this directory")
+    p.add_argument("--include-unsupported", action="store_true",
+                   help="also rank layouts ndtrain train rejects (marked '!', with the rule)")
+    p.add_argument("--moe-max-nodes", type=int, default=0,
+                   help="node-limited routing: a token's experts on at most this many nodes (DeepSeek-V3: 4)")
+    p.add_argument("--moe-fp8-dispatch", action="store_true", help="dispatch all-to-all in fp8 (combine stays bf16)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="expert load imbalance: busiest rank's tokens / the mean (>= 1)")
+    p.add_argument("--measure", action="store_true",
+                   help="measure matmul peak and all-reduce alpha/beta on this machine")
+
+
+def _fail(msg: str) -> int:
+    print(f"ndtrain plan: {msg}", file=sys.stderr)
+    return 2
+
+
+def _accelerator(args: argparse.Namespace, acc=None):
+    """``--hardware`` (or the measured ``acc``) with ``--hardware-override`` and ``--efficiency``
+    applied; raises ValueError for an unknown name, a bad override or an efficiency outside (0, 1]."""
+    acc = acc or get_accelerator(args.hardware)
+    if args.hardware_override:
+        acc = apply_overrides(acc, args.hardware_override)
+    if args.efficiency:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency ({args.efficiency}) must be in (0, 1]")
+        acc = replace(acc, compute_efficiency=args.efficiency)
+    return acc
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``ndtrain plan``; returns the exit code (2 on bad input, 1 if nothing fits)."""
+    from ndtrain.planner.model_spec import load_model_spec
+    from ndtrain.planner.search import evaluate, explain, recommend, search
+
+    acc = None
+    if args.measure:
+        from ndtrain.calibration.measure import (
+            format_measurements,
+            measure_collectives,
+            measure_matmul_flops,
+            measured_accelerator,
+        )
+
+        mm = measure_matmul_flops(dtype="float32" if args.hardware == "cpu" else args.dtype)
+        comm = measure_collectives()
+        print(format_measurements(mm, comm), file=sys.stderr if args.json else sys.stdout)
+        if args.hardware == "cpu":
+            acc = measured_accelerator(mm, comm)
+        if not args.model:
+            return 0
+    if not args.model:
+        return _fail("--model is required")
+    try:
+        acc = _accelerator(args, acc)
+        spec, preset_seq = load_model_spec(args.model)
+    except ValueError as e:
+        return _fail(str(e))
+    gpn = args.gpus_per_node or acc.gpus_per_node
+    gpus = args.gpus or args.nodes * gpn
+    if gpus < 1:
+        return _fail("give --gpus N (or --nodes K)")
+    seq = args.seq_len or preset_seq
+    batch = int(args.global_batch_tokens) or _preset_batch_tokens(args.model, seq)
+    dtype = "float32" if acc.name == "cpu" and args.dtype == "bfloat16" and args.measure else args.dtype
+    try:
+        cluster = Cluster(acc, gpus, gpn, args.intra_node_gbps * 1e9, args.inter_node_gbps * 1e9,
+                          args.pod_gpus, args.inter_pod_gbps * 1e9, args.price_per_gpu_hour, dtype)
+        cluster.accelerator.peak(dtype)  # an unknown dtype fails here, not mid-plan
+        w = Workload(seq_len=seq, global_batch_tokens=batch, train_tokens=args.train_tokens,
+                     precision=args.precision, moe_max_nodes=args.moe_max_nodes,
+                     moe_fp8_dispatch=args.moe_fp8_dispatch, moe_imbalance=args.moe_imbalance)
+    except (ValueError, KeyError) as e:
+        return _fail(str(e))
+    if args.layout:
+        try:
+            layout = parse_layout(args.layout)
+        except ValueError as e:
+            return _fail(str(e))
+        for note in layout_assumptions(args.layout, layout):
+            print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
+        plans = [evaluate(spec, cluster, w, layout)]
+        rec = plans[0] if plans[0].fits else None
+        for rule in plans[0].unsupported:
+            print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)
+        everything = plans
+    else:
+        everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported)
+        rec = recommend(everything)
+        plans = everything[:args.top] if args.top else everything
+        if rec is not None and rec not in plans:
+            plans = [rec] + plans
+    reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
+    if not everything:  # say which constraint failed instead of "nothing fits in memory"
+        from ndtrain.planner.diagnose import diagnose
+
+        reasons = diagnose(spec, cluster, w)
+        if args.json:
+            print("\n".join(reasons), file=sys.stderr)
+    if rec is not None and args.layout:
+        reasons = explain(rec, [], spec, cluster, w)[:3]
+    if cluster.precision_note():
+        print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
+    _print_quietly(_print_plans, args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
+    if args.report:
+        from ndtrain.planner.report import write_report
+
+        md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
+        print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
+    return 0 if rec is not None else 1
+
+
+def _print_quietly(fn, *args) -> None:
+    """``fn(*args)``; when the reader of stdout has left (``ndtrain plan --json | head -1``), stop
+    printing without a BrokenPipeError traceback (stdout then points at /dev/null, so the
+    interpreter's final flush does not fail either)."""
+    try:
+        fn(*args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _print_plans(args, plans, rec, reasons, spec, where: str, seq: int, batch: int) -> None:
+    """Print the ranked plans: one JSON object per line (``--json``) or the table, the
+    recommendation and its reasons, or why nothing fits."""
+    if args.json:
+        for p in plans:
+            print(json.dumps(p.to_dict()))
+        return
+    from ndtrain.planner.report import format_table
+
+    n = spec.params_total
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    print(f"{spec.name}: {size} params on {where}, T = {seq}, "
+          f"{batch:,} tokens/step")
+    print(format_table(plans, rec))
+    if rec is not None:
+        print(f"\nrecommended: {rec.layout}")
+        for r in reasons:
+            print(f"  - {r}")
+    elif plans and plans[0].fits and plans[0].unsupported:
+        print("\nno layout ndtrain train accepts fits; the rows marked '!' are modelled only")
+    elif plans and plans[0].memory and not plans[0].errors:
+        p = plans[0]
+        print(f"\ndoes not fit: {p.memory.total / 2**30:.1f} GiB > {p.memory.capacity / 2**30:.1f} GiB: "
+              + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in p.memory.breakdown.items()))
+    elif plans and plans[0].errors:
+        print("\ninvalid layout: " + "; ".join(plans[0].errors))
+    else:
+        print("\nno layout proposed:\n" + "\n".join(reasons))
+
+
+def _preset_batch_tokens(model: str, seq: int) -> int:
+    """The preset's global batch in tokens (kept when --seq-len changes), else 4M tokens; rounded
+    down to whole sequences of ``seq``."""
+    try:
+        from ndtrain.config import load_config
+
+        cfg = load_config(model)
+        tokens = cfg.training.global_batch_size * cfg.data.seq_len
+    except (ValueError, OSError):  # not a preset (e.g. a HF config.json)
+        tokens = 4 * 2**20
+    return max(1, tokens // seq) * seq
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ndtrain plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Checks a run must pass before any process starts, each failing with one ConfigError line.
+
+Layout rules live in ``ndtrain.config.validate``; these are the checks that look at this machine and the
+file system, which a worker would otherwise hit after the ranks started, once per rank:
+
+* the backend and device exist here (``nccl`` / ``training.device=cuda`` need CUDA);
+* ``checkpoint.load_from`` and ``checkpoint.init_weights_from`` exist;
+* the run directory can be written;
+* a run directory that already holds checkpoints was trained with the same model and data: only
+  training / parallel / checkpoint / logging keys may change on resume (a changed shape cannot load
+  the checkpoint, changed data or tokenizer would silently train on other tokens). The run's
+  ``config.yaml`` is therefore compared before anything overwrites it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from ndtrain.config import Config, ConfigError
+
+FROZEN_SECTIONS = ("model", "data")  # may not change once a run directory holds checkpoints
+MOVABLE_KEYS = {"data.cache_dir"}  # where the cache lives, not what is in it
+
+
+def preflight(cfg: Config, run_dir: Path, world: int) -> None:
+    """Run every pre-start check for ``cfg`` trained in ``run_dir`` on ``world`` ranks.
+
+    Raises ConfigError naming the key, path or rule that failed.
+    """
+    check_backend(cfg, world)
+    check_checkpoint_paths(cfg)
+    check_run_dir_writable(run_dir)
+    check_resume_compatible(cfg, run_dir)
+
+
+def backend_for(cfg: Config) -> str:
+    """The process-group backend: ``parallel.backend``, or for "auto" NCCL when training on CUDA, else gloo."""
+    import torch
+
+    if cfg.parallel.backend != "auto":
+        return cfg.parallel.backend
+    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    return "nccl" if use_cuda else "gloo"
+
+
+def check_backend(cfg: Config, world: int) -> None:
+    """``training.device=cuda`` and ``parallel.backend=nccl`` (several ranks) need CUDA here."""
+    import torch
+
+    if cfg.training.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but no CUDA device is available on this machine")
+    if world > 1 and backend_for(cfg) == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("parallel.backend=nccl needs CUDA GPUs, but torch.cuda.is_available() is "
+                              "False on this machine; use --parallel.backend=gloo (or auto)")
+        if cfg.training.device == "cpu":
+            raise ConfigError("parallel.backend=nccl cannot run with training.device=cpu; use gloo")
+
+
+def check_checkpoint_paths(cfg: Config) -> None:
+    """``checkpoint.load_from`` and ``checkpoint.init_weights_from`` (where the config has it), when
+    set, must exist and be a checkpoint folder (``meta.json``) or, for ``init_weights_from``, a
+    Hugging Face folder (``config.json``): every rank would otherwise fail on it after start-up."""
+    for key in ("load_from", "init_weights_from"):
+        src = getattr(cfg.checkpoint, key, "")
+        if not src:
+            continue
+        path = Path(src)
+        if not path.exists():
+            raise ConfigError(f"checkpoint.{key}: {src} does not exist")
+        hf_ok = key == "init_weights_from" and (path / "config.json").is_file()
+        if not ((path / "meta.json").is_file() or hf_ok):
+            what = "an ndtrain checkpoint folder (checkpoints/step_XXXXXXXX, with meta.json)"
+            if key == "init_weights_from":
+                what += " or a Hugging Face folder (with config.json)"
+            raise ConfigError(f"checkpoint.{key}: {src} is not {what}")
+
+
+def check_run_dir_writable(run_dir: Path) -> None:
+    """The run directory, or the nearest folder above it that exists, accepts a new file.
+
+    Probes by creating (and removing) a temporary file rather than asking ``os.access``, which
+    says yes to root on read-only mounts; nothing is left behind when the check fails.
+    """
+    run_dir = Path(run_dir)
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {probe} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir}: cannot write in {probe} ({e.strerror})") from None
+
+
+def check_resume_compatible(cfg: Config, run_dir: Path) -> None:
+    """A run directory with complete checkpoints keeps its model and data (``FROZEN_SECTIONS``).
+
+    Compares ``cfg`` with the directory's ``config.yaml``; a key the saved file lacks (written by an
+    older ndtrain) counts as its default, one this ndtrain no longer has is ignored. Raises ConfigError listing every differing key.
+    """
+    from ndtrain.checkpoint.dcp import latest_checkpoint
+
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file() or latest_checkpoint(Path(run_dir) / "checkpoints") is None:
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{saved_path}: unreadable ({e}); move it or use a new --run-dir") from None
+    changed = []
+    for section in FROZEN_SECTIONS:
+        now = getattr(cfg, section)
+        defaults = dataclasses.asdict(type(now)())
+        old = dict(defaults, **(saved.get(section) or {}))
+        new = dataclasses.asdict(now)
+        for key in new:
+            name = f"{section}.{key}"
+            if name not in MOVABLE_KEYS and old.get(key) != new.get(key):
+                changed.append(f"{name} ({old.get(key)!r} -> {new.get(key)!r})")
+    if changed:
+        raise ConfigError(f"--run-dir {run_dir} holds checkpoints of another model / data; changed: "
+                          f"{', '.join(changed)}. Model and data keys cannot change on resume: keep "
+                          f"them, or use a new --run-dir")

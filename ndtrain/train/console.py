@@ -1,0 +1,273 @@
+"""What a person watching a run sees: a start-up summary, a live progress bar or plain lines, and
+``RUN_DIR/console.log``; optionally every metric in TensorBoard.
+
+``RunConsole`` belongs to rank 0 (other ranks get a silent one). Its mode (``progress_mode``):
+
+* ``rich``: a ``rich`` progress bar (step N/total, loss, tokens/s, MFU, memory, elapsed, ETA) pinned
+  under the scrolling metrics lines; chosen by ``logging.progress=auto`` when stdout is a terminal
+  and ``CI`` is not set, or forced by ``logging.progress=rich``.
+* ``plain``: each metrics line (``metrics.format_line``) followed by elapsed time and ETA, nothing
+  else: no cursor movement or colour, so logs piped to a file or a CI page stay readable.
+
+While the console is open, everything rank 0 writes to stdout / stderr (this module's lines, the
+trainer's messages, warnings) is copied to ``RUN_DIR/console.log``, appended across re-runs, so a
+run directory keeps what its run said. The progress bar itself is not copied: it is redrawn in
+place and would fill the log with frames.
+
+The ETA is the mean step time of this job so far times the steps left; under ``rich`` the bar's
+ETA is rich's own estimate from the recent step rate.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from ndtrain.train.metrics import format_line
+
+
+def progress_mode(setting: str, stream, env: dict | None = None) -> str:
+    """``"rich"`` or ``"plain"`` for ``logging.progress`` = ``setting`` (auto | rich | plain):
+    auto is rich only on a terminal (``stream.isatty()``) with ``CI`` unset or empty and ``TERM``
+    not ``dumb``."""
+    env = os.environ if env is None else env
+    if setting in ("rich", "plain"):
+        return setting
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    return "rich" if tty and not env.get("CI") and env.get("TERM") != "dumb" else "plain"
+
+
+def hms(seconds: float) -> str:
+    """``"1:02:03"`` / ``"2:03"`` for a duration in seconds; ``"?"`` when not finite."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = round(max(0.0, seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to ``target`` and appending the same text to ``log``."""
+
+    def __init__(self, target, log):
+        self.target, self.log = target, log
+
+    def write(self, s: str) -> int:
+        self.target.write(s)
+        self.log.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.target.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return bool(getattr(self.target, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.target, "encoding", "utf-8")
+
+
+class RunConsole:
+    """Rank 0's console for one job: ``open()`` (log copy), ``begin()`` before the first step (bar),
+    ``step`` / ``row`` per step / metrics row, ``close()`` in a ``finally``. Disabled
+    (``enabled=False``) every method is a no-op.
+
+    Args:
+        run_dir: the run directory (``console.log``, ``tensorboard/`` go there).
+        progress: ``logging.progress``; tensorboard: ``logging.tensorboard``.
+        stream: where the bar draws (default: ``sys.stdout`` at ``open()``), env: for ``CI``.
+    """
+
+    def __init__(self, run_dir: Path, progress: str = "auto", tensorboard: bool = False,
+                 enabled: bool = True, stream=None, env: dict | None = None, clock=time.perf_counter):
+        self.run_dir, self.total, self.enabled, self._clock = Path(run_dir), 0, enabled, clock
+        self._progress_setting, self._tb_on, self._stream, self._env = progress, tensorboard, stream, env
+        self.mode = "off"
+        self._log = self._tb = self._bar = self._task = None
+        self._saved: tuple | None = None
+        self._t0, self._first = clock(), None
+        self._fields = {"loss": "-", "tps": "-", "mfu": "-", "mem": "-"}
+
+    def open(self) -> RunConsole:
+        """Choose the mode, start copying stdout / stderr to ``console.log``, open TensorBoard."""
+        if not self.enabled:
+            return self
+        self._stream = self._stream or sys.stdout
+        self.mode = progress_mode(self._progress_setting, self._stream, self._env)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.run_dir / "console.log", "a", buffering=1)  # noqa: SIM115 (closed by close())
+        self._log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S %Z')} ---\n")
+        self._tee()
+        if self._tb_on:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        return self
+
+    def _tee(self) -> None:
+        self._saved = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self._log), _Tee(sys.stderr, self._log)
+
+    def _untee(self) -> None:
+        if self._saved is not None:
+            sys.stdout, sys.stderr = self._saved
+            self._saved = None
+
+    def begin(self, first_step: int, total_steps: int) -> None:
+        """Before the first step of this job: ``first_step`` (not 1 after a resume) up to
+        ``total_steps`` (``training.steps`` or ``stop_at_step``); starts the clock and the bar."""
+        if not self.enabled:
+            return
+        self._first, self.total, self._t0 = first_step, total_steps, self._clock()
+        if self.mode == "rich" and self._bar is None:
+            # the bar redirects stdout / stderr itself; the copy to console.log is re-applied on top
+            self._untee()
+            self._start_bar(self._stream, first_step)
+            self._tee()
+
+    def _start_bar(self, stream, first_step: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        cols = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("loss {task.fields[loss]} | {task.fields[tps]} tok/s | MFU {task.fields[mfu]}"
+                           " | mem {task.fields[mem]} |"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn())
+        # redirect_stdout: prints during the run scroll above the bar instead of tearing it
+        self._bar = Progress(*cols, console=Console(file=stream), redirect_stdout=True,
+                             redirect_stderr=True, transient=False)
+        self._bar.start()
+        self._task = self._bar.add_task("train", total=self.total, completed=first_step - 1, **self._fields)
+
+    def step(self, step: int, out: dict) -> None:
+        """After optimizer step ``step`` (``out``: the trainer's step dict with ``loss``)."""
+        if self._bar is not None:
+            self._fields["loss"] = f"{out['loss']:.4f}"
+            self._bar.update(self._task, completed=step, **self._fields)
+
+    def eta_s(self, step: int, elapsed_s: float) -> float:
+        """Seconds left after ``step``: this job's mean seconds per step so far times the steps left."""
+        done = step - (self._first or 1) + 1
+        return elapsed_s / done * (self.total - step) if done > 0 else math.nan
+
+    def row(self, row: dict) -> None:
+        """Echo a metrics row: a line (plus elapsed / ETA in plain mode), bar fields, TensorBoard."""
+        if not self.enabled:
+            return
+        line = format_line(row)
+        if self.mode == "plain" and "loss" in row:
+            elapsed = self._clock() - self._t0
+            line += f" | elapsed {hms(elapsed)} | eta {hms(self.eta_s(row['step'], elapsed))}"
+        print(line, flush=True)
+        if "tokens_per_s" in row:
+            self._fields["tps"] = f"{row['tokens_per_s']:,.0f}"
+        if row.get("mfu") is not None:
+            self._fields["mfu"] = f"{100 * row['mfu']:.1f}%"
+        if "peak_mem_bytes" in row:
+            self._fields["mem"] = f"{row['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        if self._bar is not None:
+            self._bar.update(self._task, **self._fields)
+        if self._tb is not None:
+            write_tensorboard(self._tb, row)
+
+    def close(self) -> None:
+        """Stop the bar, restore stdout / stderr, close the log and TensorBoard (idempotent)."""
+        self._untee()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def tensorboard_scalars(row: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of a metrics row as TensorBoard scalars: nested dicts (``comm_bytes``) become
+    ``comm_bytes/<axis>``; ``step`` and ``time`` (the x axes), None, bools and strings are left out."""
+    out = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(tensorboard_scalars(value, name + "/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
+            out[name] = float(value)
+    return out
+
+
+def write_tensorboard(writer, row: dict) -> None:
+    for name, value in tensorboard_scalars(row).items():
+        writer.add_scalar(name, value, global_step=row["step"], walltime=row.get("time"))
+    writer.flush()
+
+
+def param_count(model_cfg) -> int:
+    """Parameters of the whole model (tied weights once), counted on the meta device: no memory,
+    and the same number whatever share of it a sharded rank holds."""
+    import torch
+
+    from ndtrain.model import Transformer, count_params
+
+    with torch.device("meta"):
+        return count_params(Transformer(model_cfg))
+
+
+def _data_facts(run_dir: Path, data, cfg) -> dict:
+    """Corpus facts: ``RUN_DIR/data_summary.json`` when the run wrote one, else from the token
+    folder's meta and the source files (``truncated`` then compares their bytes with the cap)."""
+    path = Path(run_dir) / "data_summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    meta, d = data.meta, cfg.data
+    facts = {"source": d.source, "tokenizer": d.tokenizer, "train_tokens": data.num_tokens("train"),
+             "val_tokens": data.num_tokens("val"), "truncated": None}
+    if d.max_corpus_bytes > 0:
+        try:
+            from ndtrain.data.corpus import resolve_files
+
+            facts["truncated"] = sum(p.stat().st_size for p in resolve_files(d)) > d.max_corpus_bytes
+        except (OSError, ValueError):
+            pass
+    facts.setdefault("vocab_size", meta.get("tokenizer_vocab_size"))
+    return facts
+
+
+def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, peak: float | None,
+                    device: str) -> list[str]:
+    """The lines printed before the first step: parameters, layout per mesh axis, corpus tokens,
+    epochs the run covers, whether ``data.max_corpus_bytes`` cut the corpus, FLOPs and peak."""
+    from ndtrain import __version__
+
+    t, T = cfg.training, cfg.data.seq_len
+    facts = _data_facts(run_dir, data, cfg)
+    n_seq = max(1, data.num_sequences("train", T))
+    epochs = t.steps * t.global_batch_size / n_seq
+    degrees = dict(dims.degrees(), ep=dims.ep)  # ep borrows its ranks from dp_shard x cp
+    axes = ", ".join(f"{a} {n}" for a, n in degrees.items())
+    cap = cfg.data.max_corpus_bytes
+    trunc = ("no cap (data.max_corpus_bytes=0)" if cap <= 0 else
+             f"truncated at data.max_corpus_bytes={cap:,}" if facts.get("truncated") else
+             f"whole corpus (under data.max_corpus_bytes={cap:,})" if facts.get("truncated") is False
+             else f"data.max_corpus_bytes={cap:,}")
+    peak_s = f"{peak / 1e9:,.1f} GFLOP/s per rank" if peak else "unknown peak (MFU not reported)"
+    return [
+        f"ndtrain {__version__} | run dir {run_dir} | {n_params / 1e6:.2f}M parameters | {t.dtype} on {device}",
+        f"layout {dims}: {axes}",
+        (f"data: {facts.get('source')} | {facts.get('train_tokens', 0):,} train + "
+         f"{facts.get('val_tokens', 0):,} val tokens | tokenizer {facts.get('tokenizer')} | {trunc}"),
+        (f"plan: {t.steps} steps x {t.global_batch_size} seq x {T} tokens = "
+         f"{t.steps * t.global_batch_size * T:,} tokens = {epochs:.2f} epochs of the train split"),
+        f"compute: {fpt / 1e6:,.1f} MFLOP/token | {peak_s}",
+    ]
