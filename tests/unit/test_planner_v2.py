@@ -212,3 +212,16 @@ def test_fp8_mfu_against_bf16_peak_and_only_block_linears_faster(capsys):
     assert plan_main(["--model", "llama3_8b", "--gpus", "8", "--dtype", "float8", "--top", "1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["mfu_vs_dtype_peak"] == pytest.approx(row["mfu"] * 989.4 / 1978.9)
+
+
+def test_mixer_only_blocks_count_one_norm():
+    """``model.block_ffn=false`` (Mamba-2 blocks): no feed-forward and no second RMSNorm, as built."""
+    from ndtrain.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, layer_pattern="M", block_ffn=False,
+                      mamba_head_dim=8, mamba_state_dim=8, mamba_groups=2)
+    with torch.device("meta"):
+        model = ndtrain.model.Transformer(cfg)
+    spec = from_model_config(cfg)
+    assert spec.params_total == sum(p.numel() for p in model.parameters())
+    assert spec.flops_per_token(32) == config_flops_per_token(cfg, 32)
