@@ -16,15 +16,7 @@ from typing import Any
 
 import yaml
 
-from ndtrain.config.schema import (  # noqa: F401  (re-exported: the public config types)
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
+from ndtrain.config.schema import Config  # the section types are exported by ndtrain.config
 from ndtrain.config.validate import validate as _validate
 from ndtrain.errors import ConfigError
 

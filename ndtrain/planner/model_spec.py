@@ -201,7 +201,7 @@ def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int
 
 
 def from_model_config(m, name: str = "") -> ModelSpec:
-    """From an ``ndtrain.config.load.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
+    """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
     ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
     moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
            # moe_shared_ffn_hidden (Qwen3-Next) sizes the shared experts together: one of that width
