@@ -23,9 +23,9 @@ import torch
 from ndtrain.planner.accelerators import HARDWARE
 from ndtrain.planner.hardware import device_accelerator
 
-# The column of the datasheet table a run's dtype is measured against: fp32 matmuls against the
-# TF32 tensor-core peak (what they reach with TF32 on), so an fp32 MFU never reads above the
-# hardware; the others by name.
+# The column of the datasheet table a run's dtype is measured against, where it is not the dtype's
+# own: fp32 runs against the TF32 tensor-core peak, the ceiling of an fp32 matmul with TF32 on
+# (with torch's default, TF32 off, the FP32 column is lower, so fp32 MFU reads conservatively).
 _PEAK_COLUMN = {"float32": "tf32"}
 
 
