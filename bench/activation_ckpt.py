@@ -31,9 +31,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from ndtrain.config import ModelConfig
 from ndtrain.mem_account import ActivationMeter
 from ndtrain.model import build_model
+from ndtrain.parallel.ac_policy import example_policies
 from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint
 
-POLICIES = ("none", "full", "every:2", "sqrt", "selective")
+POLICIES = example_policies()  # ndtrain.parallel.ac_policy: the one list
 
 
 def build(n_layers: int, policy: str, batch: int = 4, seq: int = 256):

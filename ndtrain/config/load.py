@@ -16,15 +16,7 @@ from typing import Any
 
 import yaml
 
-from ndtrain.config.schema import (  # noqa: F401  (re-exported: the public config types)
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
+from ndtrain.config.schema import Config  # the section types are exported by ndtrain.config
 from ndtrain.config.validate import validate as _validate
 from ndtrain.errors import ConfigError
 
@@ -174,5 +166,13 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Cross-field checks (``ndtrain.config.validate``); raises ConfigError naming the failed rule."""
+    """Cross-field checks (``ndtrain.config.validate``); raises ConfigError naming the failed rule.
+
+    Runs once per launch: a config already validated for this ``world_size`` and unchanged since
+    (``ndtrain train``: ``load_config`` validated it, then the launcher asks again) returns at once;
+    any edit to a field, or another world size, validates again."""
+    stamp = (world_size, dataclasses.astuple(cfg))
+    if getattr(cfg, "_validated_for", None) == stamp:
+        return
     _validate(cfg, world_size)
+    cfg._validated_for = stamp  # not a dataclass field: never in to_dict / YAML / equality

@@ -2,14 +2,20 @@
 
 Pure Python (no torch), so validation (``ndtrain.parallel.rules``), the planner
 (``ndtrain.planner.layout``) and the mechanism (``ndtrain.parallel.activation_ckpt``) share this
-one parser. Policies: ``none | full | every:C | sqrt | selective`` (see ``activation_ckpt``; Chen et
-al. 2016 for segments, Korthikanti et al. 2022 for selective recompute).
+one parser and the one list of policies (``POLICIES``). Policies: ``none | full | every:C | sqrt |
+selective`` (see ``activation_ckpt``; Chen et al. 2016 for segments, Korthikanti et al. 2022 for
+selective recompute).
 """
 from __future__ import annotations
 
 import math
 
-POLICIES = "none|full|every:C|sqrt|selective"
+POLICIES = ("none", "full", "every:C", "sqrt", "selective")  # every form parse_policy accepts
+
+
+def example_policies(c: int = 2) -> tuple[str, ...]:
+    """One concrete policy of each form, ``every:C`` as ``every:c``: what sweeps and benchmarks run."""
+    return tuple(f"every:{c}" if p == "every:C" else p for p in POLICIES)
 
 
 def parse_policy(policy: str, n_layers: int = 1) -> tuple[str, int]:
@@ -28,7 +34,7 @@ def parse_policy(policy: str, n_layers: int = 1) -> tuple[str, int]:
         return "selective", 1
     if policy.startswith("every:") and policy[6:].isdigit() and int(policy[6:]) >= 1:
         return "segment", int(policy[6:])
-    raise ValueError(f"activation_checkpoint {policy!r} must be {POLICIES}")
+    raise ValueError(f"activation_checkpoint {policy!r} must be {'|'.join(POLICIES)}")
 
 
 def is_valid_policy(policy: str) -> bool:

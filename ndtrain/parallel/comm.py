@@ -55,29 +55,29 @@ def all_reduce(t: torch.Tensor, group: AxisGroup, op=dist.ReduceOp.SUM, async_op
                           lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=True), async_op)
 
 
+def _flat_collective(name: str, out: torch.Tensor, local: torch.Tensor, full: torch.Tensor,
+                     group: AxisGroup, launch, async_op: bool):
+    """All-gather / reduce-scatter between flat buffers: on one rank ``out`` <- ``local``; else
+    (N-1)/N of ``full`` (the N*S buffer) is counted and ``launch()`` starts the collective."""
+    if group.pg is None:
+        out.copy_(local)
+        return None
+    b = (group.size - 1) / group.size * nbytes(full)
+    count(group, b)
+    return run_collective(name, group, b, launch, async_op)
+
+
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: AxisGroup, async_op: bool = False):
     """``out`` (N*S,) <- concatenation over ranks of ``shard`` (S,); rank order along dim 0."""
-    if group.pg is None:
-        out.copy_(shard)
-        return None
-    n = group.size
-    b = (n - 1) / n * nbytes(out)
-    count(group, b)
-    return run_collective("all_gather", group, b,
-                          lambda: _ALL_GATHER(out, shard, group=group.pg, async_op=True), async_op)
+    return _flat_collective("all_gather", out, shard, out, group,
+                            lambda: _ALL_GATHER(out, shard, group=group.pg, async_op=True), async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: AxisGroup,
                         op=dist.ReduceOp.SUM, async_op: bool = False):
     """``out`` (S,) <- this rank's slice of the sum over ranks of ``full`` (N*S,)."""
-    if group.pg is None:
-        out.copy_(full)
-        return None
-    n = group.size
-    b = (n - 1) / n * nbytes(full)
-    count(group, b)
-    return run_collective("reduce_scatter", group, b,
-                          lambda: _REDUCE_SCATTER(out, full, op=op, group=group.pg, async_op=True), async_op)
+    return _flat_collective("reduce_scatter", out, full, full, group,
+                            lambda: _REDUCE_SCATTER(out, full, op=op, group=group.pg, async_op=True), async_op)
 
 
 def broadcast(t: torch.Tensor, group: AxisGroup, src_local_rank: int = 0) -> None:

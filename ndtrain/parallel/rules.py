@@ -6,12 +6,10 @@ Called by ``ndtrain.config.validate`` and the planner's feasibility check; raise
 from __future__ import annotations
 
 from ndtrain.errors import require
-from ndtrain.parallel.ac_policy import is_valid_policy
-
-AC_POLICIES = ("none", "full", "sqrt", "selective")
+from ndtrain.parallel.ac_policy import POLICIES, is_valid_policy
 
 
 def check_activation_checkpoint(ac: str, key: str = "training.activation_checkpoint") -> None:
-    """``none | full | every:C (C >= 1) | sqrt | selective``; ``key`` names the field in the message."""
+    """One of ``ac_policy.POLICIES`` (``every:C`` with C >= 1); ``key`` names the field in the message."""
     ok = is_valid_policy(ac)  # ndtrain.parallel.ac_policy: the one parser of the policy string
-    require(ok, f"{key} ({ac}) must be none|full|every:C|sqrt|selective")
+    require(ok, f"{key} ({ac}) must be {'|'.join(POLICIES)}")

@@ -51,10 +51,12 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half
                  "float": "float32", "fp8": "float8"}
 
 
-def _gpu(name, bf16, fp8, tf32, fp32, hbm, hbm_bw, nvlink_bidir, nic_bits, source, attn=0.5, **kw):
-    """An entry from datasheet units: FLOP/s, bytes, bytes/s, NVLink bidirectional bytes/s, NIC bits/s."""
+def _gpu(name, bf16, fp8, tf32, fp32, hbm, hbm_bw, nvlink_bidir, nic_bits, source, attn=0.5, fp64=0.0, **kw):
+    """An entry from datasheet units: FLOP/s, bytes, bytes/s, NVLink bidirectional bytes/s, NIC bits/s;
+    ``fp64``: the FP64 tensor-core (AMD: matrix) peak, where the datasheet gives one."""
     flops = {"bfloat16": bf16, "float16": bf16}
-    flops.update({k: v for k, v in (("tf32", tf32), ("float32", fp32), ("float8", fp8)) if v})
+    named = (("tf32", tf32), ("float32", fp32), ("float8", fp8), ("float64", fp64))
+    flops.update({k: v for k, v in named if v})
     return Accelerator(name, flops, hbm, hbm_bw, nvlink_bidir / 2, nic_bits / 8, source=source,
                        attention_gemm_ratio=attn, **kw)
 
@@ -69,15 +71,16 @@ def _tpu(name, bf16, fp8, hbm, hbm_bw, ici_bidir, dcn_bits, slice_chips, source)
 T, P = 1e12, 1e15
 HARDWARE: dict[str, Accelerator] = {
     # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: BF16 1,979 / FP8 3,958 TFLOP/s with sparsity,
-    # TF32 989, FP32 67; 80 GB HBM3 (nvidia-smi: 81,559 MiB) at 3.35 TB/s; NVLink 4 900 GB/s;
-    # ConnectX-7 NDR 400 Gb/s per GPU (DGX H100 user guide).
+    # TF32 989, FP32 67, FP64 tensor core 67; 80 GB HBM3 (nvidia-smi: 81,559 MiB) at 3.35 TB/s;
+    # NVLink 4 900 GB/s; ConnectX-7 NDR 400 Gb/s per GPU (DGX H100 user guide).
     "H100": _gpu("H100", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 81559 * MiB, 3.35e12, 900e9, 400e9,
-                 "NVIDIA H100 SXM5 datasheet"),
+                 "NVIDIA H100 SXM5 datasheet", fp64=66.9e12),
     # H100 SXM5 96 GB: the same die and clocks with all six HBM3 stacks enabled (96 GB, as GH200-96GB);
     # NVIDIA's H100 datasheet does not list it, so its memory bandwidth is assumed equal to the 80 GB
     # part's 3.35 TB/s (override with --hardware-override hbm_tbps=...).
     "H100-96GB": _gpu("H100-96GB", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 96e9, 3.35e12, 900e9, 400e9,
-                      "NVIDIA H100 SXM5 datasheet (compute, links); 96 GB HBM3 variant, bandwidth assumed"),
+                      "NVIDIA H100 SXM5 datasheet (compute, links); 96 GB HBM3 variant, bandwidth assumed",
+                      fp64=66.9e12),
     # Same datasheet, H100 NVL column (PCIe card, NVLink bridge pairs): BF16 1,671 / FP8 3,341 sparse,
     # TF32 835, FP32 60; 94 GB HBM3 (of the 96 GB stacks) at 3.9 TB/s; NVLink bridge 600 GB/s between
     # the 2 GPUs of a pair (the "node" here); 400 Gb/s NIC per GPU assumed.
@@ -89,33 +92,34 @@ HARDWARE: dict[str, Accelerator] = {
                  "NVIDIA H800 SXM5 product brief; DeepSeek-V3 technical report (2024)"),
     # NVIDIA H200 datasheet (2024), SXM: same tensor cores as H100; 141 GB HBM3e at 4.8 TB/s.
     "H200": _gpu("H200", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 141e9, 4.8e12, 900e9, 400e9,
-                 "NVIDIA H200 SXM datasheet"),
+                 "NVIDIA H200 SXM datasheet", fp64=66.9e12),
     # NVIDIA GH200 Grace Hopper Superchip datasheet (2023): H100-class GPU, BF16 1,979 / FP8 3,958
     # sparse; 96 GB HBM3 at 4 TB/s (144 GB HBM3e at 4.9 TB/s: GH200-144GB); NVLink 4 900 GB/s. The
     # node is a quad-GH200 blade (e.g. HPE Cray EX254n), one 400 Gb/s-class NIC per superchip.
     "GH200": _gpu("GH200", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 96e9, 4.0e12, 900e9, 400e9,
-                  "NVIDIA GH200 Grace Hopper Superchip datasheet", gpus_per_node=4),
+                  "NVIDIA GH200 Grace Hopper Superchip datasheet", gpus_per_node=4, fp64=66.9e12),
     "GH200-144GB": _gpu("GH200-144GB", 989.4 * T, 1978.9 * T, 494.7 * T, 66.9 * T, 144e9, 4.9e12, 900e9,
-                        400e9, "NVIDIA GH200 Grace Hopper Superchip datasheet", gpus_per_node=4),
-    # NVIDIA A100 datasheet (2021), SXM4: BF16 312, TF32 156, FP32 19.5 TFLOP/s; 40 GB HBM2 at 1,555
-    # GB/s or 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s; HDR 200 Gb/s per GPU.
+                        400e9, "NVIDIA GH200 Grace Hopper Superchip datasheet", gpus_per_node=4,
+                        fp64=66.9e12),
+    # NVIDIA A100 datasheet (2021), SXM4: BF16 312, TF32 156, FP32 19.5, FP64 tensor core 19.5 TFLOP/s;
+    # 40 GB HBM2 at 1,555 GB/s or 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s; HDR 200 Gb/s per GPU.
     "A100-40GB": _gpu("A100-40GB", 312 * T, 0, 156 * T, 19.5 * T, 40960 * MiB, 1.555e12, 600e9, 200e9,
-                      "NVIDIA A100 SXM4 datasheet", attn=0.85),
+                      "NVIDIA A100 SXM4 datasheet", attn=0.85, fp64=19.5 * T),
     "A100-80GB": _gpu("A100-80GB", 312 * T, 0, 156 * T, 19.5 * T, 81920 * MiB, 2.039e12, 600e9, 200e9,
-                      "NVIDIA A100 SXM4 datasheet", attn=0.85),
+                      "NVIDIA A100 SXM4 datasheet", attn=0.85, fp64=19.5 * T),
     # NVIDIA HGX B200 datasheet (2024), per GPU = board / 8, sparse halved: BF16 2.25 PFLOP/s, FP8 4.5,
-    # TF32 1.1; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s; 400 Gb/s NIC per GPU.
-    "B200": _gpu("B200", 2.25 * P, 4.5 * P, 1.1 * P, 75 * T, 180e9, 8e12, 1.8e12, 400e9,
-                 "NVIDIA HGX B200 datasheet (per GPU, dense)"),
+    # TF32 1.125, FP64 40 TFLOP/s; 180 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s; 400 Gb/s NIC per GPU.
+    "B200": _gpu("B200", 2.25 * P, 4.5 * P, 1.125 * P, 75 * T, 180e9, 8e12, 1.8e12, 400e9,
+                 "NVIDIA HGX B200 datasheet (per GPU, dense)", fp64=40 * T),
     # NVIDIA GB200 NVL72 datasheet (2024), rack / 72, sparse halved: BF16 360 PF -> 2.5 PFLOP/s dense,
     # FP8 720 PF -> 5, TF32 180 PF -> 1.25, FP32 5,760 TF -> 80 TF; 13.4 TB HBM3e -> 186 GB at
     # 576 TB/s -> 8 TB/s; NVLink 5 130 TB/s -> 1.8 TB/s, one 72-GPU NVLink domain; 400 Gb/s NIC per GPU.
     "B200-NVL72": _gpu("B200-NVL72", 2.5 * P, 5 * P, 1.25 * P, 80 * T, 186e9, 8e12, 1.8e12, 400e9,
                        "NVIDIA GB200 NVL72 datasheet (per GPU, dense)", gpus_per_node=72),
-    # AMD Instinct MI300X datasheet (2023): BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 matrix 163.4
-    # TFLOP/s; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links x 128 GB/s bidirectional.
+    # AMD Instinct MI300X datasheet (2023): BF16 1,307.4, FP8 2,614.9, TF32 653.7, FP32 and FP64 matrix
+    # 163.4 TFLOP/s; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links x 128 GB/s bidirectional.
     "MI300X": _gpu("MI300X", 1307.4 * T, 2614.9 * T, 653.7 * T, 163.4 * T, 192e9, 5.3e12, 7 * 128e9, 400e9,
-                   "AMD Instinct MI300X datasheet"),
+                   "AMD Instinct MI300X datasheet", fp64=163.4 * T),
     # Google Cloud TPU v4 documentation: 275 TFLOP/s bf16 per chip (no fp8), 32 GiB HBM2 at
     # 1,200 GB/s, 4,096-chip pod; ICI: 6 links x 400 Gb/s per direction (Jouppi et al. 2023, TPU v4
     # ISCA paper) = 300 GB/s per direction per chip; DCN per chip assumed as v5p's 50 Gb/s.

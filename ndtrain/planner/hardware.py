@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ndtrain.planner.accelerators import ALIASES, DTYPE_ALIASES, HARDWARE, Accelerator, GiB, MiB
 
 __all__ = ["ALIASES", "BANDWIDTH_EFFICIENCY", "COMPUTE_EFFICIENCY", "DTYPE_ALIASES", "HARDWARE", "Accelerator",
-           "Cluster", "GiB", "MiB", "apply_overrides", "get_accelerator"]
+           "Cluster", "GiB", "MiB", "apply_overrides", "device_accelerator", "get_accelerator"]
 
 # The global efficiency constants (never set per case).
 # COMPUTE_EFFICIENCY: v1's flat share of dense peak for a training step's compute phase, from the
@@ -44,6 +44,18 @@ def get_accelerator(name: str) -> Accelerator:
         return table[_key(name)]
     except KeyError:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None
+
+
+def device_accelerator(device_name: str) -> str | None:
+    """The ``HARDWARE`` key a torch device name names (``torch.cuda.get_device_name``, e.g.
+    "NVIDIA H100 80GB HBM3" -> "H100", "NVIDIA A100-SXM4-40GB" -> "A100-80GB" (same compute), "NVIDIA
+    H100 NVL" -> "H100-NVL"), or None. The longest table name or alias inside the name wins; aliases
+    under 4 characters ("v4") are too short to find inside a device name."""
+    name = _key(device_name)
+    names = {_key(k): k for k in HARDWARE if k != "cpu"}
+    names.update({_key(a): k for a, k in ALIASES.items() if len(_key(a)) >= 4})
+    hits = [n for n in names if n in name]
+    return names[max(hits, key=len)] if hits else None
 
 
 # --hardware-override keys -> (Accelerator field or peak dtypes, factor to the field's unit)

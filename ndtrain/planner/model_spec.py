@@ -7,7 +7,7 @@ Built from an ndtrain preset (name or YAML path, via ``ndtrain.config.load``) or
 ``first_k_dense_replace`` / ``moe_layer_freq`` and MLA ranks). Missing fields take Llama defaults.
 
 FLOPs per token follow the MFU convention of training logs (PaLM, Chowdhery et al. 2022, appendix
-B; identical to ``ndtrain.train.metrics.flops_per_token``)::
+B; the count ``ndtrain.train.metrics`` logs MFU with)::
 
     6 * N_active_nonembed + 12 * L * H * D * T
 
@@ -41,7 +41,7 @@ class ModelSpec:
     n_heads: int  # query heads a
     n_kv_heads: int  # kv heads g
     head_dim: int  # D
-    ffn_hidden: int  # dense SwiGLU hidden f
+    ffn_hidden: int  # dense SwiGLU hidden f (0: mixer-only blocks, model.block_ffn=false)
     tie_embeddings: bool = False
     # MoE (n_experts == 0: dense)
     n_experts: int = 0  # routed experts E
@@ -99,7 +99,8 @@ class ModelSpec:
 
     @property
     def dense_mlp_params(self) -> int:
-        return 3 * self.dim * self.ffn_hidden + self.dim  # gate, up, down + RMSNorm
+        """Gate, up, down + their RMSNorm; 0 for a mixer-only block (``ffn_hidden`` 0: Mamba-2)."""
+        return 3 * self.dim * self.ffn_hidden + self.dim if self.ffn_hidden else 0
 
     @property
     def expert_params(self) -> int:
@@ -200,7 +201,7 @@ def _llama_ffn(dim: int, multiple_of: int = 256, multiplier: float = 1.0) -> int
 
 
 def from_model_config(m, name: str = "") -> ModelSpec:
-    """From an ``ndtrain.config.load.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
+    """From an ``ndtrain.config.ModelConfig`` (dense Llama, or MoE / MLA via its ``moe_*`` /
     ``mla_*`` fields; ``mtp_depth`` MTP modules)."""
     moe = {"n_experts": m.moe_experts, "top_k": m.moe_top_k, "moe_ffn_hidden": m.expert_ffn_dim,
            # moe_shared_ffn_hidden (Qwen3-Next) sizes the shared experts together: one of that width

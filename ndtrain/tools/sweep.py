@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ndtrain.config import Config, ConfigError, apply_overrides, load_config, validate
+from ndtrain.parallel.ac_policy import example_policies
 
 STEPS = 2  # optimizer steps per combination
 V, T, G = 65, 16, 4  # vocab (odd: tp pads it), tokens per sequence, global batch (sequences)
@@ -76,7 +77,7 @@ FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
 TRAINING = {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "lr": 1e-2, "warmup_steps": 1,
             "grad_clip": 0.05}
 ZERO_STAGES = (0, 1, 2, 3)
-AC_POLICIES = ("none", "full", "every:2", "sqrt", "selective")
+AC_POLICIES = example_policies()  # ndtrain.parallel.ac_policy: the one list
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 

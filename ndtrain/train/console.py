@@ -245,9 +245,10 @@ def _data_facts(run_dir: Path, data, cfg) -> dict:
 
 
 def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, peak: float | None,
-                    device: str) -> list[str]:
+                    device: str, basis: str = "") -> list[str]:
     """The lines printed before the first step: parameters, layout per mesh axis, corpus tokens,
-    epochs the run covers, whether ``data.max_corpus_bytes`` cut the corpus, FLOPs and peak."""
+    epochs the run covers, whether ``data.max_corpus_bytes`` cut the corpus, FLOPs and peak (and
+    its ``basis``, ``ndtrain.train.peak.peak_basis``, when given)."""
     from ndtrain import __version__
 
     t, T = cfg.training, cfg.data.seq_len
@@ -262,6 +263,7 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
              f"whole corpus (under data.max_corpus_bytes={cap:,})" if facts.get("truncated") is False
              else f"data.max_corpus_bytes={cap:,}")
     peak_s = f"{peak / 1e9:,.1f} GFLOP/s per rank" if peak else "unknown peak (MFU not reported)"
+    peak_s += f" ({basis})" if peak and basis else ""
     return [
         f"ndtrain {__version__} | run dir {run_dir} | {n_params / 1e6:.2f}M parameters | {t.dtype} on {device}",
         f"layout {dims}: {axes}",

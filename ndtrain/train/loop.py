@@ -96,7 +96,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     fpt = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)
     basis = metrics.peak_basis(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)  # rows' mfu_peak
-    _print_header(r, fpt, peak)
+    _print_header(r, fpt, peak, basis)
     if trainer.step_count == 0:
         log.log({"step": 0, "val_loss": _val_loss(r)})
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
@@ -129,7 +129,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         row = None
         if step % cfg.logging.log_every == 0 or step == stop:
             row = _log_row(r, step, out, window, fpt, peak)
-            row["mfu_peak"] = basis
+            peak, basis = metrics.recheck_cpu_peak(row, peak, basis, r.device, t.dtype)  # sets mfu_peak
             row.update(strag.report(r.run_dir, step))  # collective: per-rank time percentiles
             window = [0.0, 0]
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
@@ -247,10 +247,10 @@ def _fill(value, src: torch.Tensor):
     return src.to(value.device)
 
 
-def _print_header(r: _Run, fpt: float, peak: float | None) -> None:
+def _print_header(r: _Run, fpt: float, peak: float | None, basis: str = "") -> None:
     if r.rank == 0:  # the whole model's parameters, whatever this rank holds of them
         r.say("\n".join(console.startup_summary(r.cfg, r.dims, r.data, r.run_dir, console.param_count(r.cfg.model),
-                                                fpt, peak, r.device.type)))
+                                                fpt, peak, r.device.type, basis)))
 
 
 def _timed_step(r: _Run, inputs, labels) -> tuple[dict, float]:

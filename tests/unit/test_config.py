@@ -105,3 +105,46 @@ def test_pp_overlap_true_with_device_auto_is_checked_against_the_device_the_rank
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="pp_overlap=true needs training.device=cpu"):
         load_config("debug", over, world_size=2)
+
+
+def test_activation_checkpoint_policies_are_listed_once():
+    """Validation, the parser, the sweep and the benchmark read ``ac_policy.POLICIES``."""
+    from ndtrain.parallel.ac_policy import POLICIES, example_policies
+    from ndtrain.tools.sweep import AC_POLICIES
+
+    assert POLICIES == ("none", "full", "every:C", "sqrt", "selective")
+    assert AC_POLICIES == example_policies() == ("none", "full", "every:2", "sqrt", "selective")
+    for ac in example_policies(3):
+        load_config("debug", {"training.activation_checkpoint": ac})
+    with pytest.raises(ConfigError) as info:
+        load_config("debug", {"training.activation_checkpoint": "every:0"})
+    assert str(info.value) == "training.activation_checkpoint (every:0) must be none|full|every:C|sqrt|selective"
+
+
+def test_validation_runs_once_per_launch(tmp_path, monkeypatch, capsys):
+    """``ndtrain train`` validates in ``load_config`` (with the world size) and the launcher does not
+    validate again; an edited config, or another world size, is validated anew."""
+    from ndtrain.cli import launch as launch_mod
+    from ndtrain.cli.main import main
+    from ndtrain.config import load as load_mod
+
+    calls = []
+    real = load_mod._validate
+    monkeypatch.setattr(load_mod, "_validate", lambda cfg, world=None: (calls.append(world), real(cfg, world)))
+
+    def stop(cfg, run_dir, world):
+        raise ConfigError("stopped before the pre-start checks")
+
+    monkeypatch.setattr(launch_mod, "preflight", stop)
+    argv = ["train", "--config", "debug", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "invalid config: stopped before the pre-start checks" in capsys.readouterr().err
+    assert calls == [2]
+    cfg = load_config("debug", world_size=2)
+    load_mod.validate(cfg, 2)
+    assert calls == [2, 2]
+    load_mod.validate(cfg, 4)  # another world size: validated again
+    cfg.model.n_heads = 3  # an edit after validation is seen
+    with pytest.raises(ConfigError, match=r"dim \(64\) is not divisible by n_heads \(3\)"):
+        load_mod.validate(cfg, 4)
+    assert calls == [2, 2, 4, 4]

@@ -8,6 +8,7 @@ from ndtrain.planner.hardware import HARDWARE, Cluster, get_accelerator
 from ndtrain.planner.layout import Layout, Workload, check_layout, parse_layout
 from ndtrain.planner.model_spec import from_hf_config, load_model_spec
 from ndtrain.train.metrics import flops_per_token
+from tests.flops_reference import config_flops_per_token
 
 
 def test_hardware_table():
@@ -44,9 +45,10 @@ def test_llama3_parameter_counts(preset, billions):
     assert seq == 8192
     assert spec.params_total / 1e9 == pytest.approx(billions, rel=0.002)
     assert spec.params_active == spec.params_total
-    # the planner and the trainer's MFU use the same FLOPs-per-token convention
+    # the trainer's MFU reads the planner's count, which equals the one written from the config fields
     cfg = load_config(preset)
-    assert spec.flops_per_token(8192) == pytest.approx(flops_per_token(cfg.model, 8192))
+    assert flops_per_token(cfg.model, 8192) == spec.flops_per_token(8192)
+    assert spec.flops_per_token(8192) == pytest.approx(config_flops_per_token(cfg.model, 8192))
 
 
 def test_flops_per_token_convention():
@@ -60,7 +62,7 @@ def test_tied_embeddings_count_head_matmul():
     spec, _ = load_model_spec("default")
     assert spec.tie_embeddings
     assert spec.params_nonembed_active == spec.params_total  # the tied table counts once, as the head
-    assert spec.flops_per_token(256) == pytest.approx(flops_per_token(load_config("default").model, 256))
+    assert spec.flops_per_token(256) == pytest.approx(config_flops_per_token(load_config("default").model, 256))
 
 
 def test_hf_dense_and_missing_fields(tmp_path):

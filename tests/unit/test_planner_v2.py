@@ -17,7 +17,7 @@ from ndtrain.planner.hardware import HARDWARE, apply_overrides, get_accelerator
 from ndtrain.planner.layout import layout_assumptions
 from ndtrain.planner.model_spec import ModelSpec, from_model_config, load_model_spec
 from ndtrain.planner.search import candidate_layouts, divisors, tp_degrees
-from ndtrain.train.metrics import flops_per_token
+from tests.flops_reference import config_flops_per_token
 
 PRESETS = sorted(p.stem for p in (Path(ndtrain.__file__).parent / "configs").glob("*.yaml"))
 
@@ -32,7 +32,7 @@ def test_counts_equal_built_model(preset):
     spec = from_model_config(cfg.model)
     assert spec.params_total == sum(p.numel() for p in distinct)
     for T in (cfg.data.seq_len, 4096):
-        assert spec.flops_per_token(T) == flops_per_token(cfg.model, T)
+        assert spec.flops_per_token(T) == config_flops_per_token(cfg.model, T)  # the MFU's count, too
 
 
 def test_presets_cover_mtp_and_mla():
@@ -212,3 +212,16 @@ def test_fp8_mfu_against_bf16_peak_and_only_block_linears_faster(capsys):
     assert plan_main(["--model", "llama3_8b", "--gpus", "8", "--dtype", "float8", "--top", "1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["mfu_vs_dtype_peak"] == pytest.approx(row["mfu"] * 989.4 / 1978.9)
+
+
+def test_mixer_only_blocks_count_one_norm():
+    """``model.block_ffn=false`` (Mamba-2 blocks): no feed-forward and no second RMSNorm, as built."""
+    from ndtrain.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, layer_pattern="M", block_ffn=False,
+                      mamba_head_dim=8, mamba_state_dim=8, mamba_groups=2)
+    with torch.device("meta"):
+        model = ndtrain.model.Transformer(cfg)
+    spec = from_model_config(cfg)
+    assert spec.params_total == sum(p.numel() for p in model.parameters())
+    assert spec.flops_per_token(32) == config_flops_per_token(cfg, 32)
