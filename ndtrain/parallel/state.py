@@ -66,8 +66,7 @@ class CheckpointAdapter:
         self.grad_sync.load_optim_state_dict(optimizer, state["optim"])
 
     def load_model(self, model_state: dict) -> None:
-        """Weights only (a fine-tune's start): ``model_state`` shaped like ``state()["model"]``;
-        the outer loop restarts from them."""
+        """Weights only (a fine-tune's start): ``model_state`` shaped like ``state()["model"]``."""
         state = scatter_tp_state({"model": model_state}, self.model, self.mesh)
         self.grad_sync.load_model_state_dict(state["model"])
-        self.outer.weights_loaded()
+        self.outer.weights_loaded()  # the outer loop (DiLoCo's anchor) restarts from these weights
