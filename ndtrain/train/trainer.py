@@ -118,7 +118,7 @@ class Trainer:
         self.step_count = 0
         self.local_batch = t.global_batch_size // mesh.dims.dp
         self.pipeline.runtime.observers.append(_StateSampler(self))
-        self.micro_batch = t.micro_batch_size or self.local_batch
+        self.micro_batch = self.plan.micro_batch  # rows per microbatch of a one-stage step
         self.world = world_group(mesh)  # the bad-step agreement spans every rank
         self.loss_group = self.plan.loss_group  # one replica's ranks under DiLoCo
         # the loss group is the whole world (plain data parallel): the loss sum rides in the
