@@ -69,4 +69,3 @@ class CheckpointAdapter:
         """Weights only (a fine-tune's start): ``model_state`` shaped like ``state()["model"]``."""
         state = scatter_tp_state({"model": model_state}, self.model, self.mesh)
         self.grad_sync.load_model_state_dict(state["model"])
-        self.outer.weights_loaded()  # the outer loop (DiLoCo's anchor) restarts from these weights

@@ -274,3 +274,4 @@ class Trainer:
         """Weights only, shaped like ``tensor_state()["model"]`` (optimizer untouched). Collective.
         Under DiLoCo the loaded weights become the anchor."""
         self.plan.state.load_model(model_state)
+        self.outer.weights_loaded()

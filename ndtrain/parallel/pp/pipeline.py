@@ -1,5 +1,5 @@
-"""Pipeline parallel in the trainer: tied embeddings across the first and last stage (summed
-gradients, counted once by clipping), and ``StagePipeline`` (the trainer's
+"""Pipeline parallel in the trainer: tied embeddings across the first and last stage, global-norm
+clipping over all stages, and ``StagePipeline`` (the trainer's
 step path; with pp == 1 it is one stage running its microbatches in order, no pipeline).
 
 Tied embeddings: the first stage's embedding and the last stage's head are separate copies with the
