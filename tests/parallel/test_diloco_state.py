@@ -1,6 +1,6 @@
 """DiLoCo's state survives a checkpoint anywhere: under tp / pp, inside an interval, at run level.
 
-1. **Layouts** (4 gloo ranks, float64, dp_replicate 2 x {tp 2, pp 2}, H = 2, outer lr 0.7,
+1. **Layouts** (slow: 4 gloo ranks, float64, dp_replicate 2 x {tp 2, pp 2}, H = 2, outer lr 0.7,
    Nesterov 0.9, AdamW): a trainer saves a DCP checkpoint after step 5 -- two outer steps done (the
    momentum is live), one inner step into the third interval (the replicas' weights differ, checked)
    -- and keeps training to step 8. A fresh trainer loads the checkpoint: on every rank its local
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.corpus import source_text
@@ -84,7 +85,9 @@ def _layout_resume(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_diloco_state_resumes_bitwise_under_tp_and_pp_inside_an_interval(tmp_path):
+    """4 ranks, ~100 s on the shared 2-core CPU (``-m slow``)."""
     res = run_ranks(_layout_resume, 4, str(tmp_path), timeout_s=300)
     for rank, r in enumerate(res):
         for axis, a in r.items():
