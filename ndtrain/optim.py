@@ -148,7 +148,8 @@ def grad_sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: float,
-                   reduce_sum: Callable[[torch.Tensor, tuple[str, ...]], None] | None = None) -> float:
+                   reduce_sum: Callable[[torch.Tensor, tuple[str, ...]], None] | None = None,
+                   uncounted: list[torch.Tensor] = ()) -> float:
     """Clip gradients in place to global L2 norm ``max_norm``; return the norm before clipping.
 
     Args:
@@ -162,6 +163,8 @@ def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: 
             mesh axes ``axes`` (``ndtrain.parallel.dp.grad_sync.sum_over_axes(mesh)``); called for
             every group, also with ``axes == ()``, in the same order on every rank. None: one
             process, nothing to sum (raises ValueError if any ``axes`` are given).
+        uncounted: gradients scaled by the same coefficient but left out of the norm (a copy of
+            a gradient counted elsewhere: a pipeline's last-stage tied head).
     Precision (``grad_sum_sq``): float64 gradients give the float64 norm (1e-6 parity tests hold);
     float32 ones a norm within ~1e-6 relative of it. Every rank ends with the same norm and the
     same clip coefficient.
@@ -180,6 +183,7 @@ def clip_grad_norm(items: list[tuple[torch.Tensor, tuple[str, ...]]], max_norm: 
         total += sq
     norm = total.sqrt().item()
     coef = clip_coefficient(norm, max_norm)
-    if coef != 1.0 and items:  # _foreach_mul_ rejects an empty list
-        torch._foreach_mul_([g for g, _ in items], coef)
+    grads = [g for g, _ in items] + list(uncounted)
+    if coef != 1.0 and grads:  # _foreach_mul_ rejects an empty list
+        torch._foreach_mul_(grads, coef)
     return norm

@@ -100,7 +100,7 @@ def _validate_fault(cfg) -> None:
     _check(p.flight_recorder_entries >= 0,
            f"parallel.flight_recorder_entries ({p.flight_recorder_entries}) must be >= 0")
     dp_rules.check_local_sgd(t.local_sgd_steps, p.dp_replicate, p.zero_stage, cfg.model.is_moe, t.outer_lr,
-                             t.outer_momentum, cfg.checkpoint.every)
+                             t.outer_momentum)
 
 
 def _validate_kernels(t) -> None:

@@ -1,6 +1,6 @@
 """Bad steps: skip a non-finite step on every rank, detect loss spikes, decide when to roll back.
 
-Three parts, used by ``ndtrain.train.trainer`` (the skip) and ``ndtrain.train.loop`` (the rollback):
+Four parts, used by ``ndtrain.train.trainer`` (the skip) and ``ndtrain.train.loop`` (the rollback):
 
 * ``agree_bad_ranks``: one all-reduce over the whole world of a (world,) flag vector, each rank
   setting its own slot when its local loss or gradient norm is not finite. Every rank learns the
@@ -14,6 +14,8 @@ Three parts, used by ``ndtrain.train.trainer`` (the skip) and ``ndtrain.train.lo
   global loss, identical on every rank after the loss all-reduce, so every rank decides alike
   without another collective.
 * ``after_step``: logs ``bad_step`` / ``loss_spike`` events (rank 0) and calls the rollback.
+* ``rollback``: reloads the newest verified checkpoint through ``Restorable``, the two methods the
+  running job declares (``ndtrain.train.loop`` implements them).
 
 A skipped step leaves weights, optimizer state and the LR schedule position bitwise unchanged; the
 step counter and the data window still advance, so the batch that produced the non-finite value
@@ -29,6 +31,7 @@ import collections
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -139,7 +142,7 @@ def after_step(guard: BadStepGuard, step: int, out: dict, run_dir: Path, rank: i
                rollback: Callable[[str], dict]) -> bool:
     """Log this step's bad-step / spike events (rank 0) and roll back when the guard asks.
 
-    ``rollback(reason)`` reloads the last good checkpoint (``ndtrain.train.loop``) and returns the
+    ``rollback(reason)`` reloads the last good checkpoint (``rollback`` below) and returns the
     ``rollback`` event's fields; it raises RuntimeError when there is none. Returns True when the
     run was rolled back (the caller then skips logging / saving this step)."""
     bad = bool(out.get("bad_step"))
@@ -160,25 +163,29 @@ def after_step(guard: BadStepGuard, step: int, out: dict, run_dir: Path, rank: i
     return True
 
 
-def rollback(r, resume: Callable, reason: str) -> dict:
-    """Reload the newest verified checkpoint into the running trainer (collective) and keep the
-    sampler where it is, so every batch since that checkpoint is skipped.
+class Restorable(Protocol):
+    """What a rollback needs of the running job (``ndtrain.train.loop`` implements it)."""
 
-    ``r`` is ``ndtrain.train.loop``'s run state (``saver``, ``ckpt_root``, ``run_dir``, ``sampler``,
-    ``trainer``), ``resume(r, path)`` its resume function. Returns the ``rollback`` event's fields:
-    ``to_step``, ``checkpoint``, ``skipped_stream`` ([first, end) sampler stream positions skipped).
+    def last_good_checkpoint(self) -> tuple[Path | None, Path]:
+        """(the newest checkpoint that verifies, or None; the folder searched), once any save in
+        flight is complete. Collective."""
+
+    def restore(self, path: Path) -> tuple[int, tuple[int, int]]:
+        """Load ``path`` into the running trainer (weights, optimizer, schedule, step) but keep
+        the data position; returns (the restored step, (the checkpoint's data position, the kept
+        one)): the sampler stream positions skipped. Collective."""
+
+
+def rollback(run: Restorable, reason: str, step: int) -> dict:
+    """Reload the newest verified checkpoint into the running job at ``step`` (collective), the
+    sampler staying where it is, so every batch since that checkpoint is skipped. Returns the
+    ``rollback`` event's fields: ``to_step``, ``checkpoint``, ``skipped_stream`` ([first, end)
+    sampler stream positions skipped).
 
     Raises RuntimeError when the run directory holds no checkpoint to roll back to."""
-    from ndtrain.checkpoint import dcp as ckpt
-
-    if getattr(r, "saver", None) is not None:
-        r.saver.wait()  # an asynchronous save in flight becomes the newest good checkpoint
-    path = ckpt.usable_checkpoint(r.ckpt_root, r.run_dir)
+    path, root = run.last_good_checkpoint()
     if path is None:
-        raise RuntimeError(f"{reason} at step {r.trainer.step_count}: no checkpoint in {r.ckpt_root} to "
+        raise RuntimeError(f"{reason} at step {step}: no checkpoint in {root} to "
                            "roll back to (set checkpoint.every, or raise training.max_bad_steps)")
-    consumed = r.sampler.consumed
-    resume(r, path)
-    skipped = [r.sampler.consumed, consumed]
-    r.sampler.consumed = consumed
-    return {"to_step": r.trainer.step_count, "checkpoint": str(path), "skipped_stream": skipped}
+    to_step, (first, end) = run.restore(path)
+    return {"to_step": to_step, "checkpoint": str(path), "skipped_stream": [first, end]}

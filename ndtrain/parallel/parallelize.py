@@ -15,12 +15,14 @@ Order (each step sees the result of the previous ones):
 Data parallel comes last because it must see the final set of (possibly sharded) parameters.
 Then, from the result, everything else that depends on the layout: the batch plan (cp cut,
 vocab-parallel loss), the checkpoint adapter (tp gather / scatter, tied-head names), the pipeline
-runner (pp > 1) and whether rank 0 may generate alone. ``parallelize`` returns them as one
+runner (pp > 1), the outer loop (DiLoCo, ``training.local_sgd_steps``), how a step is cut into
+microbatches and evaluated, and whether rank 0 may generate alone. ``parallelize`` returns them as one
 ``ParallelPlan`` (``ndtrain.parallel.api``): the trainer uses nothing else.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,9 +31,10 @@ from torch import nn
 from ndtrain.mesh import Mesh
 from ndtrain.model import build_model
 from ndtrain.model.kernels import apply_kernels, resolve_kernels
-from ndtrain.parallel.api import GradSync, ParallelPlan
+from ndtrain.parallel.api import GradSync, NoOuterSync, ParallelPlan
 from ndtrain.parallel.batch import BatchPlan
 from ndtrain.parallel.dp.ddp import DataParallel
+from ndtrain.parallel.dp.diloco import DiLoCo
 from ndtrain.parallel.state import CheckpointAdapter
 from ndtrain.precision import compute_dtype, grad_reduce_dtype
 
@@ -93,8 +96,44 @@ def parallelize(model: nn.Module | None, mesh: Mesh, cfg: Config,
     batch = BatchPlan(mesh, cfg, fused_impl="triton" if kernels == "triton" else "chunk")
     grad_sync = _apply_axes(model, mesh, cfg, batch)
     pipeline = _build_pipeline(model, grad_sync, batch, mesh, cfg, device)  # pp == 1: one stage
-    return ParallelPlan(model, grad_sync, batch, CheckpointAdapter(model, grad_sync, mesh), pipeline,
-                        sample_skip_reason(mesh, cfg))
+    return _plan(model, grad_sync, batch, pipeline, mesh, cfg, device)
+
+
+def _plan(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, pipeline, mesh: Mesh, cfg: Config,
+          device: torch.device) -> ParallelPlan:
+    """The ``ParallelPlan`` around the parallelized ``model``: what differs between layouts for
+    the trainer (the outer loop, loss group, microbatching, evaluation, clipping's tied copy)."""
+    from ndtrain.parallel.pp.pipeline import uncounted_tied_copy
+
+    t, d = cfg.training, mesh.dims
+    grad_sync.norm_uncounted = uncounted_tied_copy(model, grad_sync)
+    outer = NoOuterSync()
+    if t.local_sgd_steps:  # DiLoCo: each replica trains alone between outer steps (its own loss group)
+        outer = DiLoCo(model, mesh, t.local_sgd_steps, t.outer_lr, t.outer_momentum)
+    local = t.global_batch_size // d.dp
+    extras = cfg.model.is_moe or cfg.model.mtp_depth > 0
+    plain_ddp = cfg.parallel.zero_stage == 0 and not cfg.model.is_moe  # DataParallel, no expert sync
+    return ParallelPlan(
+        model, grad_sync, batch, CheckpointAdapter(model, grad_sync, mesh, outer), pipeline,
+        sample_skip_reason(mesh, cfg), outer=outer,
+        loss_group="dp_shard_cp" if t.local_sgd_steps else "dp_cp",
+        agree_overlaps_forward=plain_ddp and d.pp == 1 and not extras and not t.local_sgd_steps,
+        micro_batch=t.micro_batch_size or local,
+        fixed_microbatches=pipeline.m if d.pp > 1 else 0,
+        eval_loss_sum=(pipeline.eval_loss_sum if d.pp > 1
+                       else functools.partial(_whole_batch_loss_sum, model, batch, _forward_ctx(cfg, device),
+                                              param_dtype(cfg))))
+
+
+def _whole_batch_loss_sum(model: nn.Module, batch: BatchPlan, forward_ctx, dtype: torch.dtype,
+                          inputs: torch.Tensor, labels: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed token cross-entropy (float64, 0-d) of one forward over the whole local batch (one
+    stage). inputs, labels: (B, T); positions (T,). Under ``training.fused_loss`` the armed head
+    returns that sum itself (no logits)."""
+    with forward_ctx(), batch.labelled(labels):
+        out = model(inputs, positions)  # (B, T, V), (B, T, V / tp) under tp, or the fused 0-d sum
+    return batch.stage_loss(out, labels, dtype).double()
 
 
 def _build(cfg: Config, mesh: Mesh, device: torch.device) -> nn.Module:
@@ -111,13 +150,18 @@ def _build_pipeline(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, mes
     autocast from ``training.dtype``, ``pp_microbatches`` (default: local batch / micro batch)."""
     from ndtrain.parallel.pp.pipeline import StagePipeline
 
-    t, dtype, ac = cfg.training, param_dtype(cfg), compute_dtype(cfg.training.dtype)
+    t, dtype = cfg.training, param_dtype(cfg)
     local = t.global_batch_size // mesh.dims.dp
     n_micro = cfg.parallel.pp_microbatches or local // (t.micro_batch_size or local)
     return StagePipeline(
-        model, grad_sync, mesh, cfg, lambda out, y: batch.stage_loss(out, y, dtype),
-        lambda: torch.autocast(device.type, dtype=ac) if ac is not None else contextlib.nullcontext(),
+        model, grad_sync, mesh, cfg, lambda out, y: batch.stage_loss(out, y, dtype), _forward_ctx(cfg, device),
         device, n_micro, labelled=batch.labelled if batch.head is not None else None)
+
+
+def _forward_ctx(cfg: Config, device: torch.device):
+    """Factory of the context forwards run in: autocast to ``training.dtype`` (bf16 / fp16), else none."""
+    ac = compute_dtype(cfg.training.dtype)
+    return lambda: torch.autocast(device.type, dtype=ac) if ac is not None else contextlib.nullcontext()
 
 
 def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:

@@ -11,6 +11,9 @@ a fixed order, because each finds its tensors by name:
         ``tok_embeddings.weight``, groups keyed by name)
   load: the inverse, pp first, then tp scatter, then the wrapper's ``load_*_state_dict``.
 
+An outer loop (DiLoCo) rearranges the saved tree last (``OuterSync.pack``: its anchor and momentum
+through the same tp gather as the parameters) and first on load (``unpack``).
+
 Renaming before the gather saved one tp rank's slice of the tied
 head's moments under the embedding's name.
 """
@@ -20,7 +23,7 @@ import torch
 from torch import nn
 
 from ndtrain.mesh import Mesh
-from ndtrain.parallel.api import GradSync
+from ndtrain.parallel.api import GradSync, NoOuterSync, OuterSync
 from ndtrain.parallel.pp.state import flatten_param_groups, unflatten_param_groups
 from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
 
@@ -28,21 +31,34 @@ from ndtrain.parallel.tp.state import gather_tp_state, scatter_tp_state
 class CheckpointAdapter:
     """Save / load views of one rank's model and optimizer (see the module docstring).
 
-    Args: the rank's parallelized ``model`` (or pipeline stage), its ``grad_sync`` and the ``mesh``.
-    Every method is collective over tp (and over data parallel for DTensor entries).
+    Args: the rank's parallelized ``model`` (or pipeline stage), its ``grad_sync``, the ``mesh``
+    and its ``outer`` loop (``OuterSync``: DiLoCo's anchor and momentum take the parameters' path
+    through ``whole`` / ``local``; None: no outer loop). Every method is collective over tp (and
+    over data parallel for DTensor entries).
     """
 
-    def __init__(self, model: nn.Module, grad_sync: GradSync, mesh: Mesh):
+    def __init__(self, model: nn.Module, grad_sync: GradSync, mesh: Mesh, outer: OuterSync | None = None):
         self.model, self.grad_sync, self.mesh = model, grad_sync, mesh
+        self.outer = outer if outer is not None else NoOuterSync()
+
+    def whole(self, tensors: dict) -> dict:
+        """``{name: tensor shaped like this rank's parameter name}`` -> the whole tensors (tp
+        gathered, padding dropped), as the parameters are saved."""
+        return gather_tp_state({"model": tensors}, self.model, self.mesh)["model"]
+
+    def local(self, tensors: dict) -> dict:
+        """Inverse of ``whole``: this rank's (padded) slices."""
+        return scatter_tp_state({"model": tensors}, self.model, self.mesh)["model"]
 
     def state(self, optimizer: torch.optim.Optimizer) -> dict:
         gs = self.grad_sync
         sd = {"model": gs.model_state_dict(), "optim": gs.optim_state_dict(optimizer)}
         sd = gather_tp_state(sd, self.model, self.mesh)
-        return {**sd, "optim": flatten_param_groups(sd["optim"], self.model)}
+        return self.outer.pack({**sd, "optim": flatten_param_groups(sd["optim"], self.model)}, self.whole)
 
     def load(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         """``state``: a tree shaped like ``state(optimizer)`` (e.g. filled in place by DCP)."""
+        state = self.outer.unpack(state, self.local)
         template = self.grad_sync.optim_state_dict(optimizer)
         state = {**state, "optim": unflatten_param_groups(state["optim"], template, self.model)}
         state = scatter_tp_state(state, self.model, self.mesh)

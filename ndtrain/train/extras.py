@@ -12,7 +12,8 @@ parallel gradients are summed, never averaged -- see ``ndtrain.train.loop``):
 forms of ``ndtrain.model.moe_balance`` (whose docstring states the statistics scope). The logged
 ``loss`` stays the main cross-entropy (comparable with dense runs); ``aux_loss`` and ``mtp_loss``
 are logged next to it. After the optimizer step, ``end_step`` all-reduces the MoE load statistics
-over dp_cp, applies the aux-loss-free bias update, and returns the load metrics.
+over dp_cp, applies the aux-loss-free bias update (not on a skipped step), and returns the load
+metrics.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class ExtraLosses:
     Args: cfg, the rank's model (after parallelize), mesh, device. Use:
     ``begin_step(inputs, labels)`` once with the rank's local batch, ``micro_loss(labels_mb)`` after
     each microbatch forward (returns the term to add to the microbatch loss before backward, a
-    0-d tensor or 0.0), ``end_step()`` after ``optimizer.step()`` (returns metrics).
+    0-d tensor or 0.0), ``end_step(applied)`` after the optimizer step (returns metrics).
     """
 
     def __init__(self, cfg: Config, model: torch.nn.Module, mesh: Mesh, device: torch.device):
@@ -78,14 +79,17 @@ class ExtraLosses:
             self.model.mtp_logits = []
         return total
 
-    def end_step(self) -> dict[str, float]:
+    def end_step(self, applied: bool = True) -> dict[str, float]:
+        """The step's metrics; the aux-loss-free expert-bias update only when the optimizer step
+        was ``applied`` (a skipped step changes no state). Collective over dp_cp (and pp)."""
         comm.all_reduce(self.acc, self.group)
         out: dict[str, float] = {}
         n_moe = sum(m.stats.counts is not None for m in moe_balance.moe_layers(self.model))
         if self.cfg.model.is_moe:
             out["aux_loss"] = self.acc[0].item()
             reduce = (lambda t: comm.all_reduce(t, self.group)) if self.group.size > 1 else None
-            for k, v in moe_balance.end_step(self.model, reduce, self.cfg.model.moe_bias_update_rate).items():
+            rate = self.cfg.model.moe_bias_update_rate if applied else 0.0
+            for k, v in moe_balance.end_step(self.model, reduce, rate).items():
                 if k.endswith("_sum"):  # unweighted aux term, summed over MoE layers, per routed token
                     k, v = k[:-4], v / self.n_routed
                 out[k] = v

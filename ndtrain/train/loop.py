@@ -66,6 +66,19 @@ class _Run:
         if self.rank == 0:
             print(text, flush=True)
 
+    def last_good_checkpoint(self) -> tuple[Path | None, Path]:
+        """``bad_steps.Restorable``: a save in flight becomes the newest good checkpoint first."""
+        if self.saver is not None:
+            self.saver.wait()
+        return ckpt.usable_checkpoint(self.ckpt_root, self.run_dir), self.ckpt_root
+
+    def restore(self, path: Path) -> tuple[int, tuple[int, int]]:
+        """``bad_steps.Restorable``: resume from ``path``, the sampler kept where it is."""
+        consumed = self.sampler.consumed
+        _resume(self, path)
+        skipped, self.sampler.consumed = (self.sampler.consumed, consumed), consumed
+        return self.trainer.step_count, skipped
+
 
 def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None = None) -> list[dict]:
     """Train according to ``cfg`` on this rank; returns the logged metric rows (rank 0; else []).
@@ -119,7 +132,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         con.step(step, out)
         strag.record(dt, t_data)
         if bad_steps.after_step(guard, step, out, r.run_dir, r.rank,
-                                lambda why: bad_steps.rollback(r, _resume, why)):
+                                lambda why: bad_steps.rollback(r, why, step)):
             log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count,
                                      echo=con.row)
             window = [0.0, 0]  # the rows past the checkpoint are redone (metrics.prev.jsonl keeps them)

@@ -12,8 +12,6 @@ Everything layout-dependent comes from ``ndtrain.parallel.parallelize`` as one `
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ndtrain.config import Config
@@ -28,8 +26,6 @@ from ndtrain.mem_account import MemorySampler, StateMemory, state_tensors
 from ndtrain.mesh import Mesh
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
-from ndtrain.parallel.dp.ddp import DataParallel
-from ndtrain.parallel.dp.diloco import DiLoCo
 from ndtrain.parallel.dp.grad_sync import max_over_mesh
 from ndtrain.parallel.parallelize import parallelize, param_dtype
 from ndtrain.parallel.pp.observe import RuntimeObserver
@@ -84,12 +80,15 @@ class Trainer:
         mesh: the layout (``ParallelDims(...).build_mesh()``); all ones works in a plain process.
         device: this rank's device.
     Attributes: ``plan`` (the ``ParallelPlan``), and for convenience its ``model``, ``dp`` (the
-    ``GradSync``) and ``pipeline``; ``optimizer``, ``scheduler``, ``scaler`` (fp16), ``step_count``.
+    ``GradSync``), ``pipeline`` and ``outer`` (the ``OuterSync``: DiLoCo or nothing); ``optimizer``,
+    ``scheduler``, ``scaler`` (fp16), ``step_count``.
 
     Bad steps (``ndtrain.fault.bad_steps``): a non-finite local loss or gradient norm on any rank
-    skips the optimizer and LR step on every rank (one all-reduce over the world agrees; when the
-    loss group is the world it also sums the loss, so ``_finish`` issues no second one); the
-    step counter still advances, so the batch is skipped. Test hooks (``bad_steps.inject_faults``),
+    skips the step on every rank (one all-reduce over the world agrees; when the loss group is
+    the world it also sums the loss, so ``_finish`` issues no second one). A skipped step -- bad,
+    or an fp16 overflow -- leaves every state unchanged (weights, optimizer, LR schedule, the
+    expert bias, the outer loop's counts); only the loss scale and the step counter move, so the
+    batch is skipped. Test hooks (``bad_steps.inject_faults``),
     1-based steps firing once each: ``nan_steps`` (this rank's loss and a gradient become NaN),
     ``spike_steps`` (this rank's reported loss x 100); set them on one rank's instance, or on the
     class inside one rank's process, before the run.
@@ -110,6 +109,7 @@ class Trainer:
         self.activation_peak_bytes = 0  # of the last measured step (one microbatch, bytes)
         self.plan = parallelize(None, mesh, cfg, device)
         self.model, self.dp, self.pipeline = self.plan.model, self.plan.grad_sync, self.plan.pipeline
+        self.outer = self.plan.outer  # DiLoCo's outer step (training.local_sgd_steps), or nothing
         # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train.extras); None if dense
         self.extras = (ExtraLosses(cfg, self.model, mesh, device)
                        if cfg.model.is_moe or cfg.model.mtp_depth else None)
@@ -118,33 +118,15 @@ class Trainer:
         self.step_count = 0
         self.local_batch = t.global_batch_size // mesh.dims.dp
         self.pipeline.runtime.observers.append(_StateSampler(self))
-        self.micro_batch = t.micro_batch_size or self.local_batch
+        self.micro_batch = self.plan.micro_batch  # rows per microbatch of a one-stage step
         self.world = world_group(mesh)  # the bad-step agreement spans every rank
-        # DiLoCo (training.local_sgd_steps): each dp_replicate replica is its own trainer between
-        # outer steps, so its loss is normalised by its own tokens (parallel.dp.diloco)
-        self.outer = (DiLoCo(self.model, mesh, t.local_sgd_steps, t.outer_lr, t.outer_momentum)
-                      if t.local_sgd_steps else None)
-        self.loss_group = "dp_shard_cp" if self.outer is not None else "dp_cp"
+        self.loss_group = self.plan.loss_group  # one replica's ranks under DiLoCo
         # the loss group is the whole world (plain data parallel): the loss sum rides in the
         # bad-step agreement's all-reduce, one blocking collective per step instead of two
         self.fold_loss = self.world.size > 1 and self.mesh.group(self.loss_group).size == self.world.size
         # the batch agreement may overlap the first forward (``_agree_on_batch``) when that forward
-        # has no data-parallel collectives to desynchronise: plain DDP, one stage, no MoE / MTP
-        self.overlap_agree = (type(self.dp) is DataParallel and mesh.dims.pp == 1 and self.extras is None
-                              and self.outer is None)
-
-    def _forward_ctx(self):
-        return (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast
-                else contextlib.nullcontext())
-
-    def _forward_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum of token cross-entropies of a microbatch. inputs, labels: (B, T); positions (T,).
-        Under ``training.fused_loss`` the armed head returns that sum itself (no logits)."""
-        batch = self.plan.batch
-        with self._forward_ctx(), batch.labelled(labels):
-            out = self.model(inputs, positions)  # (B, T, V), (B, T, V / tp) under tp, or the fused 0-d sum
-        return batch.stage_loss(out, labels, self.param_dtype)
+        # has no data-parallel collectives to desynchronise (the plan says when)
+        self.overlap_agree = self.plan.agree_overlaps_forward
 
     def _agree_on_batch(self, labels: torch.Tensor) -> _ValidCount:
         """Valid labels of the global batch, after checking that every dp x cp rank holds the same
@@ -198,12 +180,10 @@ class Trainer:
         if self.extras is not None:
             self.extras.begin_step(inputs, labels)
         self.mem.reset()
-        if hasattr(self.dp, "observers"):  # sample inside the sharded data-parallel hooks too
-            self.dp.observers["memory"] = MemorySampler(self.mem) if self.measure_memory else None
+        self.dp.observe_memory(MemorySampler(self.mem) if self.measure_memory else None)  # in-hook peaks
         runtime = self.pipeline.runtime
         runtime.track_memory = self.measure_memory
-        if self.mesh.dims.pp == 1:  # one stage: microbatches of micro_batch rows, the last may be short
-            self.pipeline.m = -(-inputs.shape[0] // self.micro_batch)
+        self.pipeline.m = self.plan.microbatches(inputs.shape[0])
         loss_sum = self.pipeline.forward_backward(
             inputs, labels, count.denom(), positions,
             extra_loss=self.extras.micro_loss if self.extras is not None else None,
@@ -211,7 +191,7 @@ class Trainer:
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         if self.nan_steps or self.spike_steps:  # test hooks (class docstring)
             loss_sum = inject_faults(self, loss_sum)
-        out = self._update(self.pipeline.clip_grad_norm, loss_sum)
+        out = self._update(loss_sum)
         if "loss_sum" in out:
             loss_sum = out.pop("loss_sum")  # already summed over the loss group
         out.update(self.mem.report())
@@ -220,17 +200,17 @@ class Trainer:
         out["mem_activations_peak_bytes"] = self.activation_peak_bytes
         return self._finish(out, loss_sum, count.value())
 
-    def _update(self, clip_fn, loss_sum: torch.Tensor) -> dict:
+    def _update(self, loss_sum: torch.Tensor) -> dict:
         """fp16 unscale (an overflow on any rank skips the step everywhere), clip, bad-step
         agreement, optimizer and LR step, zero the gradients. Returns ``grad_norm``, ``lr``,
-        ``bad_step`` (+ ``bad_ranks``: world ranks with a non-finite loss / norm) and the
-        loss-scale entries."""
+        ``bad_step`` (+ ``bad_ranks``: world ranks with a non-finite loss / norm), ``applied``
+        (the step was taken) and the loss-scale entries."""
         ok = True
         if self.scaler is not None:
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             ok = self.scaler.unscale_and_check(grads, max_over_mesh(self.mesh))
             self.scaler.update(ok)
-        grad_norm = clip_fn(self.cfg.training.grad_clip) if ok else float("nan")
+        grad_norm = self.dp.clip_grad_norm(self.cfg.training.grad_clip, self.mesh) if ok else float("nan")
         # an fp16 overflow is the loss scaler's business (ok False), not a bad step
         local_bad = not is_finite(loss_sum) or (ok and not is_finite(grad_norm))
         if self.fold_loss:
@@ -245,7 +225,7 @@ class Trainer:
         # the state peak: parameters, gradients and optimizer state all live
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"grad_norm": grad_norm, "lr": lr, "bad_step": bool(bad_ranks)}
+        out = {"grad_norm": grad_norm, "lr": lr, "bad_step": bool(bad_ranks), "applied": ok}
         if self.fold_loss:
             out["loss_sum"] = loss_total
         if bad_ranks:
@@ -255,16 +235,16 @@ class Trainer:
         return out
 
     def _finish(self, out: dict, loss_sum: torch.Tensor, n_valid: float) -> dict:
+        """The step's loss (over the loss group; DiLoCo: the replicas' mean), then what follows an
+        optimizer step only when it was taken (``applied``): the outer step, the expert-bias update."""
         if not self.fold_loss:
             comm.all_reduce(loss_sum, self.mesh.group(self.loss_group))
         self.step_count += 1
-        out.update({"loss": loss_sum.item() / max(n_valid, 1.0), "n_tokens": n_valid})
-        if self.outer is not None:  # the replicas' mean loss (every rank the same); then maybe sync
-            rep = self.mesh.group("dp_replicate")
-            out["loss"] = comm.all_reduce_scalar(out["loss"], rep, device=self.device) / rep.size
-            out["outer_step"] = self.outer.after_inner_step(self.step_count)
+        applied = out.pop("applied")
+        out.update({"loss": self.outer.step_loss(loss_sum.item() / max(n_valid, 1.0)), "n_tokens": n_valid})
+        out.update(self.outer.after_step(applied))
         if self.extras is not None:  # aux / MTP losses, expert loads; aux-loss-free bias update
-            out.update(self.extras.end_step())
+            out.update(self.extras.end_step(applied))
         return out
 
     @torch.no_grad()
@@ -274,10 +254,7 @@ class Trainer:
         tot = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, labels in batches:
             inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
-            if self.mesh.dims.pp > 1:  # the last stage's loss, summed over pp (all ranks agree)
-                tot[0] += self.pipeline.eval_loss_sum(inputs, labels, positions)
-            else:
-                tot[0] += self._forward_loss_sum(inputs, labels, positions).double()
+            tot[0] += self.plan.eval_loss_sum(inputs, labels, positions)  # the same on every pp rank
             tot[1] += (labels != IGNORE_INDEX).sum()
         self.model.train()
         comm.all_reduce(tot, self.mesh.group("dp_cp"))
@@ -285,25 +262,16 @@ class Trainer:
 
     def tensor_state(self) -> dict:
         """``{"model", "optim"}``: every tensor whole (or a DTensor of global shape) under its
-        single-process name (``ndtrain.parallel.state``). Collective. Under DiLoCo the inner
-        optimizer state is kept per replica (``"optim": {"replica<k>": ...}``: the replicas'
-        AdamW moments differ) and ``"outer"`` holds the anchor and outer momentum."""
-        state = self.plan.state.state(self.optimizer)
-        if self.outer is not None:
-            state["optim"] = {f"replica{self.mesh.group('dp_replicate').rank}": state["optim"]}
-            state["outer"] = self.outer.state_dict()
-        return state
+        single-process name (``ndtrain.parallel.state``); the outer loop's state too (DiLoCo:
+        ``"inner"``, per-replica ``"optim"``, ``"outer"``; ``ndtrain.parallel.dp.diloco``). Collective."""
+        return self.plan.state.state(self.optimizer)
 
     def load_tensor_state(self, state: dict) -> None:
-        """Load a tree shaped like ``tensor_state()`` (model and optimizer). Collective."""
-        if self.outer is not None:
-            state = dict(state, optim=state["optim"][f"replica{self.mesh.group('dp_replicate').rank}"])
-            self.outer.load_state_dict(state.pop("outer"))
+        """Load a tree shaped like ``tensor_state()`` (model, optimizer, outer loop). Collective."""
         self.plan.state.load(state, self.optimizer)
 
     def load_model_state(self, model_state: dict) -> None:
         """Weights only, shaped like ``tensor_state()["model"]`` (optimizer untouched). Collective.
         Under DiLoCo the loaded weights become the anchor."""
         self.plan.state.load_model(model_state)
-        if self.outer is not None:
-            self.outer.reset_anchor()
+        self.outer.weights_loaded()

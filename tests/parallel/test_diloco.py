@@ -13,7 +13,8 @@ One group of 2 gloo ranks (dp_replicate 2), float64, the tiny model of ``test_ze
    half batches) and the outer Nesterov step written out (buf = mu buf + g; anchor -= lr (g + mu
    buf), PyTorch's SGD convention). 1e-10: the same operations in a different process.
 3. **Checkpoint round trip**: after 4 steps a DCP checkpoint (anchor, outer momentum, each replica's
-   AdamW state) is loaded into a fresh trainer; 2 more steps on both are bitwise equal.
+   weights and AdamW state) is loaded into a fresh trainer; 2 more steps on both are bitwise equal
+   (inside an interval and under tp / pp: ``test_diloco_state.py``).
 4. Bytes: over the 6 steps of (2) the dp_replicate axis carries 3 all-reduces of every parameter
    (2 (R-1)/R * Psi * 8 bytes each) plus one 8-byte loss all-reduce per step.
 """

@@ -43,6 +43,20 @@ def test_clip_grad_norm_reduces_each_axes_group_once_and_clips_with_the_global_n
         clip_grad_norm([(g_tp, ("tp",))], 1.0)
 
 
+def test_clip_grad_norm_scales_uncounted_gradients_without_counting_them():
+    """A copy of a gradient counted elsewhere (a pipeline's last-stage tied head): left out of the
+    norm (3-4-5 triangle: the norm is 5, not sqrt(25 + 144)), multiplied by the same factor."""
+    g = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    dup = torch.tensor([12.0], dtype=torch.float64)
+    norm = clip_grad_norm([(g, ())], 1.0, None, uncounted=[dup])
+    coef = 1.0 / (5.0 + 1e-6)
+    assert norm == 5.0
+    assert torch.equal(g, torch.tensor([3.0 * coef, 4.0 * coef], dtype=torch.float64))
+    assert torch.equal(dup, torch.tensor([12.0 * coef], dtype=torch.float64))
+    free = torch.tensor([7.0], dtype=torch.float64)
+    assert clip_grad_norm([], 1.0, None, uncounted=[free]) == 0.0 and free.item() == 7.0  # norm 0: no clip
+
+
 def test_grad_sum_sq_is_float64_accurate_for_float32_and_exact_for_float64_gradients():
     """Reference: the float64 sum of squares of the float64 copies. A 2M-element float32 tensor is
     where a whole-tensor float32 norm drifts (~3e-5 relative on CPU, as torch's clip_grad_norm_);

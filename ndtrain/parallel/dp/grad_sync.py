@@ -50,6 +50,7 @@ class ReplicatedGradSync:
     """
 
     module: torch.nn.Module
+    norm_uncounted: tuple = ()  # GradSync: scaled by clipping, not counted (set by parallelize)
 
     def build_optimizer(self, tcfg) -> torch.optim.Optimizer:
         """AdamW over the module's parameters (``ndtrain.optim.build_optimizer``)."""
@@ -59,8 +60,15 @@ class ReplicatedGradSync:
         """Global-norm clipping. Gradients are identical across the data-parallel ranks after the
         reduction, so only the axes a parameter is split over (tagged by TP / PP / EP) are summed."""
         mesh = mesh if mesh is not None else getattr(self, "mesh", None)
-        items = [(p.grad, shard_axes(p)) for p in self.module.parameters() if p.grad is not None]
-        return clip_grad_norm(items, max_norm, sum_over_axes(mesh))
+        skip = {id(p) for p in self.norm_uncounted}
+        items = [(p.grad, shard_axes(p)) for p in self.module.parameters()
+                 if p.grad is not None and id(p) not in skip]
+        uncounted = [p.grad for p in self.norm_uncounted if p.grad is not None]
+        return clip_grad_norm(items, max_norm, sum_over_axes(mesh), uncounted)
+
+    def observe_memory(self, sampler) -> None:
+        """Nothing to sample inside the hooks: the gradients are whole, already sampled between
+        the pipeline's actions."""
 
     def model_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -27,13 +27,13 @@ def check_batch(global_batch_size: int, dp: int, micro_batch_size: int = 0, pp: 
 
 
 def check_local_sgd(local_sgd_steps: int, dp_replicate: int, zero_stage: int, moe: bool,
-                    outer_lr: float, outer_momentum: float, checkpoint_every: int = 0) -> None:
+                    outer_lr: float, outer_momentum: float) -> None:
     """DiLoCo / local SGD (``training.local_sgd_steps`` = H; ``ndtrain.parallel.dp.diloco``): the
     replicas are the ``dp_replicate`` axis (> 1); the inner gradient sync is plain DDP within a
     replica (zero_stage 0: ZeRO / HSDP would reduce over dp_replicate every step) and the model
     dense (expert data parallel reduces experts over dp_replicate too); composes with dp_shard,
-    tp, pp and cp. Checkpoints fall on outer-step boundaries (``checkpoint.every`` a multiple of
-    H), where every replica holds the same parameters."""
+    tp, pp and cp. Checkpoints may fall anywhere inside an interval: they keep every replica's
+    weights and AdamW state."""
     require(local_sgd_steps >= 0, f"training.local_sgd_steps ({local_sgd_steps}) must be >= 0")
     if not local_sgd_steps:
         return
@@ -45,6 +45,3 @@ def check_local_sgd(local_sgd_steps: int, dp_replicate: int, zero_stage: int, mo
                      "parallel reduces expert gradients over dp_replicate every step)")
     require(outer_lr > 0, f"training.outer_lr ({outer_lr}) must be > 0")
     require(0 <= outer_momentum < 1, f"training.outer_momentum ({outer_momentum}) must be in [0, 1)")
-    require(checkpoint_every % local_sgd_steps == 0,
-            f"checkpoint.every ({checkpoint_every}) must be a multiple of training.local_sgd_steps "
-            f"({local_sgd_steps}): checkpoints fall where every replica holds the same parameters")

@@ -26,7 +26,6 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.mtp import feeding_token_ids
-from ndtrain.optim import clip_coefficient
 from ndtrain.parallel import comm
 from ndtrain.parallel.pp.rules import resolve_overlap
 from ndtrain.parallel.pp.runtime import PipelineRuntime
@@ -92,25 +91,13 @@ def sync_tied_grads(model: nn.Module, dp, group: AxisGroup | None) -> None:
     comm.all_reduce(w.grad, group)
 
 
-def clip_grad_norm(model: nn.Module, dp, max_norm: float, mesh: Mesh) -> float:
-    """Global-norm clipping over all stages: ``dp.clip_grad_norm`` sums squared norms over the
-    parameters' shard axes (which include "pp"); the last stage's tied head is left out of the
-    norm (its gradient equals the first stage's embedding gradient after ``sync_tied_grads``) and
-    scaled with the same coefficient as ``ndtrain.optim.clip_grad_norm`` applies. Returns the norm
-    before clipping."""
+def uncounted_tied_copy(model: nn.Module, dp) -> tuple:
+    """The last stage's copy of the tied embedding (the Parameter ``dp``'s optimizer steps), or ():
+    global-norm clipping leaves it out of the norm (its gradient equals the first stage's after
+    ``sync_tied_grads``) and scales it by the same coefficient (``GradSync.norm_uncounted``)."""
     info = stage_info(model)
     name = tied_name(model) if (info and info.last and not info.first) else None
-    dup = grad_holder(model, dp, name) if name else None
-    held = None
-    if dup is not None:
-        held, dup.grad = dup.grad, None
-    norm = dp.clip_grad_norm(max_norm, mesh)
-    if dup is not None:
-        dup.grad = held
-        coef = clip_coefficient(norm, max_norm)  # the factor optim.clip_grad_norm applied
-        if held is not None and coef != 1.0:
-            held.mul_(coef)
-    return norm
+    return (grad_holder(model, dp, name),) if name else ()
 
 
 class LabelledRuntime(PipelineRuntime):
@@ -187,9 +174,6 @@ class StagePipeline:
             return extra_loss(labels)
 
         return extra
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, self.dp, max_norm, self.mesh)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,

@@ -102,6 +102,11 @@ class ShardedDataParallelBase(GradShardReducer):
     module: nn.Module
     entries: list[ShardEntry]
     optimizer: torch.optim.Optimizer | None = None
+    norm_uncounted: tuple = ()  # GradSync: scaled by clipping, not counted (set by parallelize)
+
+    def observe_memory(self, sampler) -> None:
+        """Sample memory inside the gather / reduce hooks (``observe.py``); None detaches."""
+        self.observers["memory"] = sampler
 
     def _init_domains(self, mesh, expert_names=()) -> None:
         """The dense domain, and the expert one when ``expert_names`` (the expert parameters
@@ -146,9 +151,11 @@ class ShardedDataParallelBase(GradShardReducer):
         shard's over ``edp_shard`` (its row chunks) and ``ep`` (the expert blocks, tagged on the
         parameter): edp_shard x ep covers the dp_shard x cp block once, as dp_shard_cp does.
         Replicas over ``dp_replicate`` hold equal shards and are not summed."""
+        skip = {id(p) for p in self.norm_uncounted}
         items = [(e.valid(e.param.grad), (e.domain.shard_group.name,) + e.axes)
-                 for e in self.entries if e.param.grad is not None]
-        return clip_grad_norm(items, max_norm, sum_over_axes(mesh))
+                 for e in self.entries if e.param.grad is not None and id(e.param) not in skip]
+        uncounted = [p.grad for p in self.norm_uncounted if p.grad is not None]
+        return clip_grad_norm(items, max_norm, sum_over_axes(mesh), uncounted)
 
     # --- state dicts ------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
