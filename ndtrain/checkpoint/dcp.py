@@ -19,10 +19,12 @@ a ``checkpoint_corrupt`` event, the folder renamed ``step_XXXXXXXX.corrupt`` for
 checkpoints exist but none verifies it raises ``CheckpointUnusableError`` instead of starting over.
 
 Asynchronous saves (``CheckpointSaver(async_save=True)``): DCP ``async_save`` copies the state to
-host memory (the only part the training loop waits for) and writes it from a background thread over
+host memory (the only part the training loop waits for; ``staging.OwnedCopyStager``: one owned
+CPU tensor per tensor, which also serves DTensors whose local tensors are views of flat ZeRO shards) and writes it from a background thread over
 a dedicated gloo group, so its collectives never interleave with the training's. The checkpoint is
 finalised (manifest, rename, keep_last) only after the write finished; the next save, and the end of
-the run (``wait``), wait for it first.
+the run (``wait``), wait for it first. A save that fails (staging or the background write) removes
+its ``.tmp`` folder before the error reaches the loop; the previous checkpoint stays the newest.
 
 Resharding: DCP stores tensors by fully qualified name with their global shapes, so a checkpoint
 saved under one layout loads into the state dict of another as long as each layout presents its
@@ -44,6 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ndtrain.checkpoint.integrity import CheckpointUnusableError, verify, write_manifest
+from ndtrain.checkpoint.staging import OwnedCopyStager
 from ndtrain.events import log_event
 
 __all__ = ["CheckpointSaver", "CheckpointUnusableError", "latest_checkpoint", "load_checkpoint",
@@ -172,7 +175,11 @@ class CheckpointSaver:
             if rank == 0:
                 self._log(step, final, block_s, block_s)
             return block_s
-        future = self._async_write(tensors, tmp)
+        try:
+            future = self._async_write(tensors, tmp)
+        except BaseException:
+            _discard(tmp)  # a staging failure: no half checkpoint stays behind on this rank's watch
+            raise
         block_s = time.perf_counter() - t0
         errors: list[BaseException] = []
         thread = None
@@ -204,7 +211,7 @@ class CheckpointSaver:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             response = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._group,
-                                      no_dist=not distributed)
+                                      async_stager=OwnedCopyStager(), no_dist=not distributed)
         return getattr(response, "upload_completion", response)
 
     def _finalise_after(self, future, errors, step, tmp, final, block_s, t0) -> None:
@@ -213,6 +220,7 @@ class CheckpointSaver:
             self._finalise(tmp, final)
             self._log(step, final, block_s, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - handed to wait(), which re-raises it in the loop
+            _discard(tmp)
             errors.append(e)
 
     def _finalise(self, tmp: Path, final: Path) -> None:
@@ -233,6 +241,13 @@ class CheckpointSaver:
         if self.run_dir is not None:
             log_event(self.run_dir, "checkpoint", step=step, path=str(final), **{"async": self.async_save},
                       block_s=round(block_s, 6), total_s=round(total_s, 6))
+
+
+def _discard(tmp: Path) -> None:
+    """Remove the ``.tmp`` folder of a failed save (never a complete checkpoint: its name has no
+    ``.tmp``), so neither a resume nor an after-training command can meet a half checkpoint."""
+    if tmp.name.endswith(".tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
