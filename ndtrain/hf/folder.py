@@ -11,30 +11,11 @@ import torch
 
 from ndtrain.config import ModelConfig
 from ndtrain.hf.common import DEFAULT_SHARD_BYTES, model_from_state_dict, read_safetensors, write_hf_folder
-from ndtrain.hf.llama import config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf
-from ndtrain.hf.mamba2 import (
-    config_from_hf_mamba2,
-    config_to_hf_mamba2,
-    state_dict_from_hf_mamba2,
-    state_dict_to_hf_mamba2,
-)
-from ndtrain.hf.moe import (
-    config_to_hf_moe,
-    load_hf_moe_checkpoint,
-    state_dict_to_hf_moe,
-)
-from ndtrain.hf.qwen3_moe import (
-    config_from_hf_qwen3_moe,
-    config_to_hf_qwen3_moe,
-    state_dict_from_hf_qwen3_moe,
-    state_dict_to_hf_qwen3_moe,
-)
-from ndtrain.hf.qwen3_next import (
-    config_from_hf_qwen3_next,
-    config_to_hf_qwen3_next,
-    state_dict_from_hf_qwen3_next,
-    state_dict_to_hf_qwen3_next,
-)
+from ndtrain.hf.llama import config_from_hf, state_dict_from_hf
+from ndtrain.hf.mamba2 import config_from_hf_mamba2, state_dict_from_hf_mamba2
+from ndtrain.hf.moe import load_hf_moe_checkpoint
+from ndtrain.hf.qwen3_moe import config_from_hf_qwen3_moe, state_dict_from_hf_qwen3_moe
+from ndtrain.hf.qwen3_next import config_from_hf_qwen3_next, state_dict_from_hf_qwen3_next
 from ndtrain.model import Transformer
 
 # model_type -> (config.json dict -> ModelConfig, (HF state dict, cfg) -> ndtrain state dict)
@@ -60,19 +41,6 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
     return cfg, model_from_state_dict(cfg, to_sd(read_safetensors(folder), cfg), device, dtype)
 
 
-# family -> (ModelConfig, dtype) -> config.json dict; (state dict, ModelConfig) -> HF state dict
-_EXPORTERS = {"llama": (config_to_hf, state_dict_to_hf), "mixtral": (config_to_hf_moe, state_dict_to_hf_moe),
-              "deepseek_v3": (config_to_hf_moe, state_dict_to_hf_moe),
-              "qwen3_moe": (config_to_hf_qwen3_moe, state_dict_to_hf_qwen3_moe),
-              "qwen3_next": (config_to_hf_qwen3_next, state_dict_to_hf_qwen3_next),
-              "mamba2": (config_to_hf_mamba2, state_dict_to_hf_mamba2)}
-
-
-def config_writer(family: str):
-    """The config.json writer of ``family`` (``ndtrain.hf.rules.export_family``)."""
-    return _EXPORTERS[family][0]
-
-
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path, tokenizer=None,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write a ``save_pretrained``-style folder loadable by ``AutoModelForCausalLM.from_pretrained``:
@@ -84,12 +52,12 @@ def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path,
     one (``ndtrain.hf.mamba2``), Qwen3-Next for Gated DeltaNet / gated attention
     (``ndtrain.hf.qwen3_next``). Raises ValueError, before writing anything, if the model fits none of
     them or uses an option its family's config.json cannot express (``ndtrain.hf.rules.export_problem``)."""
-    from ndtrain.hf.rules import export_family, export_problem
+    from ndtrain.hf.rules import EXPORTERS, export_family, export_problem
 
     problem = export_problem(cfg)
     if problem is not None:
         raise ValueError(problem)
-    to_cfg, to_sd = _EXPORTERS[export_family(cfg)]
+    to_cfg, to_sd = EXPORTERS[export_family(cfg)]
     sd = model.state_dict()
     dtype = next(iter(sd.values())).dtype
     hf_sd, hf_cfg = to_sd(sd, cfg), to_cfg(cfg, dtype)

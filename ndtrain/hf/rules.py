@@ -16,10 +16,21 @@ from __future__ import annotations
 from dataclasses import fields
 
 from ndtrain.config import ModelConfig
+from ndtrain.hf.llama import config_to_hf, state_dict_to_hf
+from ndtrain.hf.mamba2 import config_to_hf_mamba2, is_mamba2, state_dict_to_hf_mamba2
+from ndtrain.hf.moe import _family, config_to_hf_moe, is_hf_moe_exportable, state_dict_to_hf_moe
+from ndtrain.hf.qwen3_moe import config_to_hf_qwen3_moe, is_qwen3_moe, state_dict_to_hf_qwen3_moe
+from ndtrain.hf.qwen3_next import config_to_hf_qwen3_next, is_qwen3_next_exportable, state_dict_to_hf_qwen3_next
 from ndtrain.mixer_spec import non_softmax_mixers, parse_pattern
 
-__all__ = ["export_family", "export_note", "export_problem", "unexpressed_fields"]
+__all__ = ["EXPORTERS", "export_family", "export_note", "export_problem", "unexpressed_fields"]
 
+# family -> ((ModelConfig, dtype) -> config.json dict, (state dict, ModelConfig) -> HF state dict)
+EXPORTERS = {"llama": (config_to_hf, state_dict_to_hf), "mixtral": (config_to_hf_moe, state_dict_to_hf_moe),
+             "deepseek_v3": (config_to_hf_moe, state_dict_to_hf_moe),
+             "qwen3_moe": (config_to_hf_qwen3_moe, state_dict_to_hf_qwen3_moe),
+             "qwen3_next": (config_to_hf_qwen3_next, state_dict_to_hf_qwen3_next),
+             "mamba2": (config_to_hf_mamba2, state_dict_to_hf_mamba2)}
 _SIZES = {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of",
           "ffn_dim_multiplier", "max_seq_len", "tie_embeddings", "attn_head_dim", "norm_eps", "rope_theta"}
 _ROPE_SCALING = {"rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -81,11 +92,6 @@ def unexpressed_fields(cfg: ModelConfig, family: str) -> list[str]:
 def export_family(cfg: ModelConfig) -> str:
     """The family ``save_hf_checkpoint`` writes ``cfg`` as: llama | mixtral | deepseek_v3 | qwen3_moe
     | qwen3_next | mamba2. Raises ValueError when none fits (the message names why)."""
-    from ndtrain.hf.mamba2 import is_mamba2
-    from ndtrain.hf.moe import _family, is_hf_moe_exportable
-    from ndtrain.hf.qwen3_moe import is_qwen3_moe
-    from ndtrain.hf.qwen3_next import is_qwen3_next_exportable
-
     others = non_softmax_mixers(cfg)
     if is_mamba2(cfg):
         return "mamba2"
@@ -109,13 +115,11 @@ def export_problem(cfg: ModelConfig) -> str | None:
     call it before training."""
     import warnings
 
-    from ndtrain.hf.folder import config_writer
-
     try:
         family = export_family(cfg)
         with warnings.catch_warnings():  # e.g. "MTP modules are not exported": said again at export
             warnings.simplefilter("ignore")
-            config_writer(family)(cfg)
+            EXPORTERS[family][0](cfg)
     except ValueError as e:
         return f"Hugging Face export: {str(e).splitlines()[0]}"
     lost = unexpressed_fields(cfg, family)

@@ -99,7 +99,8 @@ class ModelSpec:
 
     @property
     def dense_mlp_params(self) -> int:
-        return 3 * self.dim * self.ffn_hidden + self.dim  # gate, up, down + RMSNorm
+        # gate, up, down + RMSNorm; nothing in a mixer-only block (block_ffn false: ffn_hidden 0)
+        return 3 * self.dim * self.ffn_hidden + self.dim if self.ffn_hidden else 0
 
     @property
     def expert_params(self) -> int:
