@@ -132,4 +132,4 @@ def export_note(cfg: ModelConfig) -> str | None:
     """The one line ``ndtrain train`` prints at launch when this model will not export (None when it
     will): training it is fine, only ``ndtrain convert --to-hf`` refuses it afterwards."""
     problem = export_problem(cfg)
-    return None if problem is None else f"`ndtrain convert --to-hf` will refuse this model: {problem}"
+    return None if problem is None else f"ndtrain convert --to-hf will refuse this model: {problem}"

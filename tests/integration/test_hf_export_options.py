@@ -113,7 +113,7 @@ def test_two_epsilons_qwen3_next_cannot_carry_are_refused_up_front(tmp_path, mon
     want = ("Hugging Face export: Qwen3-Next export: Qwen3-Next has one rms_norm_eps for every norm, the "
             "Gated DeltaNet's gated norm included; set model.linear_norm_eps (1e-06) equal to model.norm_eps (0.3)")
     assert export_problem(cfg) == want
-    assert export_note(cfg) == f"`ndtrain convert --to-hf` will refuse this model: {want}"
+    assert export_note(cfg) == f"ndtrain convert --to-hf will refuse this model: {want}"
     model = build_model(cfg, seed=0)
     with pytest.raises(ValueError, match="set model.linear_norm_eps"):
         save_hf_checkpoint(model, cfg, "/nonexistent/never-written")
