@@ -24,8 +24,8 @@ CPU tensor per tensor, which also serves DTensors whose local tensors are views 
 shards) and writes it from a background thread over a dedicated gloo group, so its collectives
 never interleave with the training's. The checkpoint is finalised (manifest, rename, keep_last)
 only after the write finished; the next save, and the end of the run (``wait``), wait for it
-first. A save that fails (staging or the background write) removes
-its ``.tmp`` folder before the error reaches the loop; the previous checkpoint stays the newest.
+first. A save that fails (staging or the background write) removes its ``.tmp`` folder before the
+error reaches the loop; the previous checkpoint stays the newest.
 
 Resharding: DCP stores tensors by fully qualified name with their global shapes, so a checkpoint
 saved under one layout loads into the state dict of another as long as each layout presents its

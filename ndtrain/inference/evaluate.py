@@ -15,10 +15,10 @@ Metrics, over all evaluated label positions y_1..y_N (cross-entropies in nats):
 ``bytes(y_i)`` is what label position i adds to the UTF-8 text of its document, decoded
 (``stream_byte_counts``): 1 per byte for the ``"bytes"`` tokenizer, the length of the token's
 byte-level spelling for a byte-level BPE (exact and context-free: GPT-2's byte alphabet spells one
-byte per character), 0 for special tokens (EOS). Any other tokenizer (SentencePiece-style: ``▁`` for
-spaces, the prefix space a document's first piece carries, byte-fallback pieces ``<0xE2>``) is
-decoded document by document in order (``tokenizers`` ``DecodeStream``): each position counts the
-bytes of the text that became final with it, so a multi-byte character spelled by byte-fallback
+byte per character), 0 for special tokens (EOS, BOS). Any other tokenizer (SentencePiece-style:
+``▁`` for spaces, the prefix space a document's first piece carries, byte-fallback pieces
+``<0xE2>``) is decoded document by document in order (``tokenizers`` ``DecodeStream``): each
+position counts the bytes of the text that became final with it, so a multi-byte character spelled by byte-fallback
 pieces counts once, on the piece completing it, and the bytes of every evaluated span sum to its
 decoded text. Bits per byte compares models with different tokenizers (Gao 2020, "The Pile",
 section 4.2).
@@ -84,7 +84,8 @@ def stream_byte_counts(tok: Tokenizer, tokens: np.ndarray, vocab_size: int) -> n
 
 
 def _special_ids(tok: HFTokenizer) -> set[int]:
-    return {tid for tid, t in tok._tok.get_added_tokens_decoder().items() if t.special} | {tok.eos_id}
+    marks = {tok.eos_id} | ({tok.bos_id} if tok.bos_id is not None else set())
+    return {tid for tid, t in tok._tok.get_added_tokens_decoder().items() if t.special} | marks
 
 
 def stream_tokens_of(source: str, data_cfg, tok: Tokenizer, max_tokens: int = 0) -> np.ndarray:

@@ -22,7 +22,7 @@ from ndtrain.data import TokenData, prepare_data
 from ndtrain.data.corpus import iter_documents
 from ndtrain.data.tokenizer import open_tokenizer
 from ndtrain.hf.folder import save_hf_checkpoint
-from ndtrain.inference.evaluate import stream_tokens_of
+from ndtrain.inference.evaluate import stream_byte_counts, stream_tokens_of
 from ndtrain.model import build_model
 from tests.sp_tokenizer import build_sp_tokenizer
 
@@ -63,6 +63,9 @@ def test_training_generation_and_eval_ids_are_the_exported_tokenizer_s(setup):
     assert np.array_equal(np.concatenate([td.tokens("train"), td.tokens("val")]), stream)
     assert tok.encode(PROMPT) == hf_tok(PROMPT)["input_ids"]  # what generate / the samples feed
     assert np.array_equal(stream_tokens_of(data.source, data, tok), stream)  # what eval --data reads
+    counts = stream_byte_counts(tok, stream, 288)  # eval's bytes: BOS and EOS stand for none
+    assert counts[stream == tok.bos_id].sum() == 0
+    assert counts.sum() == sum(len(d.encode("utf-8")) for d in iter_documents(data))
     cfg = json.loads((tmp / "hf" / "config.json").read_text())
     gen = json.loads((tmp / "hf" / "generation_config.json").read_text())
     assert cfg["bos_token_id"] == gen["bos_token_id"] == tok.bos_id

@@ -97,8 +97,8 @@ FAMILIES = {
                         moe_n_groups=4, moe_topk_groups=3, moe_layer_start=1),
     "qwen3_moe": dict(_BASE, n_layers=3, qk_norm=True, attn_head_dim=12, moe_experts=4, moe_top_k=3,
                       moe_ffn_hidden=20, moe_renormalize=False, moe_layer_start=1, moe_layer_interleave=2),
-    "qwen3_next": dict(_BASE, n_layers=4, qk_norm=True, attn_output_gate=True, attn_head_dim=12,
-                       rope_partial_factor=0.5, layer_pattern="GGA", n_layers_=None, linear_heads=2,
+    "qwen3_next": dict(_BASE, n_layers=3, qk_norm=True, attn_output_gate=True, attn_head_dim=12,
+                       rope_partial_factor=0.5, layer_pattern="GGA", linear_heads=2,
                        linear_key_head_dim=8, linear_value_heads=4, linear_value_head_dim=6, linear_conv_kernel=3,
                        linear_norm_eps=0.3, linear_chunk_size=4, moe_experts=4, moe_top_k=3, moe_ffn_hidden=16,
                        moe_shared_experts=1, moe_shared_ffn_hidden=20, moe_shared_gate=True,
@@ -109,10 +109,7 @@ FAMILIES = {
 
 
 def _family_cfg(family: str) -> ModelConfig:
-    kw = {k: v for k, v in FAMILIES[family].items() if not k.endswith("_")}
-    if family == "qwen3_next":
-        kw["n_layers"] = 3  # GGA once
-    return ModelConfig(**kw)
+    return ModelConfig(**FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
