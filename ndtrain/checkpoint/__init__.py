@@ -4,4 +4,4 @@ from ndtrain import _forward
 
 __getattr__ = _forward("ndtrain.checkpoint", "ndtrain.checkpoint.dcp", {
     "complete_checkpoints", "latest_checkpoint", "usable_checkpoint", "require_verified",
-    "CheckpointSaver", "save_checkpoint", "load_checkpoint", "load_tensors"})
+    "CheckpointSaver", "CheckpointDamagedError", "save_checkpoint", "load_checkpoint", "load_tensors"})

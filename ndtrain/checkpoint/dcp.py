@@ -19,10 +19,13 @@ a ``checkpoint_corrupt`` event, the folder renamed ``step_XXXXXXXX.corrupt`` for
 checkpoints exist but none verifies it raises ``CheckpointUnusableError`` instead of starting over.
 
 Asynchronous saves (``CheckpointSaver(async_save=True)``): DCP ``async_save`` copies the state to
-host memory (the only part the training loop waits for) and writes it from a background thread over
-a dedicated gloo group, so its collectives never interleave with the training's. The checkpoint is
-finalised (manifest, rename, keep_last) only after the write finished; the next save, and the end of
-the run (``wait``), wait for it first.
+host memory (the only part the training loop waits for; ``staging.OwnedCopyStager``: one owned
+CPU tensor per tensor, which also serves DTensors whose local tensors are views of flat ZeRO
+shards) and writes it from a background thread over a dedicated gloo group, so its collectives
+never interleave with the training's. The checkpoint is finalised (manifest, rename, keep_last)
+only after the write finished; the next save, and the end of the run (``wait``), wait for it
+first. A save that fails (staging or the background write) removes its ``.tmp`` folder before the
+error reaches the loop; the previous checkpoint stays the newest.
 
 Resharding: DCP stores tensors by fully qualified name with their global shapes, so a checkpoint
 saved under one layout loads into the state dict of another as long as each layout presents its
@@ -31,6 +34,7 @@ state under the same names and global shapes.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 import threading
@@ -42,12 +46,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ndtrain.checkpoint.integrity import CheckpointUnusableError, verify, write_manifest
+from ndtrain.checkpoint.staging import OwnedCopyStager
 from ndtrain.events import log_event
 
-__all__ = ["CheckpointSaver", "CheckpointUnusableError", "latest_checkpoint", "load_checkpoint",
-           "load_tensors", "require_verified", "save_checkpoint", "usable_checkpoint"]
+__all__ = ["CheckpointDamagedError", "CheckpointSaver", "CheckpointUnusableError", "latest_checkpoint",
+           "load_checkpoint", "load_tensors", "require_verified", "save_checkpoint", "usable_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -119,11 +125,20 @@ def _pick_verified(root: Path, run_dir: Path | None) -> tuple[str, str | None]:
     return "ok", None
 
 
+class CheckpointDamagedError(ValueError):
+    """A checkpoint folder a command or config key names fails its manifest or cannot be read;
+    the message is one line: the key, the folder, the file and what failed."""
+
+
 def require_verified(path: Path, key: str) -> None:
-    """Raise ValueError (``key``: the config key naming ``path``) when ``path`` fails its manifest."""
-    problem = verify(Path(path))
-    if problem is not None:
-        raise ValueError(f"{key}={path}: the checkpoint is damaged ({problem})")
+    """Raise CheckpointDamagedError (``key``: the config key or flag naming ``path``) when ``path``
+    fails its manifest. Collective when a process group is up: rank 0 reads the files once and
+    tells the others, so every rank raises the same error."""
+    answer = [verify(Path(path)) if _rank() == 0 else None]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[0] is not None:
+        raise CheckpointDamagedError(f"{key}={path}: the checkpoint is damaged ({answer[0]})")
 
 
 class CheckpointSaver:
@@ -172,7 +187,11 @@ class CheckpointSaver:
             if rank == 0:
                 self._log(step, final, block_s, block_s)
             return block_s
-        future = self._async_write(tensors, tmp)
+        try:
+            future = self._async_write(tensors, tmp)
+        except BaseException:
+            _discard(tmp)  # a staging failure: no half checkpoint stays behind on this rank's watch
+            raise
         block_s = time.perf_counter() - t0
         errors: list[BaseException] = []
         thread = None
@@ -204,7 +223,7 @@ class CheckpointSaver:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             response = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._group,
-                                      no_dist=not distributed)
+                                      async_stager=OwnedCopyStager(), no_dist=not distributed)
         return getattr(response, "upload_completion", response)
 
     def _finalise_after(self, future, errors, step, tmp, final, block_s, t0) -> None:
@@ -213,6 +232,7 @@ class CheckpointSaver:
             self._finalise(tmp, final)
             self._log(step, final, block_s, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - handed to wait(), which re-raises it in the loop
+            _discard(tmp)
             errors.append(e)
 
     def _finalise(self, tmp: Path, final: Path) -> None:
@@ -235,6 +255,13 @@ class CheckpointSaver:
                       block_s=round(block_s, 6), total_s=round(total_s, 6))
 
 
+def _discard(tmp: Path) -> None:
+    """Remove the ``.tmp`` folder of a failed save (never a complete checkpoint: its name has no
+    ``.tmp``), so neither a resume nor an after-training command can meet a half checkpoint."""
+    if tmp.name.endswith(".tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
                     keep_last: int = 2) -> Path:
     """Collective, synchronous: ``CheckpointSaver(root, keep_last).save(...)``; returns the final
@@ -249,21 +276,40 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], meta: dict[s
 
 
 def load_checkpoint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Collective: load DCP tensors in place into ``tensors``; restore RNG; return ``meta``."""
+    """Collective: load DCP tensors in place into ``tensors``; restore RNG; return ``meta``. The
+    caller has verified ``path`` (``usable_checkpoint`` / ``require_verified``)."""
     path = Path(path)
-    load_tensors(path, tensors)
+    load_tensors(path, tensors, verified=True)
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
     return json.loads((path / "meta.json").read_text())
 
 
-def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
+def load_tensors(path: Path, tensors: dict[str, Any], key: str = "checkpoint",
+                 verified: bool = False) -> None:
     """Collective: load only the DCP tensors named in ``tensors`` (e.g. ``{"model": ...}`` for a
-    weights-only start), in place; RNG and meta untouched. Raises if a name is missing."""
+    weights-only start), in place; RNG and meta untouched. The one reader of checkpoint tensors:
+    unless ``verified``, ``path`` is first checked against its manifest (``require_verified``).
+
+    Raises:
+        CheckpointDamagedError: a file fails the manifest, or DCP cannot read one (a folder
+            without a manifest, truncated: one line instead of DCP's raw EOFError).
+        RuntimeError / KeyError: a name of ``tensors`` is missing from the checkpoint.
+    """
+    if not verified:
+        require_verified(path, key)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=str(path))
+        try:
+            dcp.load(tensors, checkpoint_id=str(path))
+        except (CheckpointException, EOFError, OSError, pickle.UnpicklingError) as e:
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+            if isinstance(cause, (RuntimeError, KeyError)) and "issing key" in str(cause):
+                raise cause from None  # a name this checkpoint lacks: not damage
+            detail = str(cause).strip().splitlines()[0] if str(cause).strip() else "a file ends early"
+            raise CheckpointDamagedError(f"{key}={path}: unreadable checkpoint "
+                                         f"({type(cause).__name__}: {detail})") from e
 
 
 def _rng_state() -> dict[str, Any]:

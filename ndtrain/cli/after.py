@@ -128,7 +128,7 @@ def _generate(args) -> int:
 
 
 def _eval(args) -> int:
-    from ndtrain.inference.evaluate import evaluate, stream_tokens_of, token_byte_lengths
+    from ndtrain.inference.evaluate import evaluate, stream_byte_counts, stream_tokens_of
     from ndtrain.train.rundir import RunDir
 
     run = RunDir.open(args.run_dir)
@@ -147,8 +147,10 @@ def _eval(args) -> int:
         need = args.batches * G * T + 1 if args.batches else 0
         tokens = stream_tokens_of(args.data, cfg.data, tok, need)
         what = args.data
+    used = min(len(tokens), (args.batches * G if args.batches else len(tokens)) * T + 1)  # positions read
+    counts = stream_byte_counts(tok, tokens[:used], cfg.model.vocab_size)
     out = {"checkpoint_step": step, "data": what, "seq_len": T,
-           **evaluate(model, tokens, T, G, token_byte_lengths(tok, cfg.model.vocab_size), args.batches)}
+           **evaluate(model, tokens, T, G, counts, args.batches)}
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

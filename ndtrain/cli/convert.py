@@ -14,6 +14,7 @@
       OUT/config.yaml          a full ndtrain config whose model section is the HF model's, and
                                whose data.tokenizer is OUT/tokenizer.json when the folder has one
       OUT/tokenizer.json (+ tokenizer_config.json)   copied from the HF folder, when present
+      OUT/manifest.json        size and CRC-32 of every file (``ndtrain.checkpoint.integrity``)
 
   Written into ``OUT.tmp`` and renamed, so an interrupted conversion leaves no half checkpoint.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ndtrain.checkpoint.integrity import write_manifest
 from ndtrain.config import Config, save_config
 from ndtrain.train.rundir import RunDir, RunDirError
 
@@ -73,6 +75,7 @@ def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         save_config(cfg, tmp / "config.yaml")
         meta = {"step": 0, "converted_from": str(hf_dir.resolve()), "layout": {}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp)  # every reader verifies it (checkpoint.init_weights_from too)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -84,6 +84,10 @@ def _announce(on: bool, run_dir: Path, cfg: Config | None = None) -> None:
         p = cfg.parallel
         for note in inert_settings(p.pp, p.pp_schedule, p.pp_virtual_stages):
             print(f"note: {note}", flush=True)
+        from ndtrain.hf.rules import export_note
+
+        if note := export_note(cfg.model):  # before training, not after it
+            print(f"note: {note}", flush=True)
 
 
 def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:

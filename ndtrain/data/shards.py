@@ -49,9 +49,11 @@ def _tokenizer_id(tok: Tokenizer) -> str:
 
 def shard_key(cfg: DataConfig, tok: Tokenizer, fingerprint: str) -> str:
     """16-hex-char cache key of a prepared folder."""
-    blob = json.dumps({"v": FORMAT_VERSION, "fp": fingerprint, "tok": _tokenizer_id(tok),
-                       "eos": tok.eos_id, "vocab": tok.vocab_size, "val": cfg.val_fraction},
-                      sort_keys=True)
+    key = {"v": FORMAT_VERSION, "fp": fingerprint, "tok": _tokenizer_id(tok), "eos": tok.eos_id,
+           "vocab": tok.vocab_size, "val": cfg.val_fraction}
+    if tok.bos_id is not None:  # documents start with the BOS (ndtrain.data.tokenizer): another stream
+        key["bos"] = tok.bos_id
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

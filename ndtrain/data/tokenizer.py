@@ -10,7 +10,14 @@
 - a path to a ``tokenizer.json`` (e.g. a Hugging Face model folder's), loaded with
   ``tokenizers.Tokenizer.from_file``. EOS: ``eos_token`` of a ``tokenizer_config.json`` next to the
   file if present, else the first known EOS token in the vocabulary (``_KNOWN_EOS``), else
-  ``DataConfig.eos_id``; with none of these a ValueError asks for ``data.eos_id``. No token is added.
+  ``DataConfig.eos_id``; with none of these a ValueError asks for ``data.eos_id``.
+
+BOS policy: ndtrain follows the tokenizer file. When its post-processor puts a token in front of
+every encoding (Llama 3's ``<|begin_of_text|>``: the family is pretrained with it), that token is
+the BOS and every document in training, every ``generate`` prompt, every evaluated document and
+the exported Hugging Face tokenizer start with it; ``bos_id`` names it. Otherwise (``"bytes"``,
+``"bpe"``, a file without such a post-processor) nothing is prepended and ``bos_id`` is None. The
+EOS follows every document either way; any suffix the post-processor would add is not used.
 
 The cache root is ``DataConfig.cache_dir``, else ``$NDTRAIN_CACHE``, else ``~/.cache/ndtrain``.
 """
@@ -42,6 +49,7 @@ class Tokenizer:
     spec: str
     vocab_size: int  # number of ids, including special tokens
     eos_id: int  # appended after every document
+    bos_id: int | None = None  # put in front of every document / prompt (module docstring), or None
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} must implement encode (abstract interface)")
@@ -102,6 +110,19 @@ class HFTokenizer(Tokenizer):
         self.spec = str(path.resolve())
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos(path, eos_id)
+        self.bos_id = self._find_bos()
+
+    def _find_bos(self) -> int | None:
+        """The one id the post-processor puts in front of an encoding (None if it adds none)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        k = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+        if k == 0:
+            return None
+        if k > 1:
+            raise ValueError(f"tokenizer {self.spec}: its post-processor prepends {k} tokens "
+                             f"({full[:k]}); ndtrain supports one BOS token")
+        return full[0]
 
     def _find_eos(self, path: Path, fallback: int) -> int:
         names = []
@@ -128,13 +149,15 @@ class HFTokenizer(Tokenizer):
                          f"set data.eos_id to the id that separates documents")
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Ids of ``text``, led by ``bos_id`` when the tokenizer has one (module docstring)."""
+        return self.encode_batch([text])[0]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        lead = [] if self.bos_id is None else [self.bos_id]
+        return [lead + e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
@@ -257,14 +280,17 @@ def eos_token(tok: Tokenizer) -> str:
 def save_tokenizer_files(tok: Tokenizer, folder: str | Path, model_max_length: int) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into
     ``folder``, so ``transformers.AutoTokenizer.from_pretrained(folder)`` returns a
-    ``PreTrainedTokenizerFast`` that encodes as ``tok`` does (no BOS is added: ndtrain trains
-    without one) and ``open_tokenizer(folder)`` finds the same EOS id."""
+    ``PreTrainedTokenizerFast`` that encodes as ``tok`` does (its BOS in front when ``tok`` has one,
+    none otherwise: the BOS policy of the module docstring) and ``open_tokenizer(folder)`` finds the
+    same EOS and BOS ids."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(tokenizer_json(tok), encoding="utf-8")
     eos = eos_token(tok)
+    bos = None if tok.bos_id is None else tok._tok.id_to_token(tok.bos_id)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
-              "bos_token": None, "unk_token": None, "add_bos_token": False, "add_eos_token": False,
+              "bos_token": bos, "unk_token": None, "add_bos_token": bos is not None, "add_eos_token": False,
               "clean_up_tokenization_spaces": False, "model_max_length": model_max_length}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos, "pad_token": eos}, indent=2))
+    special = {"eos_token": eos, "pad_token": eos, **({"bos_token": bos} if bos else {})}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2))

@@ -1,6 +1,8 @@
 """Hugging Face checkpoints in and out: ``folder`` reads and writes ``save_pretrained``-style folders
 and picks the family; one module per family maps config and weights both ways (``llama``, ``moe``
-for Mixtral and DeepSeek-V3, ``qwen3_moe``, ``qwen3_next``, ``mamba2``); ``common`` is what they share.
+for Mixtral and DeepSeek-V3, ``qwen3_moe``, ``qwen3_next``, ``mamba2``); ``common`` is what they share;
+``rules`` decides from a config alone which family a model exports as and what it would lose
+(``export_problem``: refused before writing, noted at ``ndtrain train`` launch).
 
     cfg, model = load_hf_checkpoint("path/to/hf_folder")      # ndtrain.hf.folder
 """

@@ -145,12 +145,13 @@ def shard_plan(hf_sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[lis
 
 
 def write_hf_folder(folder: str | Path, hf_sd: dict[str, torch.Tensor], hf_config: dict[str, Any],
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, eos_id: int | None = None) -> None:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, eos_id: int | None = None,
+                    bos_id: int | None = None) -> None:
     """Write the weights (tensors moved to CPU, contiguous) as ``model.safetensors``, or as
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when they
     exceed ``max_shard_bytes`` (``save_pretrained``'s layout), ``config.json`` and
-    ``generation_config.json`` (greedy; with ``eos_id`` also its EOS / pad ids, written into
-    config.json too) to ``folder`` (created if needed)."""
+    ``generation_config.json`` (greedy; with ``eos_id`` also its EOS / pad ids and ``bos_id``,
+    written into config.json too) to ``folder`` (created if needed)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -169,7 +170,7 @@ def write_hf_folder(folder: str | Path, hf_sd: dict[str, torch.Tensor], hf_confi
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     gen: dict[str, Any] = {"do_sample": False}
     if eos_id is not None:
-        ids = {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id}
+        ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
         hf_config = {**hf_config, **ids}
         gen.update(ids)
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -11,34 +11,11 @@ import torch
 
 from ndtrain.config import ModelConfig
 from ndtrain.hf.common import DEFAULT_SHARD_BYTES, model_from_state_dict, read_safetensors, write_hf_folder
-from ndtrain.hf.llama import config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf
-from ndtrain.hf.mamba2 import (
-    config_from_hf_mamba2,
-    config_to_hf_mamba2,
-    is_mamba2,
-    state_dict_from_hf_mamba2,
-    state_dict_to_hf_mamba2,
-)
-from ndtrain.hf.moe import (
-    config_to_hf_moe,
-    is_hf_moe_exportable,
-    load_hf_moe_checkpoint,
-    state_dict_to_hf_moe,
-)
-from ndtrain.hf.qwen3_moe import (
-    config_from_hf_qwen3_moe,
-    config_to_hf_qwen3_moe,
-    is_qwen3_moe,
-    state_dict_from_hf_qwen3_moe,
-    state_dict_to_hf_qwen3_moe,
-)
-from ndtrain.hf.qwen3_next import (
-    config_from_hf_qwen3_next,
-    config_to_hf_qwen3_next,
-    is_qwen3_next_exportable,
-    state_dict_from_hf_qwen3_next,
-    state_dict_to_hf_qwen3_next,
-)
+from ndtrain.hf.llama import config_from_hf, state_dict_from_hf
+from ndtrain.hf.mamba2 import config_from_hf_mamba2, state_dict_from_hf_mamba2
+from ndtrain.hf.moe import load_hf_moe_checkpoint
+from ndtrain.hf.qwen3_moe import config_from_hf_qwen3_moe, state_dict_from_hf_qwen3_moe
+from ndtrain.hf.qwen3_next import config_from_hf_qwen3_next, state_dict_from_hf_qwen3_next
 from ndtrain.model import Transformer
 
 # model_type -> (config.json dict -> ModelConfig, (HF state dict, cfg) -> ndtrain state dict)
@@ -68,36 +45,26 @@ def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write a ``save_pretrained``-style folder loadable by ``AutoModelForCausalLM.from_pretrained``:
     safetensors (sharded past ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and,
-    given an ndtrain ``tokenizer``, its files for ``AutoTokenizer.from_pretrained`` (and its EOS id
-    in both configs). Llama for a dense MHA / GQA model, Mixtral / DeepSeek-V3 for an MoE / MLA one
-    (``ndtrain.hf.moe``), Qwen3-MoE for a ``qk_norm`` one (``ndtrain.hf.qwen3_moe``), Mamba-2
-    for an all-``M`` mixer-only one (``ndtrain.hf.mamba2``), Qwen3-Next for Gated DeltaNet / gated
-    attention (``ndtrain.hf.qwen3_next``); ValueError if it fits none of them (e.g.
-    a hybrid ``model.layer_pattern``, or mixer-only blocks with other mixers)."""
-    from ndtrain.mixer_spec import non_softmax_mixers
+    given an ndtrain ``tokenizer``, its files for ``AutoTokenizer.from_pretrained`` (and its EOS /
+    BOS ids in both configs). The family by the model's options (``ndtrain.hf.rules.export_family``):
+    Llama for a dense MHA / GQA model, Mixtral / DeepSeek-V3 for an MoE / MLA one (``ndtrain.hf.moe``),
+    Qwen3-MoE for a ``qk_norm`` one (``ndtrain.hf.qwen3_moe``), Mamba-2 for an all-``M`` mixer-only
+    one (``ndtrain.hf.mamba2``), Qwen3-Next for Gated DeltaNet / gated attention
+    (``ndtrain.hf.qwen3_next``). Raises ValueError, before writing anything, if the model fits none of
+    them or uses an option its family's config.json cannot express (``ndtrain.hf.rules.export_problem``)."""
+    from ndtrain.hf.rules import EXPORTERS, export_family, export_problem
 
+    problem = export_problem(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    to_cfg, to_sd = EXPORTERS[export_family(cfg)]
     sd = model.state_dict()
     dtype = next(iter(sd.values())).dtype
-    others = non_softmax_mixers(cfg)
-    if is_mamba2(cfg):  # ndtrain.hf.mamba2
-        hf_sd, hf_cfg = state_dict_to_hf_mamba2(sd, cfg), config_to_hf_mamba2(cfg, dtype)
-    elif is_qwen3_next_exportable(cfg):  # Gated DeltaNet / gated attention: ndtrain.hf.qwen3_next
-        hf_sd, hf_cfg = state_dict_to_hf_qwen3_next(sd, cfg), config_to_hf_qwen3_next(cfg, dtype)
-    elif others or not cfg.block_ffn:
-        raise ValueError(f"Hugging Face export covers softmax-attention models with feed-forwards (Llama, "
-                         f"Mixtral, DeepSeek-V3, Qwen3-MoE), Qwen3-Next and all-Mamba-2 mixer-only ones "
-                         f"(block_ffn false); this model's layer_pattern {cfg.layer_pattern!r} uses "
-                         f"{', '.join(others) or 'attention'}, block_ffn {cfg.block_ffn}")
-    elif is_qwen3_moe(cfg):  # QK-norm attention: ndtrain.hf.qwen3_moe
-        hf_sd, hf_cfg = state_dict_to_hf_qwen3_moe(sd, cfg), config_to_hf_qwen3_moe(cfg, dtype)
-    elif is_hf_moe_exportable(cfg):
-        hf_sd, hf_cfg = state_dict_to_hf_moe(sd, cfg), config_to_hf_moe(cfg, dtype)
-    else:
-        hf_sd, hf_cfg = state_dict_to_hf(sd, cfg), config_to_hf(cfg, dtype)
-    eos = None
+    hf_sd, hf_cfg = to_sd(sd, cfg), to_cfg(cfg, dtype)
+    ids = None
     if tokenizer is not None:
         from ndtrain.data.tokenizer import save_tokenizer_files
 
         save_tokenizer_files(tokenizer, folder, cfg.max_seq_len)
-        eos = tokenizer.eos_id
-    write_hf_folder(folder, hf_sd, hf_cfg, max_shard_bytes, eos)
+        ids = (tokenizer.eos_id, tokenizer.bos_id)
+    write_hf_folder(folder, hf_sd, hf_cfg, max_shard_bytes, *(ids or (None, None)))

@@ -6,8 +6,9 @@ DeltaNet layers (``linear_attn``) and gated softmax attention (``self_attn``) by
 model options, all off by default:
 
 * ``layer_pattern`` of G / A letters from ``layer_types``; ``GatedDeltaNet`` has Qwen3-Next's
-  parameter names and grouped layout, so its weights copy unchanged (``linear_norm_eps`` =
-  ``rms_norm_eps`` for its gated norm);
+  parameter names and grouped layout, so its weights copy unchanged; its gated norm uses
+  ``rms_norm_eps`` like every other norm, so import sets ``linear_norm_eps`` = ``norm_eps`` and export
+  refuses a model whose two epsilons differ (transformers would use ``norm_eps`` for both);
 * attention with ``attn_head_dim`` (256 != 2048 / 16 in the release), ``qk_norm``,
   ``attn_output_gate`` and ``rope_partial_factor``: HF's ``q_proj`` (H*2D, C) holds per head
   [query D | gate D]; it is split into ``wq`` and ``wg`` (and joined back on export);
@@ -121,6 +122,10 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
         why.append(f"layer_pattern {cfg.layer_pattern!r} uses {sorted(mixers - {'attention', 'gated_deltanet'})}")
     if "attention" in mixers and not (cfg.qk_norm and cfg.attn_output_gate and cfg.attention == "mha"):
         why.append("softmax layers need attention mha with qk_norm and attn_output_gate")
+    if "gated_deltanet" in mixers and cfg.linear_norm_eps != cfg.norm_eps:
+        why.append(f"Qwen3-Next has one rms_norm_eps for every norm, the Gated DeltaNet's gated norm "
+                   f"included; set model.linear_norm_eps ({cfg.linear_norm_eps:g}) equal to model.norm_eps "
+                   f"({cfg.norm_eps:g})")
     if cfg.rope_scaling or cfg.mtp_depth:
         why.append("RoPE scaling / MTP are not exported")
     if cfg.is_moe and (cfg.moe_score, cfg.moe_route_scale, cfg.moe_n_groups) != ("softmax", 1.0, 1):

@@ -247,7 +247,7 @@ def _init_weights(r: _Run, path: Path) -> None:
             template[name] = _fill(value, src)
     else:
         _read_meta(path, "checkpoint.init_weights_from")
-        ckpt.load_tensors(path, {"model": template})
+        ckpt.load_tensors(path, {"model": template}, key="checkpoint.init_weights_from")  # verifies
     r.trainer.load_model_state(template)
 
 

@@ -47,13 +47,20 @@ def write_run_files(run_dir: Path, data, cfg: Config) -> None:
     (run_dir / "data_summary.json").write_text(json.dumps(data_summary(data, cfg), indent=2))
 
 
-def load_state_into(model: nn.Module, path: Path) -> None:
+def load_state_into(model: nn.Module, path: Path, key: str = "checkpoint") -> None:
     """Fill ``model`` (a materialised single-process ``Transformer``) from the checkpoint at ``path``.
 
-    Names the checkpoint lacks are allowed only for a tied output head (a pipeline run stores it
-    once, as the embedding). Raises RunDirError naming missing tensors or a shape mismatch."""
+    The folder is verified against its manifest first (``ndtrain.checkpoint.dcp.require_verified``:
+    every file's size and CRC-32), and the loaded weights must be finite. Names the checkpoint lacks
+    are allowed only for a tied output head (a pipeline run stores it once, as the embedding).
+    Raises RunDirError naming the damaged file, missing tensors, a shape mismatch or a non-finite
+    tensor (one line; ``key`` names where ``path`` came from)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    try:
+        ckpt.require_verified(path, key)
+    except ckpt.CheckpointDamagedError as e:
+        raise RunDirError(str(e)) from None
     try:
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:  # DCP raises bare exceptions for missing / corrupt metadata
@@ -68,9 +75,17 @@ def load_state_into(model: nn.Module, path: Path) -> None:
         meta = saved.get(f"model.{k}")
         if meta is not None and tuple(meta.size) != tuple(v.shape):
             raise RunDirError(f"{path}: {k} has shape {tuple(meta.size)}, the model {tuple(v.shape)}")
-    ckpt.load_tensors(path, {"model": {k: v for k, v in template.items() if f"model.{k}" in saved}})
+    try:
+        ckpt.load_tensors(path, {"model": {k: v for k, v in template.items() if f"model.{k}" in saved}},
+                          key, verified=True)
+    except ckpt.CheckpointDamagedError as e:
+        raise RunDirError(str(e)) from None
     if tied:
         model.tie_weights()
+    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise RunDirError(f"{key}={path}: the checkpoint is damaged ({len(bad)} tensors hold NaN / inf, "
+                          f"e.g. {bad[0]})")
 
 
 def build_empty_model(cfg: Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):

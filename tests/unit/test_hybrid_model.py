@@ -181,7 +181,8 @@ def test_hf_export_of_a_hybrid_model_is_one_clear_error(tmp_path):
     from ndtrain.hf.folder import save_hf_checkpoint
     from ndtrain.model import build_model
 
-    cfg = load_config("mamba2_debug", {"model.dim": 32, "model.n_layers": 2, "model.vocab_size": 64})
+    cfg = load_config("mamba2_debug", {"model.dim": 32, "model.n_layers": 2, "model.vocab_size": 64,
+                                       "model.block_ffn": True})  # Mamba-2 layers with feed-forwards
     with _pytest.raises(ValueError, match="layer_pattern .* uses mamba2"):
         save_hf_checkpoint(build_model(cfg.model), cfg.model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
