@@ -107,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (also: the run directory had already reached training.steps, said in one
     line), 1 a rank failed (its traceback once, then one line), 2 an invalid config or setup found
-    before any process started (one line; also a checkpoint past training.steps), 130 interrupted
+    before any process started (one line; also a checkpoint past training.steps, or a run directory
+    another training holds), 130 interrupted
     (Ctrl-C; all ranks stopped)."""
+    from ndtrain.cli.lock import RunDirInUse
     from ndtrain.spawn import SpawnError  # torch-free: `ndtrain plan` must not import torch
 
     parser = build_parser()
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             from ndtrain.cli.plan import run_plan
 
             return run_plan(args)
+    except RunDirInUse as e:  # a setup error, but not of the config
+        print(f"ndtrain: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"ndtrain: invalid config: {e}", file=sys.stderr)
         return 2
