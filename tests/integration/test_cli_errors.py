@@ -78,6 +78,27 @@ def test_missing_checkpoint_path(tmp_path, key):
                                  r"does not exist")
 
 
+def test_fine_tune_from_a_checkpoint_of_another_shape(tmp_path):
+    """Before: every rank's traceback from DCP's load. Now the shapes are read from the checkpoint's
+    metadata before any process starts."""
+    from ndtrain.checkpoint.dcp import save_checkpoint
+    from ndtrain.config import load_config, save_config
+    from ndtrain.model import Transformer
+
+    narrow = load_config("debug", {"model.dim": 32})
+    (tmp_path / "a").mkdir()
+    save_config(narrow, tmp_path / "a" / "config.yaml")
+    path = save_checkpoint(tmp_path / "a" / "checkpoints", 2, {"model": Transformer(narrow.model).state_dict()},
+                           {"step": 2})
+    proc = _train("--config", "debug", "--nproc", "2", f"--checkpoint.init_weights_from={path}",
+                  f"--run-dir={tmp_path / 'run'}")
+    _assert_one_line_error(proc, re.escape(
+        f"ndtrain: invalid config: checkpoint.init_weights_from: {path} holds another model: "
+        "tok_embeddings.weight is (512, 32) there, (512, 64) in this model (model.dim: 32 there, 64 here); "
+        "set the model keys to the checkpoint's, or start from another checkpoint"))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # three runs of the CLI: ~20 s on an idle 2-core machine
 def test_changed_model_on_resume_is_refused_and_config_kept(tmp_path):
     run = tmp_path / "run"
