@@ -12,7 +12,10 @@ helper of the package, tests and benchmarks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -175,7 +178,8 @@ def _join_torchrun(cfg: Config, run_dir: Path, world: int) -> None:
 
     note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
     try:
-        run(cfg, run_dir, data_path, device)
+        with _sigterm_as_interrupt(os.environ.get("RANK", "0") == "0"):
+            run(cfg, run_dir, data_path, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -187,9 +191,33 @@ def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int) -> Non
     if nproc == 1 and not max_restarts:
         from ndtrain.train.loop import run
 
-        run(cfg, run_dir, data_path)
+        with _sigterm_as_interrupt(True):
+            run(cfg, run_dir, data_path)
         return
     from ndtrain.fault.supervisor import supervise
+    from ndtrain.train.outputs import refresh_plot
 
-    supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
-                            threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+    try:
+        supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
+                                threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+    except (KeyboardInterrupt, SpawnError):  # the ranks are stopped: the launcher draws their curve
+        refresh_plot(run_dir, cfg.logging.plot, safe=True)
+        raise
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(on: bool):
+    """While training in this process: SIGTERM (``kill``, a scheduler's stop, torchrun stopping its
+    workers) unwinds like Ctrl-C, so the loop writes ``loss.png`` on the way out."""
+    if not on or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
