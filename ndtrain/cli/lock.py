@@ -59,7 +59,7 @@ def _alive(holder: dict) -> bool:
 
 
 class RunDirLock:
-    """``acquire()`` / ``release()`` the lock of ``run_dir`` (a context manager too)."""
+    """``acquire()`` / ``release()`` the lock of ``run_dir``."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
@@ -133,13 +133,6 @@ class RunDirLock:
             pass  # already gone, or the directory was removed: nothing left to release but the fd
         os.close(self._fd)
         self._fd = None
-
-    def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def _read(fd: int) -> dict:

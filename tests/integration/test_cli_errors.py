@@ -225,7 +225,7 @@ def test_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     assert proc.stderr.splitlines() == [
-        f"ndtrain: cannot write {run / 'checkpoints' / 'step_00000004.tmp'}: {os.strerror(errno.EFBIG)}; "
-        "the last good checkpoint step_00000002 is kept"], proc.stderr
+        (f"ndtrain: cannot write {run / 'checkpoints' / 'step_00000004.tmp'}: {os.strerror(errno.EFBIG)}; "
+         "the last good checkpoint step_00000002 is kept")], proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
     assert verify(good) is None and {p.name: p.read_bytes() for p in good.iterdir()} == before

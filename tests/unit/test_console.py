@@ -137,7 +137,7 @@ def test_rich_rows_carry_elapsed_and_eta_like_plain_rows(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stdout", out)
         ticks = iter([0.0, 100.0] + [110.0] * 50)  # rich also asks the clock for each frame
         con = console.RunConsole(tmp_path / mode, progress=mode, stream=out, env={},
-                                 clock=lambda: next(ticks)).open()
+                                 clock=lambda t=ticks: next(t)).open()
         con.begin(first_step=1, total_steps=8)
         con.row(ROWS[1])
         con.close()

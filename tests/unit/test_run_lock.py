@@ -35,7 +35,7 @@ def test_second_launch_into_a_held_run_dir_is_one_line_exit_2(tmp_path):
     try:
         assert holder.stdout.readline() == "held\n"
         proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug",
-                               "--nproc", "1", f"--run-dir={run}"], capture_output=True, text=True,
+                               "--nproc", "1", f"--run-dir={run}"], check=False, capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
     finally:
         holder.kill()
@@ -43,8 +43,8 @@ def test_second_launch_into_a_held_run_dir_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
-        f"ndtrain: run dir {run} in use by pid {holder.pid}; wait for that training to end, stop it, "
-        "or pass another --run-dir"]
+        (f"ndtrain: run dir {run} in use by pid {holder.pid}; wait for that training to end, stop it, "
+         "or pass another --run-dir")]
     assert not (run / "config.yaml").exists()  # nothing of the second run was written
 
 
@@ -73,8 +73,9 @@ def test_same_process_twice_is_refused_and_release_is_idempotent(tmp_path):
         RunDirLock(tmp_path).acquire()
     first.release()
     first.release()
-    with RunDirLock(tmp_path):
-        assert (tmp_path / LOCK_NAME).is_file()
+    again = RunDirLock(tmp_path)
+    assert again.acquire() is None and (tmp_path / LOCK_NAME).is_file()
+    again.release()
     assert not (tmp_path / LOCK_NAME).exists()
 
 
