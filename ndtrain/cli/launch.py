@@ -59,14 +59,23 @@ def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str
 
 
 def prepare_checked(cfg: Config) -> Path:
-    """``prepare_data`` with its errors turned into ConfigError, and the splits checked to hold at
-    least one sequence of ``data.seq_len`` (+1) tokens, so a bad data setup fails before training."""
+    """``prepare_data`` with its errors turned into ConfigError (a cache that cannot be written:
+    StorageError), and the splits checked to hold at least one sequence of ``data.seq_len`` (+1)
+    tokens, so a bad data setup fails before training."""
     from ndtrain.data import TokenData, prepare_data
 
     try:
         path = prepare_data(cfg.data, cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data: {e}") from None
+    except OSError as e:  # a full or read-only data.cache_dir: one line (StorageError), not a traceback
+        from ndtrain.errors import StorageError
+        from ndtrain.train.outputs import write_failure
+
+        line = write_failure(e, cfg.data.cache_dir, "no step was trained")
+        if line is None:
+            raise
+        raise StorageError(line) from None
     data, T = TokenData(path), cfg.data.seq_len
     for split in ("train", "val"):
         if data.num_sequences(split, T) < 1:

@@ -82,10 +82,15 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     StorageError (``ndtrain.errors``) when a write fails after start-up."""
     p = cfg.parallel  # every collective from here on runs under the deadline, recorded
     flight_recorder.configure(p.collective_timeout_s, p.flight_recorder_entries, Path(run_dir))
-    r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    try:  # start-up writes config.yaml and the tokenizer files: a full disk is one line here too
+        r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    except BaseException as e:
+        outputs.raise_storage_error(e, Path(run_dir) / "checkpoints", rank=-1)
+        raise
     lg = cfg.logging
-    con = console.RunConsole(r.run_dir, lg.progress, lg.tensorboard, enabled=r.rank == 0).open()
+    con = console.RunConsole(r.run_dir, lg.progress, lg.tensorboard, enabled=r.rank == 0)
     try:
+        con.open()
         return _train(r, con)
     except BaseException as e:
         _after_failure(r, e)

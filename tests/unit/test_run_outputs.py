@@ -177,3 +177,31 @@ def test_loss_png_after_a_stop_at_step_and_after_an_interruption(tmp_path, monke
         run(_cfg(tmp_path, **{"logging.plot": True, "checkpoint.every": 0, "training.eval_every": 0}), cut, data)
     assert [r["step"] for r in read_metrics(cut)] == [0, 1, 2]
     assert (cut / "loss.png").stat().st_size > 0
+
+
+def test_a_full_disk_at_start_up_is_one_line_too(tmp_path, monkeypatch):
+    """Before the first step: the data cache (launcher) and config.yaml (rank 0's set-up)."""
+    from ndtrain.cli import launch as launch_mod
+    from ndtrain.train import loop
+
+    cfg = _cfg(tmp_path)
+    shard = tmp_path / "cache" / "train.bin"
+
+    def full_cache(*_a, **_k):
+        raise OSError(errno.ENOSPC, ENOSPC, str(shard))
+
+    monkeypatch.setattr("ndtrain.data.prepare_data", full_cache)
+    with pytest.raises(StorageError) as info:
+        launch_mod.prepare_checked(cfg)
+    assert str(info.value) == f"cannot write {shard}: {ENOSPC}; no step was trained"
+    monkeypatch.undo()
+    data = prepare_data(cfg.data, cfg.model.vocab_size)
+
+    def read_only(_cfg, path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(loop, "save_config", read_only)
+    with pytest.raises(StorageError) as info:
+        run(cfg, tmp_path / "run", data)
+    assert str(info.value) == (f"cannot write {tmp_path / 'run' / 'config.yaml'}: {os.strerror(errno.EROFS)}; "
+                               "no checkpoint had been completed yet")
