@@ -123,3 +123,30 @@ def test_launch_releases_the_lock_on_every_exit(tmp_path, capsys):
         f"note: run dir {run}: its lock was left by pid {dead}, which no longer runs; taken over")
     assert [e["pid"] for e in read_events(run, "lock_taken_over")] == [dead]
     assert not (run / LOCK_NAME).exists()
+
+
+def test_under_torchrun_only_global_rank_0_takes_it(tmp_path, monkeypatch):
+    from ndtrain.cli.launch import _lock
+
+    monkeypatch.setenv("RANK", "1")
+    assert _lock(tmp_path, under_torchrun=True) is None and not (tmp_path / LOCK_NAME).exists()
+    monkeypatch.setenv("RANK", "0")
+    held = _lock(tmp_path, under_torchrun=True)
+    with pytest.raises(RunDirInUse):
+        _lock(tmp_path, under_torchrun=False)  # the same directory from a local launch
+    held.release()
+
+
+def test_sigterm_unwinds_like_ctrl_c_while_training_in_process():
+    """So the loop's interrupt path (loss.png) also runs under ``kill`` or torchrun's stop."""
+    import signal
+
+    from ndtrain.cli.launch import _sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), _sigterm_as_interrupt(True):
+        lockmod.os.kill(lockmod.os.getpid(), signal.SIGTERM)
+        signal.pause()  # not reached: the handler raises as soon as the signal arrives
+    assert signal.getsignal(signal.SIGTERM) is before
+    with _sigterm_as_interrupt(False):
+        assert signal.getsignal(signal.SIGTERM) is before
