@@ -114,11 +114,11 @@ def _rank_storage_error(e) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (also: the run directory had already reached training.steps, said in one
-    line), 1 a rank failed (its traceback once, then one line; a failed write after launch, such as
-    a full disk: only its line, naming the path and the last good checkpoint), 2 an invalid config or setup found
-    before any process started (one line; also a checkpoint past training.steps, or a run directory
-    another training holds), 130 interrupted
-    (Ctrl-C; all ranks stopped)."""
+    line), 1 a rank failed (its traceback once, then one line; a failed write after launch, such
+    as a full disk: only its line, naming the path and the last good checkpoint), 2 an invalid
+    config or setup found before any process started (one line; also a checkpoint past
+    training.steps, or a run directory another training holds), 130 interrupted (Ctrl-C or
+    SIGTERM; all ranks stopped)."""
     from ndtrain.cli.lock import RunDirInUse
     from ndtrain.spawn import SpawnError  # torch-free: `ndtrain plan` must not import torch
 

@@ -162,14 +162,14 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop)
         if saved:
             _save(r, step)
-        if saved or (row and "val_loss" in row):
-            _plot(r)
+        if (saved or (row and "val_loss" in row)) and step != stop:
+            _plot(r)  # the job's last step is drawn once, below
         if t.sample_every and step % t.sample_every == 0:
             _sample(r, f"sample @ {step}", quiet=True)
     prof.close()  # a window past this job's last step ends here
     if trainer.step_count == t.steps:
         _sample(r, "sample", quiet=False)
-    _plot(r, quiet=False)  # also at a stop_at_step
+    _plot(r, quiet=False)  # every job's end, a stop_at_step too
     if r.saver is not None:
         r.saver.wait()  # an asynchronous save still writing is finalised before the group goes
     if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
