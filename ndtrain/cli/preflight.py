@@ -194,7 +194,9 @@ def _dcp_model_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
 
 def _first_difference(here: dict, there: dict, tied: bool) -> str | None:
     """The first tensor of this model (``here``) missing from or shaped otherwise in ``there``, else
-    the first one ``there`` holds that this model lacks; None when they agree."""
+    the first one ``there`` holds that this model lacks (deeper, or with parts this model has not:
+    loading would silently drop it); None when they agree. Extra multi-token-prediction modules
+    (``mtp.*``) are allowed: a training-only head that a fine-tune may leave out."""
     for name, shape in here.items():
         if name not in there:
             if tied and name == "output.weight":
@@ -202,7 +204,7 @@ def _first_difference(here: dict, there: dict, tied: bool) -> str | None:
             return f"it has no {name} {shape}"
         if there[name] != shape:
             return f"{name} is {there[name]} there, {shape} in this model"
-    extra = [n for n in there if n not in here]
+    extra = [n for n in there if n not in here and not n.startswith("mtp.")]
     return f"its {extra[0]} {there[extra[0]]} has no place in this model" if extra else None
 
 

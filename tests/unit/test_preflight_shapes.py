@@ -84,3 +84,13 @@ def test_hugging_face_folder_of_another_vocabulary_from_config_json_alone(tmp_pa
         "the checkpoint's, or start from another checkpoint")
     (hf / "config.json").write_text(json.dumps(config_to_hf(load_config("debug").model)))
     preflight(cfg, tmp_path / "run", 1)  # the same model passes (the weights are read after launch)
+
+
+def test_a_fine_tune_may_drop_the_mtp_head_but_not_keep_one_the_checkpoint_lacks(tmp_path):
+    with_mtp = _checkpoint(tmp_path / "mtp", mtp_depth=1)
+    check_start_checkpoint_shapes(load_config("debug", {"checkpoint.init_weights_from": str(with_mtp)}),
+                                  tmp_path / "run")
+    plain = _checkpoint(tmp_path / "plain")
+    cfg = load_config("debug", {"checkpoint.init_weights_from": str(plain), "model.mtp_depth": 1})
+    with pytest.raises(ConfigError, match=r"holds another model: it has no mtp\.\S+ .*\(model.mtp_depth: 0 there, 1 here\)"):
+        check_start_checkpoint_shapes(cfg, tmp_path / "run")
