@@ -15,3 +15,9 @@ def require(ok: bool, msg: str) -> None:
     """Raise ``ConfigError(msg)`` unless ``ok``: the one-line form every layout rule uses."""
     if not ok:
         raise ConfigError(msg)
+
+
+class StorageError(RuntimeError):
+    """A write after launch failed (a full disk, a read-only or vanished mount). The message is one
+    line naming the path and what was kept, e.g. "cannot write runs/x/checkpoints/step_00000040.tmp:
+    No space left on device; the last good checkpoint step_00000030 is kept"."""

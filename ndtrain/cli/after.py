@@ -82,6 +82,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"ndtrain {args.command}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2
+    except Exception as e:  # a read-only or full --to-hf / --out / --json target: one line, exit 1
+        from ndtrain.train.outputs import write_failure
+
+        target = args.to_hf or args.out if args.command == "convert" else getattr(args, "json", None)
+        kept = "the result is printed above" if args.command == "eval" else "the source is unchanged"
+        line = write_failure(e, target or "?", kept)
+        if line is None:
+            raise
+        print(f"ndtrain {args.command}: {line}", file=sys.stderr)
+        return 1
 
 
 def _usage(msg: str) -> None:

@@ -12,7 +12,10 @@ helper of the package, tests and benchmarks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,14 +59,23 @@ def _train_rank(rank: int, world: int, cfg: Config, run_dir: str, data_path: str
 
 
 def prepare_checked(cfg: Config) -> Path:
-    """``prepare_data`` with its errors turned into ConfigError, and the splits checked to hold at
-    least one sequence of ``data.seq_len`` (+1) tokens, so a bad data setup fails before training."""
+    """``prepare_data`` with its errors turned into ConfigError (a cache that cannot be written:
+    StorageError), and the splits checked to hold at least one sequence of ``data.seq_len`` (+1)
+    tokens, so a bad data setup fails before training."""
     from ndtrain.data import TokenData, prepare_data
 
     try:
         path = prepare_data(cfg.data, cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data: {e}") from None
+    except OSError as e:  # a full or read-only data.cache_dir: one line (StorageError), not a traceback
+        from ndtrain.errors import StorageError
+        from ndtrain.train.outputs import write_failure
+
+        line = write_failure(e, cfg.data.cache_dir, "no step was trained")
+        if line is None:
+            raise
+        raise StorageError(line) from None
     data, T = TokenData(path), cfg.data.seq_len
     for split in ("train", "val"):
         if data.num_sequences(split, T) < 1:
@@ -108,59 +120,117 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
     local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag).
 
     Returns at once, starting nothing, when the run directory already reached this job's end
-    (one line; ``ndtrain.cli.rerun``). Raises ConfigError (before any rank starts) for an invalid
-    layout, an unusable run directory, backend, checkpoint path or data, a checkpoint past
-    ``training.steps``, or a model / data change against the run directory's checkpoints (``ndtrain.cli.preflight``); SpawnError when a local rank fails.
+    (one line; ``ndtrain.cli.rerun``). The run directory is locked for the whole call
+    (``ndtrain.cli.lock``; under torchrun by global rank 0). Raises ConfigError (before any rank
+    starts) for an invalid layout, an unusable run directory, backend, checkpoint path or data, a
+    checkpoint past ``training.steps``, a model / data change against the run directory's
+    checkpoints or an ``init_weights_from`` checkpoint of another shape (``ndtrain.cli.preflight``);
+    RunDirInUse (a ConfigError) when another training holds the run directory; SpawnError when a
+    local rank fails.
     """
     under_torchrun = nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if max_restarts:
             raise ConfigError("--max-restarts restarts local ranks; under torchrun use torchrun's --max-restarts")
-        validate(cfg, world)
-        preflight(cfg, Path(run_dir), world)
+    else:
+        world = 1 if nproc is None else nproc
+        if world < 1:
+            raise ConfigError(f"--nproc ({world}) must be >= 1")
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
+    validate(cfg, world)
+    preflight(cfg, Path(run_dir), world)
+    lock = _lock(Path(run_dir), under_torchrun)
+    try:
         if _already_finished(cfg, run_dir, announce):
             return
         _announce(announce, run_dir, cfg)
-        device = device_for_rank(local_rank, cfg.training.device)
-        if world > 1:
-            dist.init_process_group(backend_for(cfg), timeout=_group_timeout(cfg),
-                                    device_id=device if device.type == "cuda" else None)
-        # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
-        if local_rank == 0:
-            data_path = prepare_checked(cfg)
-        if world > 1:
-            dist.barrier()
-        if local_rank != 0:
-            data_path = prepare_checked(cfg)
-        from ndtrain.fault.supervisor import note_torchrun_restart
-        from ndtrain.train.loop import run
+        if under_torchrun:
+            _join_torchrun(cfg, Path(run_dir), world)
+        else:
+            _run_local(cfg, Path(run_dir), world, max_restarts)
+    finally:
+        if lock is not None:
+            lock.release()
 
-        note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
-        try:
+
+def _lock(run_dir: Path, under_torchrun: bool):
+    """The run directory's lock (``ndtrain.cli.lock``), taken by the launching process, or by global
+    rank 0 under torchrun (None on the other ranks); prints a line when a stale lock is taken over."""
+    from ndtrain.cli.lock import RunDirLock
+
+    if under_torchrun and os.environ.get("RANK", "0") != "0":
+        return None
+    lock = RunDirLock(run_dir)
+    note = lock.acquire()
+    if note:
+        print(note, flush=True)
+        from ndtrain.events import log_event
+
+        log_event(run_dir, "lock_taken_over", pid=lock.taken_over_pid)
+    return lock
+
+
+def _join_torchrun(cfg: Config, run_dir: Path, world: int) -> None:
+    """This process is one of torchrun's ranks: join its group, prepare data, train."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = device_for_rank(local_rank, cfg.training.device)
+    if world > 1:
+        dist.init_process_group(backend_for(cfg), timeout=_group_timeout(cfg),
+                                device_id=device if device.type == "cuda" else None)
+    # Local rank 0 of each node prepares the cache; the rest wait at the barrier, then reuse it.
+    if local_rank == 0:
+        data_path = prepare_checked(cfg)
+    if world > 1:
+        dist.barrier()
+    if local_rank != 0:
+        data_path = prepare_checked(cfg)
+    from ndtrain.fault.supervisor import note_torchrun_restart
+    from ndtrain.train.loop import run
+
+    note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
+    try:
+        with _sigterm_as_interrupt(os.environ.get("RANK", "0") == "0"):
             run(cfg, run_dir, data_path, device)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        return
-    nproc = 1 if nproc is None else nproc
-    if nproc < 1:
-        raise ConfigError(f"--nproc ({nproc}) must be >= 1")
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
-    validate(cfg, nproc)
-    preflight(cfg, Path(run_dir), nproc)
-    if _already_finished(cfg, run_dir, announce):
-        return
-    _announce(announce, run_dir, cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int) -> None:
+    """``nproc`` local ranks (this process alone for one rank without restarts)."""
     data_path = prepare_checked(cfg)
     if nproc == 1 and not max_restarts:
         from ndtrain.train.loop import run
 
-        run(cfg, run_dir, data_path)
+        with _sigterm_as_interrupt(True):
+            run(cfg, run_dir, data_path)
         return
     from ndtrain.fault.supervisor import supervise
+    from ndtrain.train.outputs import refresh_plot
 
-    supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
-                            threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+    try:
+        supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
+                                threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+    except (KeyboardInterrupt, SpawnError):  # the ranks are stopped: the launcher draws their curve
+        refresh_plot(run_dir, cfg.logging.plot, safe=True)
+        raise
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(on: bool):
+    """While training in this process: SIGTERM (``kill``, a scheduler's stop, torchrun stopping its
+    workers) unwinds like Ctrl-C, so the loop writes ``loss.png`` on the way out."""
+    if not on or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

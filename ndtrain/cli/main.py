@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ndtrain.config import ConfigError, load_config, parse_cli_overrides
+from ndtrain.errors import StorageError
 
 
 def _train(args: argparse.Namespace, extra: list[str], flags: list[str] = ()) -> int:
@@ -104,11 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_storage_error(e) -> str | None:
+    """The message of a rank's StorageError (its traceback's last line), else None."""
+    last = e.details.strip().splitlines()[-1] if e.details.strip() else ""
+    name, _, message = last.partition(": ")
+    return message if name.rsplit(".", 1)[-1] == StorageError.__name__ else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (also: the run directory had already reached training.steps, said in one
-    line), 1 a rank failed (its traceback once, then one line), 2 an invalid config or setup found
-    before any process started (one line; also a checkpoint past training.steps), 130 interrupted
-    (Ctrl-C; all ranks stopped)."""
+    line), 1 a rank failed (its traceback once, then one line; a failed write after launch, such
+    as a full disk: only its line, naming the path and the last good checkpoint), 2 an invalid
+    config or setup found before any process started (one line; also a checkpoint past
+    training.steps, or a run directory another training holds), 130 interrupted (Ctrl-C or
+    SIGTERM; all ranks stopped)."""
+    from ndtrain.cli.lock import RunDirInUse
     from ndtrain.spawn import SpawnError  # torch-free: `ndtrain plan` must not import torch
 
     parser = build_parser()
@@ -128,10 +139,20 @@ def main(argv: list[str] | None = None) -> int:
             from ndtrain.cli.plan import run_plan
 
             return run_plan(args)
+    except RunDirInUse as e:  # a setup error, but not of the config
+        print(f"ndtrain: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"ndtrain: invalid config: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # one process trained in this one
+        print(f"ndtrain: {e}", file=sys.stderr)
+        return 1
     except SpawnError as e:
+        line = _rank_storage_error(e)
+        if line:
+            print(f"ndtrain: {line}", file=sys.stderr)
+            return 1
         if e.details:
             print(e.details.rstrip(), file=sys.stderr)
         print(f"ndtrain: {e}", file=sys.stderr)

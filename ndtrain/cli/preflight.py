@@ -6,6 +6,10 @@ file system, which a worker would otherwise hit after the ranks started, once pe
 * the backend and device exist here (``nccl`` / ``training.device=cuda`` need CUDA);
 * ``checkpoint.load_from`` and ``checkpoint.init_weights_from`` exist;
 * the run directory can be written;
+* the checkpoint that ``checkpoint.load_from`` / ``init_weights_from`` will start the run from holds
+  this model's tensors in this model's shapes, read from the DCP metadata or the Hugging Face
+  ``config.json`` without loading a weight (a fine-tune into a model of another shape is the usual
+  mistake); the line names the first tensor that differs and the model keys behind it;
 * a run directory that already holds checkpoints was trained with the same model and data: only
   training / parallel / checkpoint / logging keys may change on resume (a changed shape cannot load
   the checkpoint, changed data or tokenizer would silently train on other tokens). The run's
@@ -34,6 +38,7 @@ def preflight(cfg: Config, run_dir: Path, world: int) -> None:
     check_checkpoint_paths(cfg)
     check_run_dir_writable(run_dir)
     check_resume_compatible(cfg, run_dir)
+    check_start_checkpoint_shapes(cfg, run_dir)
 
 
 def backend_for(cfg: Config) -> str:
@@ -127,3 +132,101 @@ def check_resume_compatible(cfg: Config, run_dir: Path) -> None:
         raise ConfigError(f"--run-dir {run_dir} holds checkpoints of another model / data; changed: "
                           f"{', '.join(changed)}. Model and data keys cannot change on resume: keep "
                           f"them, or use a new --run-dir")
+
+
+def check_start_checkpoint_shapes(cfg: Config, run_dir: Path) -> None:
+    """The checkpoint the run starts from, unless it resumes its own (``ndtrain.train.loop._start``:
+    own > ``load_from`` > ``init_weights_from``), has this model's tensors and shapes.
+
+    Raises ConfigError naming the key, the first tensor (in the model's order) that is missing,
+    extra or of another shape, and up to three model keys that differ from the checkpoint's config
+    (its run's ``config.yaml`` or the Hugging Face ``config.json``) where one is found.
+    """
+    from ndtrain.checkpoint.dcp import latest_checkpoint
+
+    c = cfg.checkpoint
+    if c.resume and latest_checkpoint(Path(run_dir) / "checkpoints") is not None:
+        return  # its own checkpoint wins; check_resume_compatible compared its model
+    key = "load_from" if c.load_from else "init_weights_from" if getattr(c, "init_weights_from", "") else None
+    if key is None:
+        return
+    path = Path(getattr(c, key))
+    if (path / "meta.json").is_file():
+        there, saved_model = _dcp_model_shapes(path, key), _run_model_config(path)
+    else:  # a Hugging Face folder (check_checkpoint_paths allowed nothing else)
+        from ndtrain.hf.folder import config_from_hf_folder
+
+        try:
+            saved_model = config_from_hf_folder(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"checkpoint.{key}: {path}/config.json: {str(e).splitlines()[0]}") from None
+        there = _model_shapes(saved_model)
+    problem = _first_difference(_model_shapes(cfg.model), there, cfg.model.tie_embeddings)
+    if problem:
+        raise ConfigError(f"checkpoint.{key}: {path} holds another model: {problem}"
+                          f"{_config_difference(cfg.model, saved_model)}; set the model keys to the "
+                          "checkpoint's, or start from another checkpoint")
+
+
+def _model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a single-process ``Transformer`` (built on the meta device:
+    no memory), the names a checkpoint stores (``ndtrain.parallel.state``)."""
+    import torch
+
+    from ndtrain.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _dcp_model_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """The ``model.*`` tensors' global shapes in a DCP checkpoint's metadata (no tensor read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - DCP raises bare exceptions for missing / corrupt metadata
+        raise ConfigError(f"checkpoint.{key}: {path}: unreadable checkpoint metadata ({e})") from None
+    return {k[len("model."):]: tuple(m.size) for k, m in saved.items()
+            if k.startswith("model.") and hasattr(m, "size")}
+
+
+def _first_difference(here: dict, there: dict, tied: bool) -> str | None:
+    """The first tensor of this model (``here``) missing from or shaped otherwise in ``there``, else
+    the first one ``there`` holds that this model lacks (deeper, or with parts this model has not:
+    loading would silently drop it); None when they agree. Extra multi-token-prediction modules
+    (``mtp.*``) are allowed: a training-only head that a fine-tune may leave out."""
+    for name, shape in here.items():
+        if name not in there:
+            if tied and name == "output.weight":
+                continue  # a tied head may be stored once, as the embedding
+            return f"it has no {name} {shape}"
+        if there[name] != shape:
+            return f"{name} is {there[name]} there, {shape} in this model"
+    extra = [n for n in there if n not in here and not n.startswith("mtp.")]
+    return f"its {extra[0]} {there[extra[0]]} has no place in this model" if extra else None
+
+
+def _run_model_config(path: Path):
+    """The model config a checkpoint was trained with: ``config.yaml`` in the checkpoint folder
+    (``ndtrain convert --from-hf``) or in its run directory (``RUN/checkpoints/step_N``); else None."""
+    from ndtrain.config import config_from_dict
+
+    for conf in (path / "config.yaml", path.parent.parent / "config.yaml"):
+        if conf.is_file():
+            try:
+                return config_from_dict(yaml.safe_load(conf.read_text()) or {}).model
+            except (yaml.YAMLError, ConfigError, TypeError, ValueError):
+                return None
+    return None
+
+
+def _config_difference(now, saved) -> str:
+    """``" (model.dim: 32 there, 64 here; ...)"`` for up to three differing model keys, or ""."""
+    if saved is None:
+        return ""
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(now)
+    diff = [f"model.{k}: {old.get(k)!r} there, {v!r} here" for k, v in new.items() if old.get(k) != v]
+    more = f"; +{len(diff) - 3} more" if len(diff) > 3 else ""
+    return f" ({'; '.join(diff[:3])}{more})" if diff else ""

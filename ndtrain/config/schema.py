@@ -222,7 +222,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 10  # steps between metrics lines
-    plot: bool = True  # write RUN_DIR/loss.png (loss, val loss, LR, MFU) at the end
+    plot: bool = True  # write RUN_DIR/loss.png (loss, val loss, LR, MFU) at every checkpoint and evaluation, at the end and after Ctrl-C
     peak_flops_per_s: float = 0.0  # override the accelerator peak used for MFU (0 = table / bench)
     progress: str = "auto"  # auto | rich | plain (auto: rich live bar on a terminal; plain lines off a TTY or under CI)
     tensorboard: bool = False  # also write every metric to RUN_DIR/tensorboard (needs the tensorboard package)

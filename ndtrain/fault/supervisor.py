@@ -10,8 +10,9 @@ fresh attempt; the ranks resume with ``checkpoint.resume`` from the newest check
 one start-up. Under torchrun, torchrun's own ``--max-restarts`` restarts the workers; they see
 ``TORCHELASTIC_RESTART_COUNT > 0`` and ``note_torchrun_restart`` logs the event.
 
-Never retried: ``ConfigError`` (also raised before any rank starts) and ``CheckpointUnusableError``
-(checkpoints exist but none verifies), which fail the same way every time.
+Never retried: ``ConfigError`` (also raised before any rank starts), ``CheckpointUnusableError``
+(checkpoints exist but none verifies) and ``StorageError`` (a write failed: a full disk), which
+fail the same way every time.
 
 This is the restart-from-checkpoint recovery of large runs (Llama 3, Dubey et al. 2024, section
 3.3.4: 419 unexpected interruptions in 54 days, recovered by automated restarts) and of
@@ -27,7 +28,7 @@ from pathlib import Path
 from ndtrain.events import log_event
 from ndtrain.spawn import SpawnError
 
-NEVER_RETRY = ("ConfigError", "CheckpointUnusableError")
+NEVER_RETRY = ("ConfigError", "CheckpointUnusableError", "StorageError")
 
 
 def retryable(error: SpawnError) -> bool:

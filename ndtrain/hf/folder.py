@@ -68,3 +68,15 @@ def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path,
         save_tokenizer_files(tokenizer, folder, cfg.max_seq_len)
         ids = (tokenizer.eos_id, tokenizer.bos_id)
     write_hf_folder(folder, hf_sd, hf_cfg, max_shard_bytes, *(ids or (None, None)))
+
+
+def config_from_hf_folder(folder: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` that ``load_hf_checkpoint`` builds for ``folder``, from its config.json
+    alone (no weights read). Raises FileNotFoundError, ValueError (a config it cannot express)."""
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    if hf.get("model_type") in ("mixtral", "deepseek_v3"):
+        from ndtrain.hf.common import with_family_defaults
+        from ndtrain.hf.moe import config_from_hf_moe
+
+        return config_from_hf_moe(with_family_defaults(hf))
+    return _IMPORTERS.get(hf.get("model_type"), (config_from_hf, None))[0](hf)

@@ -3,19 +3,23 @@
 
 ``RunConsole`` belongs to rank 0 (other ranks get a silent one). Its mode (``progress_mode``):
 
-* ``rich``: a ``rich`` progress bar (step N/total, loss, tokens/s, MFU, memory, elapsed, ETA) pinned
-  under the scrolling metrics lines; chosen by ``logging.progress=auto`` when stdout is a terminal
+* ``rich``: a ``rich`` progress display pinned under the scrolling metrics lines: step N/total,
+  bar, elapsed and ETA on one line, loss, tokens/s, MFU and memory on the next
+  (``ndtrain.train.progress_bar``); chosen by ``logging.progress=auto`` when stdout is a terminal
   and ``CI`` is not set, or forced by ``logging.progress=rich``.
-* ``plain``: each metrics line (``metrics.format_line``) followed by elapsed time and ETA, nothing
-  else: no cursor movement or colour, so logs piped to a file or a CI page stay readable.
+* ``plain``: no bar, no cursor movement or colour, so logs piped to a file or a CI page stay
+  readable.
+
+In both modes each metrics line (``metrics.format_line``) of a training step ends with
+``| elapsed 0:10 | eta 0:30``.
 
 While the console is open, everything rank 0 writes to stdout / stderr (this module's lines, the
 trainer's messages, warnings) is copied to ``RUN_DIR/console.log``, appended across re-runs, so a
 run directory keeps what its run said. The progress bar itself is not copied: it is redrawn in
 place and would fill the log with frames.
 
-The ETA is the mean step time of this job so far times the steps left; under ``rich`` the bar's
-ETA is rich's own estimate from the recent step rate.
+The ETA is the mean step time of this job so far times the steps left, the same in the rows and
+the bar.
 """
 from __future__ import annotations
 
@@ -52,19 +56,29 @@ def hms(seconds: float) -> str:
 
 
 class _Tee(io.TextIOBase):
-    """A text stream writing to ``target`` and appending the same text to ``log``."""
+    """A text stream writing to ``target`` and appending the same text to ``log``. The copy stops
+    at the first write the log refuses (a full disk): the terminal keeps getting every line,
+    including the one that says what failed."""
 
     def __init__(self, target, log):
         self.target, self.log = target, log
 
     def write(self, s: str) -> int:
         self.target.write(s)
-        self.log.write(s)
+        self._to_log(lambda log: log.write(s))
         return len(s)
 
     def flush(self) -> None:
         self.target.flush()
-        self.log.flush()
+        self._to_log(lambda log: log.flush())
+
+    def _to_log(self, op) -> None:
+        if self.log is None:
+            return
+        try:
+            op(self.log)
+        except OSError:
+            self.log = None
 
     def isatty(self) -> bool:
         return bool(getattr(self.target, "isatty", lambda: False)())
@@ -137,23 +151,30 @@ class RunConsole:
 
     def _start_bar(self, stream, first_step: int) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        cols = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]} | {task.fields[tps]} tok/s | MFU {task.fields[mfu]}"
-                           " | mem {task.fields[mem]} |"), TimeElapsedColumn(), TextColumn("ETA"),
-                TimeRemainingColumn())
+        from ndtrain.train.progress_bar import RunProgress
+
         # redirect_stdout: prints during the run scroll above the bar instead of tearing it
-        self._bar = Progress(*cols, console=Console(file=stream), redirect_stdout=True,
-                             redirect_stderr=True, transient=False)
+        self._bar = RunProgress(self.times, self.fields_line, console=Console(file=stream),
+                                redirect_stdout=True, redirect_stderr=True, transient=False)
         self._bar.start()
-        self._task = self._bar.add_task("train", total=self.total, completed=first_step - 1, **self._fields)
+        self._task = self._bar.add_task("train", total=self.total, completed=first_step - 1)
+
+    def times(self, step: int) -> str:
+        """``"elapsed 0:10 | eta 0:30"`` after ``step``, by this console's clock."""
+        elapsed = self._clock() - self._t0
+        return f"elapsed {hms(elapsed)} | eta {hms(self.eta_s(step, elapsed))}"
+
+    def fields_line(self) -> str:
+        """The bar's metrics line: ``"loss 5.1250 | 1,234 tok/s | MFU 1.5% | mem 300 MiB"``."""
+        f = self._fields
+        return f"loss {f['loss']} | {f['tps']} tok/s | MFU {f['mfu']} | mem {f['mem']}"
 
     def step(self, step: int, out: dict) -> None:
         """After optimizer step ``step`` (``out``: the trainer's step dict with ``loss``)."""
         if self._bar is not None:
             self._fields["loss"] = f"{out['loss']:.4f}"
-            self._bar.update(self._task, completed=step, **self._fields)
+            self._bar.update(self._task, completed=step)
 
     def eta_s(self, step: int, elapsed_s: float) -> float:
         """Seconds left after ``step``: this job's mean seconds per step so far times the steps left."""
@@ -161,13 +182,12 @@ class RunConsole:
         return elapsed_s / done * (self.total - step) if done > 0 else math.nan
 
     def row(self, row: dict) -> None:
-        """Echo a metrics row: a line (plus elapsed / ETA in plain mode), bar fields, TensorBoard."""
+        """Echo a metrics row: a line (a training row ends with elapsed / ETA), bar fields, TensorBoard."""
         if not self.enabled:
             return
         line = format_line(row)
-        if self.mode == "plain" and "loss" in row:
-            elapsed = self._clock() - self._t0
-            line += f" | elapsed {hms(elapsed)} | eta {hms(self.eta_s(row['step'], elapsed))}"
+        if "loss" in row:
+            line += f" | {self.times(row['step'])}"
         print(line, flush=True)
         if "tokens_per_s" in row:
             self._fields["tps"] = f"{row['tokens_per_s']:,.0f}"
@@ -176,7 +196,7 @@ class RunConsole:
         if "peak_mem_bytes" in row:
             self._fields["mem"] = f"{row['peak_mem_bytes'] / 2**20:,.0f} MiB"
         if self._bar is not None:
-            self._bar.update(self._task, **self._fields)
+            self._bar.refresh()
         if self._tb is not None:
             write_tensorboard(self._tb, row)
 
@@ -190,8 +210,11 @@ class RunConsole:
             self._tb.close()
             self._tb = None
         if self._log is not None:
-            self._log.close()
-            self._log = None
+            log, self._log = self._log, None
+            try:
+                log.close()
+            except OSError:  # a full disk: what it refused is lost, the run's error is elsewhere
+                pass
 
 
 def tensorboard_scalars(row: dict, prefix: str = "") -> dict[str, float]:

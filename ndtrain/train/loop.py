@@ -11,6 +11,12 @@ schedule, data position and step); otherwise
 ``checkpoint.init_weights_from`` (weights only, from an ndtrain checkpoint of any layout or a
 Hugging Face folder; fresh optimizer and schedule, step 0); otherwise the seeded initialisation.
 Rank 0 prints which.
+
+What leaves the run directory on the way (rank 0, with ``logging.plot``): ``loss.png`` is rewritten
+after every checkpoint and evaluation, at the end of every job (also one stopped by
+``training.stop_at_step``) and after an interruption. A write that fails (a full disk) ends the run
+with one ``StorageError`` line naming the path and the last good checkpoint, which the failed save
+never touches (``ndtrain.train.outputs``).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from ndtrain.data import GlobalBatchSampler, TokenData
 from ndtrain.fault import bad_steps, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.parallel import comm, flight_recorder
-from ndtrain.train import console, metrics
+from ndtrain.train import console, metrics, outputs
 from ndtrain.train.profiling import StepProfiler
 from ndtrain.train.rundir import sample_model, write_run_files
 from ndtrain.train.trainer import IGNORE_INDEX, Trainer
@@ -85,19 +91,35 @@ def run(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | None
     Rank 0's console (progress, ``console.log``, TensorBoard) is ``ndtrain.train.console.RunConsole``.
 
     Raises ValueError (every rank) when ``checkpoint.load_from`` / ``init_weights_from`` is not a
-    checkpoint, or a checkpoint's step leaves nothing to train (past ``training.steps``)."""
+    checkpoint, or a checkpoint's step leaves nothing to train (past ``training.steps``);
+    StorageError (``ndtrain.errors``) when a write fails after start-up."""
     p = cfg.parallel  # every collective from here on runs under the deadline, recorded
     flight_recorder.configure(p.collective_timeout_s, p.flight_recorder_entries, Path(run_dir))
-    r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    try:  # start-up writes config.yaml and the tokenizer files: a full disk is one line here too
+        r = _setup(cfg, Path(run_dir), Path(data_path), device)
+    except BaseException as e:
+        outputs.raise_storage_error(e, Path(run_dir) / "checkpoints", rank=-1)
+        raise
     lg = cfg.logging
-    con = console.RunConsole(r.run_dir, lg.progress, lg.tensorboard, enabled=r.rank == 0).open()
+    con = console.RunConsole(r.run_dir, lg.progress, lg.tensorboard, enabled=r.rank == 0)
     try:
+        con.open()
         return _train(r, con)
-    except BaseException:
-        flight_recorder.recorder().dump(r.rank)  # this rank's last collectives, for the post-mortem
+    except BaseException as e:
+        _after_failure(r, e)
         raise
     finally:
         con.close()
+
+
+def _after_failure(r: _Run, e: BaseException) -> None:
+    """On the way out of a failed or interrupted run: the flight recorder's dump, the plot after an
+    interruption; a failed write becomes its one-line StorageError (raised from here)."""
+    with contextlib.suppress(OSError):  # a full disk must not hide the error behind this one
+        flight_recorder.recorder().dump(r.rank)  # this rank's last collectives, for the post-mortem
+    if isinstance(e, KeyboardInterrupt):
+        _plot(r, safe=True)
+    outputs.raise_storage_error(e, r.ckpt_root, r.rank)
 
 
 def _train(r: _Run, con: console.RunConsole) -> list[dict]:
@@ -150,15 +172,17 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
             row["val_loss"] = _val_loss(r)
         if row:
             log.log(row)
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop):
+        saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop)
+        if saved:
             _save(r, step)
+        if (saved or (row and "val_loss" in row)) and step != stop:
+            _plot(r)  # the job's last step is drawn once, below
         if t.sample_every and step % t.sample_every == 0:
             _sample(r, f"sample @ {step}", quiet=True)
     prof.close()  # a window past this job's last step ends here
     if trainer.step_count == t.steps:
         _sample(r, "sample", quiet=False)
-        if r.rank == 0 and cfg.logging.plot and log.rows:
-            print(f"plot: {metrics.plot_run(r.run_dir)}", flush=True)
+    _plot(r, quiet=False)  # every job's end, a stop_at_step too
     if r.saver is not None:
         r.saver.wait()  # an asynchronous save still writing is finalised before the group goes
     if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
@@ -313,7 +337,16 @@ def _save(r: _Run, step: int) -> None:
         meta["loss_scale"] = tr.scaler.state_dict()
     c = r.cfg.checkpoint
     r.saver = r.saver or ckpt.CheckpointSaver(r.ckpt_root, c.keep_last, c.async_save, r.run_dir)
-    r.saver.save(step, tr.tensor_state(), meta)
+    try:
+        r.saver.save(step, tr.tensor_state(), meta)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        outputs.raise_storage_error(e, r.ckpt_root, r.rank, r.ckpt_root / f"step_{step:08d}.tmp")
+        raise
+
+
+def _plot(r: _Run, quiet: bool = True, safe: bool = False) -> None:
+    """Rank 0 rewrites ``loss.png`` (``ndtrain.train.outputs.refresh_plot``)."""
+    outputs.refresh_plot(r.run_dir, r.rank == 0 and r.cfg.logging.plot, quiet, safe)
 
 
 def _sample(r: _Run, label: str, quiet: bool) -> None:

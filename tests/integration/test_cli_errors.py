@@ -3,6 +3,8 @@ that used to print a traceback from every worker; refuses a model / data change 
 touching the run's config.yaml; and a SIGINT to the launcher alone stops every worker quietly."""
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import signal
@@ -78,6 +80,27 @@ def test_missing_checkpoint_path(tmp_path, key):
                                  r"does not exist")
 
 
+def test_fine_tune_from_a_checkpoint_of_another_shape(tmp_path):
+    """Before: every rank's traceback from DCP's load. Now the shapes are read from the checkpoint's
+    metadata before any process starts."""
+    from ndtrain.checkpoint.dcp import save_checkpoint
+    from ndtrain.config import load_config, save_config
+    from ndtrain.model import Transformer
+
+    narrow = load_config("debug", {"model.dim": 32})
+    (tmp_path / "a").mkdir()
+    save_config(narrow, tmp_path / "a" / "config.yaml")
+    path = save_checkpoint(tmp_path / "a" / "checkpoints", 2, {"model": Transformer(narrow.model).state_dict()},
+                           {"step": 2})
+    proc = _train("--config", "debug", "--nproc", "2", f"--checkpoint.init_weights_from={path}",
+                  f"--run-dir={tmp_path / 'run'}")
+    _assert_one_line_error(proc, re.escape(
+        f"ndtrain: invalid config: checkpoint.init_weights_from: {path} holds another model: "
+        "tok_embeddings.weight is (512, 32) there, (512, 64) in this model (model.dim: 32 there, 64 here); "
+        "set the model keys to the checkpoint's, or start from another checkpoint"))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # three runs of the CLI: ~20 s on an idle 2-core machine
 def test_changed_model_on_resume_is_refused_and_config_kept(tmp_path):
     run = tmp_path / "run"
@@ -115,7 +138,7 @@ def test_sigint_to_launcher_stops_all_workers(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
          f"--run-dir={tmp_path / 'run'}", *_data_args(tmp_path), "--training.steps=1000000",
-         "--logging.log_every=1", "--training.eval_every=0"],
+         "--logging.log_every=1", "--training.eval_every=0", "--logging.plot=true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     workers: set[int] = set()
     try:
@@ -140,3 +163,69 @@ def test_sigint_to_launcher_stops_all_workers(tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stdout + stderr, stderr
     assert stderr.strip().splitlines()[-1] == "ndtrain: interrupted; all ranks stopped", stderr
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0  # drawn by the launcher after the stop
+    assert not (tmp_path / "run" / "ndtrain.lock").exists()  # released on the way out
+
+
+def _start_training(tmp_path: Path, run: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """A long single-process training into ``run``, returned once it printed its first step line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "1",
+         f"--run-dir={run}", *_data_args(tmp_path), "--training.steps=1000000", "--logging.log_every=1",
+         "--training.eval_every=0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    out, deadline = [], time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        out.append(line)
+        if not line or line.startswith("step"):
+            break
+    return proc, out
+
+
+@pytest.mark.slow  # two CLI runs: ~15 s on an idle 2-core machine
+def test_second_training_into_a_busy_run_dir_is_refused(tmp_path):
+    """Before: both trained, and every metrics row appeared twice."""
+    run = tmp_path / "run"
+    first, out = _start_training(tmp_path, run)
+    try:
+        assert out[-1].startswith("step"), "".join(out) + first.stderr.read()
+        second = _train("--config", "debug", "--nproc", "1", f"--run-dir={run}", *_data_args(tmp_path))
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    _assert_one_line_error(second, re.escape(f"ndtrain: run dir {run} in use by pid {first.pid}; wait for "
+                                             "that training to end, stop it, or pass another --run-dir"))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # one row per step
+    assert not (run / "ndtrain.lock").exists()
+
+
+@pytest.mark.slow  # two CLI runs of 2 ranks: ~30 s on an idle 2-core machine
+def test_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """The disk is "full" for the second run: a file-size limit (RLIMIT_FSIZE, which Python turns
+    into EFBIG) lets the small files through and stops the first checkpoint shard."""
+    import resource
+
+    from ndtrain.checkpoint.integrity import verify
+
+    run = tmp_path / "run"
+    common = ["--config", "debug", "--nproc", "2", f"--run-dir={run}", *_data_args(tmp_path),
+              "--training.steps=4", "--checkpoint.every=2", "--training.eval_every=0", "--training.sample_tokens=4"]
+    first = _train(*common, "--training.stop_at_step=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    good = run / "checkpoints" / "step_00000002"
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    limit = 200_000  # bytes per file: config, metrics, logs fit; a checkpoint shard of the debug model does not
+    assert max(len(b) for b in before.values()) > limit
+    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", *common], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        (f"ndtrain: cannot write {run / 'checkpoints' / 'step_00000004.tmp'}: {os.strerror(errno.EFBIG)}; "
+         "the last good checkpoint step_00000002 is kept")], proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    assert verify(good) is None and {p.name: p.read_bytes() for p in good.iterdir()} == before

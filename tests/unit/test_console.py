@@ -97,6 +97,55 @@ def test_rich_mode_bar_fields_and_log_without_frames(tmp_path, monkeypatch):
     assert metrics.format_line(ROWS[1]) in log and "step 4/4" not in log
 
 
+def _draw(con: console.RunConsole, width: int, completed: int) -> list[str]:
+    """The rich progress display of ``con`` at ``completed`` steps, drawn on a recording terminal
+    of ``width`` columns, as plain text lines."""
+    from rich.console import Console, Group
+
+    from ndtrain.train.progress_bar import RunProgress
+
+    term = Console(width=width, force_terminal=True, record=True, file=io.StringIO())
+    bar = RunProgress(con.times, con.fields_line, console=term, auto_refresh=False)
+    bar.update(bar.add_task("train", total=con.total, completed=0), completed=completed)
+    term.print(Group(*bar.get_renderables()))
+    return term.export_text().splitlines()
+
+
+@pytest.mark.parametrize("total, done, t_end, times", [
+    (20, 4, 10.0, "elapsed 0:10 | eta 0:40"),  # 2.5 s / step, 16 steps left
+    (200000, 123456, 36000.0, "elapsed 10:00:00 | eta 6:12:00"),  # 76,544 steps left at 0.2916 s / step
+])
+def test_rich_bar_at_80_columns_keeps_the_eta(tmp_path, total, done, t_end, times):
+    """At 80 columns the first line ends with the full elapsed / ETA (the bar gives way), the
+    metrics have their own line; before, one line cut the ETA off at 80 columns."""
+    clock = iter([0.0, 0.0, t_end, t_end])  # construction, begin, each frame's times
+    con = console.RunConsole(tmp_path, progress="plain", env={}, clock=lambda: next(clock))
+    con.begin(first_step=1, total_steps=total)
+    con.row(ROWS[1])  # fills tok/s, MFU and memory (its own line went to stdout; clock tick 3)
+    con.step(done, {"loss": 5.125})
+    con.close()
+    first, second = _draw(con, 80, done)
+    assert len(first) == 80 and first.startswith(f"step {done}/{total} ━") and first.endswith(" " + times)
+    assert second == "loss - | 1,234 tok/s | MFU 1.5% | mem 300 MiB"  # loss: set by step() on a bar only
+
+
+def test_rich_rows_carry_elapsed_and_eta_like_plain_rows(tmp_path, monkeypatch):
+    """A metrics line printed under the bar ends with ``| elapsed | eta`` exactly as a piped one."""
+    lines = {}
+    for mode in ("plain", "rich"):
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        ticks = iter([0.0, 100.0] + [110.0] * 50)  # rich also asks the clock for each frame
+        con = console.RunConsole(tmp_path / mode, progress=mode, stream=out, env={},
+                                 clock=lambda t=ticks: next(t)).open()
+        con.begin(first_step=1, total_steps=8)
+        con.row(ROWS[1])
+        con.close()
+        lines[mode] = [ln for ln in out.getvalue().splitlines() if ln.startswith("step     2")]
+    want = metrics.format_line(ROWS[1]) + " | elapsed 0:10 | eta 0:30"
+    assert lines["plain"] == [want] and lines["rich"] == [want]
+
+
 def test_disabled_console_touches_nothing(tmp_path):
     before = sys.stdout
     con = console.RunConsole(tmp_path / "r", enabled=False).open()
