@@ -84,7 +84,9 @@ def tp_full_tensor(local: torch.Tensor, spec, group: AxisGroup) -> torch.Tensor:
 
 
 def tp_local_slice(full: torch.Tensor, spec, group: AxisGroup) -> torch.Tensor:
-    """Inverse of ``tp_full_tensor``: this rank's (zero-padded) slice of a full tensor."""
+    """Inverse of ``tp_full_tensor``: this rank's (zero-padded) slice of a full tensor, in storage
+    of its own (contiguous). Not a view: the slice goes on into optimizers, whose fused CPU AdamW
+    updates non-contiguous moments wrongly, and a view would keep the whole tensor alive."""
     if spec is None or group.size == 1:
         return full
     dim, size = spec[:2]
@@ -92,7 +94,7 @@ def tp_local_slice(full: torch.Tensor, spec, group: AxisGroup) -> torch.Tensor:
         return torch.cat([b.chunk(group.size, dim)[group.rank] for b in full.split(list(spec[2]), dim)], dim)
     per = math.ceil(size / group.size)
     pad = [0, 0] * (full.dim() - 1 - dim) + [0, per * group.size - size]
-    return F.pad(full, pad).narrow(dim, group.rank * per, per)
+    return F.pad(full, pad).narrow(dim, group.rank * per, per).clone(memory_format=torch.contiguous_format)
 
 
 def _all_gather_list(t: torch.Tensor, group: AxisGroup) -> list[torch.Tensor]:
