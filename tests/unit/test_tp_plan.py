@@ -67,9 +67,9 @@ def test_print_shows_moe_sharding():
         "(w2): RowParallelLinear(in=16/tp2, out=32, sp=True, output: reduce-scatter T)",  # shared expert: token rows
         "(tp_input): RegionInput(tp=2, all-gather T)",
         "(shared_gate): ReplicatedLinear(in=32, out=1 (whole), weight grad: all-reduce over tp2)"))
-    _assert_lines(_tp2("moe", expert_tp=1, ep=2), (
-        "(experts): WholeExpertsTP(experts [4, 8) of 8 on ep2 rank 1 (ep dispatch / combine: all-to-all), "
-        "hidden=16, dim=32, whole on tp2, weight grad: all-reduce over tp)",))
+    whole = ("(experts): WholeExpertsTP(experts [4, 8) of 8 on ep2 rank 1 (ep dispatch / combine: all-to-all), "
+             "hidden=16, dim=32, whole on tp2, weight grad: all-reduce over tp)")
+    _assert_lines(_tp2("moe", expert_tp=1, ep=2), (whole,))
 
 
 def test_print_shows_mla_and_mtp_sharding():
@@ -113,8 +113,7 @@ def test_every_row_is_used_and_kinds_are_exact():
     """Each pattern of the table matches a module in one of these models (no dead rows); the
     ``[kind]`` guards keep Mamba-2's and Gated DeltaNet's same-named children apart."""
     used = set()
-    for name in MODELS:
-        preset, over = MODELS[name]
+    for preset, over in MODELS.values():
         model = build_model(load_config(preset, over).model, "cpu", torch.float64, 0)
         for pattern in tp_plan.TP_PLAN:
             rx, guards = tp_plan._compile(pattern)

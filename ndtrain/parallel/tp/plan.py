@@ -7,8 +7,8 @@ decoder block, ``layers.<i>`` or an MTP depth's ``mtp.<k>.block``; ``name[kind]`
 the module there (before any row ran) to be of that kind (``KINDS``), which is how one table tells
 a Mamba-2 ``in_proj`` from a Gated DeltaNet one. The styles (``ndtrain.parallel.tp.styles``) say
 what happens to a matched module; rows naming modules a model lacks (an output gate, a pipeline
-stage without the head) match nothing. Modules no row names stay replicated and untouched
-(DSA's indexer, Gated DeltaNet's inner norm gains' shapes aside).
+stage without the head) match nothing. Modules no row names stay whole and untouched on every
+rank (DSA's indexer; MLA's latent path and MTP's projection without SP).
 """
 from __future__ import annotations
 
