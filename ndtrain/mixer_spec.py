@@ -122,7 +122,7 @@ def non_softmax_mixers(m) -> tuple[str, ...]:
 def check_mixer_layout(mixers: tuple[str, ...], cp: int = 1) -> None:
     """Parallel composition of the non-softmax mixers (ZeRO, DDP, activation checkpointing, bf16
     and pp need nothing from a mixer: they are per-layer modules; tp splits each by heads, its
-    head-count rule is ``ndtrain.parallel.tp.rules.check_mixers``). Raises ``ConfigError``
+    head-count rule is ``ndtrain.parallel.tp.rules.check_mixer_heads``). Raises ``ConfigError``
     naming the rule."""
     from ndtrain.errors import require
 

@@ -204,7 +204,7 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     end chunks holding only the embedding / head): the planner models such layouts and marks them."""
     if runtime:  # linear / window / sparse mixers: their cp rule (mixer_spec), head counts over tp
         check_mixer_layout(f.mixers, p.cp)
-        tp_rules.check_mixers(p.tp, f.mixers, f.mixer_fields)
+        tp_rules.check_mixer_heads(p.tp, f.mixers, f.mixer_fields)
     moe, mla, mtp = (f.moe_experts > 0, f.mla, f.mtp_depth > 0) if runtime else (False, False, False)
     cp_impl, sched, v = p.cp_impl, p.pp_schedule, p.pp_virtual_stages
     if not runtime:

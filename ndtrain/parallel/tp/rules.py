@@ -38,7 +38,7 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
             "when n_kv_heads % tp == 0, replicated when tp % n_kv_heads == 0)")
 
 
-def check_mixers(tp: int, mixers: tuple[str, ...], m) -> None:
+def check_mixer_heads(tp: int, mixers: tuple[str, ...], m) -> None:
     """The head counts the non-softmax ``mixers`` (``mixer_spec.non_softmax_mixers``) split over
     ``tp`` (the softmax family's are ``check_heads``'): Gated DeltaNet's key heads, Mamba-2's B / C
     groups (heads of a group share B, C and the gated-norm group, so whole groups go to one rank;

@@ -272,7 +272,12 @@ class HeadParams:
         for n in self.names:
             setattr(mixer, n, ctx.shard(getattr(mixer, n), 0))
         tp = ctx.group.size
-        ctx.defer(lambda: [setattr(mixer, c, getattr(mixer, c) // tp) for c in self.counts])
+
+        def localize():
+            for c in self.counts:
+                setattr(mixer, c, getattr(mixer, c) // tp)
+
+        ctx.defer(localize)
 
 
 class SparseRegion:

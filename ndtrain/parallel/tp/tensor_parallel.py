@@ -90,7 +90,7 @@ def _check_blocks(model: nn.Module, tp: int) -> None:
         dense = ffn if slot_kind(ffn, FFN_KINDS) == "dense" else getattr(ffn, "shared", None)
         if dense is not None:  # the dense FFN, or an MoE layer's shared experts
             rules.check_ffn(dense.w1.weight.shape[0], tp)
-    rules.check_mixers(tp, non_softmax_mixers(model.cfg), model.cfg)
+    rules.check_mixer_heads(tp, non_softmax_mixers(model.cfg), model.cfg)
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
