@@ -119,38 +119,16 @@ def non_softmax_mixers(m) -> tuple[str, ...]:
     return tuple(sorted(set(parse_pattern(m.layer_pattern)) - {"attention"}))
 
 
-def check_mixer_layout(mixers: tuple[str, ...], tp: int = 1, cp: int = 1, pp: int = 1, m=None) -> None:
-    """Parallel composition of the non-softmax mixers (ZeRO, DDP, activation checkpointing and bf16
-    need nothing from a mixer; TP splits each by heads, PP by layers). ``m`` (a ``ModelConfig`` /
-    ``MixerFields``; None skips the size rules) gives the head counts checked against ``tp``.
-    Raises ``ConfigError`` naming the rule."""
+def check_mixer_layout(mixers: tuple[str, ...], cp: int = 1) -> None:
+    """Parallel composition of the non-softmax mixers (ZeRO, DDP, activation checkpointing, bf16
+    and pp need nothing from a mixer: they are per-layer modules; tp splits each by heads, its
+    head-count rule is ``ndtrain.parallel.tp.rules.check_mixer_heads``). Raises ``ConfigError``
+    naming the rule."""
     from ndtrain.errors import require
 
-    if not mixers:
-        return
     # cp: linear mixers pass states, sliding windows their last keys (ndtrain.parallel.cp.rules)
     require(cp == 1 or "dsa" not in mixers, "model.layer_pattern with dsa needs cp == 1 (the indexer "
                                             "scores every earlier key: not built under cp)")
-    # tp: every mixer splits by heads (ndtrain.parallel.tp.mixer_plan); pp: mixers are per-layer
-    # modules, so stages need nothing from them. Only head / group counts must split over tp.
-    if tp > 1 and m is not None:
-        check_mixer_tp(m, mixers, tp)
-
-
-def check_mixer_tp(m, mixers: tuple[str, ...], tp: int) -> None:
-    """The head counts each mixer splits over ``tp`` (the softmax family's n_heads / n_kv_heads are
-    ``ndtrain.parallel.tp.rules``'): Gated DeltaNet's key heads, Mamba-2's B / C groups (heads of a
-    group share B, C and the gated-norm group, so whole groups go to one rank; ``mamba_ssm`` has the
-    same rule). ``m``: a ``ModelConfig`` / ``MixerFields``. Raises ``ConfigError`` naming the rule."""
-    from ndtrain.errors import require
-
-    x = linear_dims(m)
-    if "gated_deltanet" in mixers:
-        require(x["k_heads"] % tp == 0, f"gated_deltanet key heads (linear_heads {x['k_heads']}) are not "
-                                        f"divisible by tp ({tp})")
-    if "mamba2" in mixers:
-        require(x["m_groups"] % tp == 0, f"mamba2 with tp ({tp}) > 1 needs mamba_groups ({x['m_groups']}) "
-                                         f"divisible by tp: a B / C group's heads stay on one rank")
 
 
 def check_mixers(m) -> None:

@@ -202,8 +202,9 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     (divisibility, ranges) and drops what ndtrain's runtime does not implement yet (MoE / MLA / MTP
     under tp or cp; ZeRO-3 with MTP; all-gather CP; DualPipeV's m >= 2 pp; pipeline
     end chunks holding only the embedding / head): the planner models such layouts and marks them."""
-    if runtime:  # linear / window / sparse mixers: their tp / cp / pp rules (mixer_spec)
-        check_mixer_layout(f.mixers, p.tp, p.cp, p.pp, f.mixer_fields)
+    if runtime:  # linear / window / sparse mixers: their cp rule (mixer_spec), head counts over tp
+        check_mixer_layout(f.mixers, p.cp)
+        tp_rules.check_mixer_heads(p.tp, f.mixers, f.mixer_fields)
     moe, mla, mtp = (f.moe_experts > 0, f.mla, f.mtp_depth > 0) if runtime else (False, False, False)
     cp_impl, sched, v = p.cp_impl, p.pp_schedule, p.pp_virtual_stages
     if not runtime:
@@ -271,7 +272,7 @@ def _validate_block_options(m, p) -> None:
         odd = sorted(set(non_softmax_mixers(m)) & {"sliding_window", "dsa"})
         _check(not odd, f"model.attn_head_dim / qk_norm are built for full softmax attention only, "
                         f"not the layer_pattern's {odd}")
-    # qk_norm / attn_output_gate / block_ffn false under tp: ndtrain.parallel.tp.mixer_plan (the
+    # qk_norm / attn_output_gate / block_ffn false under tp: ndtrain.parallel.tp.plan (the
     # shared QK-norm gains' gradients summed over tp, wg split by heads, no feed-forward to split)
     # Qwen3-Next options (ndtrain.hf.qwen3_next)
     _check(not m.attn_output_gate or m.attention == "mha", "model.attn_output_gate needs attention: mha")

@@ -24,7 +24,7 @@ interleaved (DeepSeek-layout) checkpoints on import.
 
 Parallelism hooks (the code stays single-device): ``enter_heads`` separates the replicated latent
 path (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) from the per-head projections (``wq_b`` / ``wq``,
-``wkv_b``, ``wo``), where tensor parallel splits heads (``ndtrain.parallel.tp.mla_plan``); ``core``
+``wkv_b``, ``wo``), where tensor parallel splits heads (``ndtrain.parallel.tp.plan``); ``core``
 takes q, k (B, H, T, d_n+d_r) and v (B, H, T, d_v), where context parallel runs ring or Ulysses
 attention (``ndtrain.parallel.cp``).
 """
@@ -86,7 +86,7 @@ class MLAttention(nn.Module):
 
     def enter_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Hook between the replicated latent path and the per-head projections: identity on one
-        device. Tensor parallel installs Megatron's f operator here (``ndtrain.parallel.tp.mla_plan``),
+        device. Tensor parallel installs Megatron's f operator here (``ndtrain.parallel.tp.plan``),
         so the down-projections and their norms run before the head split, as in Megatron-Core.
         x (B, T, d_q + d_c + d_r) (or C + d_c + d_r without a query latent) -> the same (with
         sequence parallel: (B, T/tp, .) -> (B, T, .))."""

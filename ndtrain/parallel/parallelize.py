@@ -3,8 +3,8 @@
 Order (each step sees the result of the previous ones):
   1. pipeline split                       (parallel.pp; ndtrain.parallel.pp.stage: layers per stage,
                                            parameters tagged "pp" after TP / EP re-create them)
-  2. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel)
-  3. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
+  2. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
+  3. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel, expert_tp)
   4. context parallel                     (parallel.cp, cp_impl, cp_layout)
   5. fused loss head                      (training.fused_loss; parallel.fused_head: after tp's
                                            vocab-parallel head, before ZeRO-3 builds its units)
@@ -183,19 +183,16 @@ def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config, batch: BatchPlan) -> 
         from ndtrain.parallel.pp.stage import apply_pipeline
 
         apply_pipeline(model, mesh, cfg)
-    if mesh.dims.tp > 1:
-        from ndtrain.parallel.tp.tensor_parallel import apply_tp
-
-        apply_tp(model, mesh, p.sequence_parallel, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype))
     expert_names: list[str] = []
     if cfg.model.is_moe:
         from ndtrain.parallel.ep.expert_parallel import apply_ep
 
         expert_names = apply_ep(model, mesh, cfg)
-        if mesh.dims.tp > 1:  # experts over tp (parallel.expert_tp), MoE statistics over tp: after ep's cut
-            from ndtrain.parallel.tp.moe_plan import apply_moe_tp
+    if mesh.dims.tp > 1:  # after ep: the plan's expert rows split the experts this rank holds
+        from ndtrain.parallel.tp.tensor_parallel import apply_tp
 
-            apply_moe_tp(model, mesh, p.expert_tp, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype))
+        apply_tp(model, mesh, p.sequence_parallel, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype),
+                 p.expert_tp)
     if mesh.dims.cp > 1:
         from ndtrain.parallel.cp.context_parallel import apply_cp
 

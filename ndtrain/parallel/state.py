@@ -16,6 +16,13 @@ through the same tp gather as the parameters) and first on load (``unpack``).
 
 Renaming before the gather saved one tp rank's slice of the tied
 head's moments under the embedding's name.
+
+Every plain tensor a load hands to the wrapper (so to the model and the optimizer) is contiguous
+(``_contiguous``): torch's ``Optimizer.load_state_dict`` keeps the tensors it is given as the
+moments, and its fused CPU AdamW updates non-contiguous moments wrongly (a tp-resharded
+row-parallel moment, a column slice of the gathered tensor, moved a resumed run off by 5e-3). The
+same path serves resume, ``checkpoint.load_from`` into another layout and the bad-step rollback.
+DTensor entries are the layout's own template tensors, filled in place by DCP.
 """
 from __future__ import annotations
 
@@ -61,11 +68,23 @@ class CheckpointAdapter:
         state = self.outer.unpack(state, self.local)
         template = self.grad_sync.optim_state_dict(optimizer)
         state = {**state, "optim": unflatten_param_groups(state["optim"], template, self.model)}
-        state = scatter_tp_state(state, self.model, self.mesh)
+        state = _contiguous(scatter_tp_state(state, self.model, self.mesh))
         self.grad_sync.load_model_state_dict(state["model"])
         self.grad_sync.load_optim_state_dict(optimizer, state["optim"])
 
     def load_model(self, model_state: dict) -> None:
         """Weights only (a fine-tune's start): ``model_state`` shaped like ``state()["model"]``."""
-        state = scatter_tp_state({"model": model_state}, self.model, self.mesh)
+        state = _contiguous(scatter_tp_state({"model": model_state}, self.model, self.mesh))
         self.grad_sync.load_model_state_dict(state["model"])
+
+
+def _contiguous(tree):
+    """``tree`` (nested dicts / lists) with every non-contiguous plain tensor copied to contiguous
+    storage; DTensors and everything else as they are (new containers, same leaves)."""
+    if isinstance(tree, dict):
+        return {k: _contiguous(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_contiguous(v) for v in tree]
+    if type(tree) in (torch.Tensor, nn.Parameter) and not tree.is_contiguous():
+        return tree.contiguous()
+    return tree

@@ -1,4 +1,4 @@
-"""MoE layers under tensor parallel (``ndtrain.parallel.tp.moe_plan``) against the single process.
+"""MoE layers under tensor parallel (``ndtrain.parallel.tp.moe_layers``) against the single process.
 
 One spawn of 4 gloo ranks runs every layout, each 10 float64 AdamW steps (clipping active):
 

@@ -41,7 +41,7 @@ def _rank(rank: int, world: int) -> dict:
     """Both schedules' steps, and what ZB-H1's W passes received: how many times an expert layer's
     recorded output (``in_w``) and an expert weight differentiated in B (``in_b``) came up."""
     from ndtrain.parallel.pp import runtime
-    from ndtrain.parallel.tp.moe_plan import SplitExpertsTP
+    from ndtrain.parallel.tp.moe_layers import SplitExpertsTP
 
     torch.set_num_threads(1)
     seen = {"in_w": 0, "in_b": 0}

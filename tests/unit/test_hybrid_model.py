@@ -60,7 +60,7 @@ def test_planner_rejects_the_layouts_validation_rejects():
     assert check_layout(spec, 2, work, Layout(cp=2, dp_shard=1)) == []  # state-passing CP
     short = Workload(seq_len=4, global_batch_tokens=4 * 8)  # 2 tokens per rank < the conv's 3
     assert any("fewer than the 3 of left context" in e for e in check_layout(spec, 2, short, Layout(cp=2, dp_shard=1)))
-    assert check_layout(spec, 2, work, Layout(tp=2, dp_shard=1)) == []  # MoE under tp (tp.moe_plan)
+    assert check_layout(spec, 2, work, Layout(tp=2, dp_shard=1)) == []  # MoE under tp (tp.moe_layers)
 
 
 def test_explicit_all_attention_pattern_is_the_default_model():

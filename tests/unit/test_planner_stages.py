@@ -80,7 +80,7 @@ def test_deepseek_v3_case_is_rejected_with_its_real_per_stage_memory():
     w = Workload(**DSV3)
     cluster = Cluster(get_accelerator("H100"), 2048)
     p = evaluate(spec, cluster, w, parse_layout("tp=2,pp=32,dp_shard=32,zero_stage=0"), with_time=False)
-    assert not p.unsupported  # MoE runs under tp (tp.moe_plan) and pp (parallel/pp): only memory fails
+    assert not p.unsupported  # MoE runs under tp (tp.moe_layers) and pp (parallel/pp): only memory fails
     assert not p.fits and len(p.memory.per_stage) == 32
     ranks = rank_layers(spec, 32, 1, "1f1b", 4096)
     assert all(len(r["layers"]) >= 1 for r in ranks) and sum(len(r["layers"]) for r in ranks) == 61

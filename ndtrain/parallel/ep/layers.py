@@ -52,7 +52,7 @@ class ExpertParallelExperts(GroupedExperts):
         with torch.device("meta"):  # placeholders only: replaced by the slices below
             super().__init__(el, full.w1.shape[2], full.w1.shape[1])
         self.impl, self.group, self.n_experts = full.impl, group, n_experts
-        self.tally = tally  # not named ``stats``: moe_layers() finds MoE layers by that attribute
+        self.exchange = TokenExchange(group, tally)
         lo = group.rank * el
         for w in EXPERT_WEIGHTS:
             local = nn.Parameter(getattr(full, w).detach()[lo:lo + el].clone())  # (E/ep, ., .)
@@ -66,30 +66,56 @@ class ExpertParallelExperts(GroupedExperts):
         Called through the module (``self.experts(...)``) so ZeRO-3's unit hooks still fire.
         With ``keep_weight_grad_output`` set, also sets ``weight_grad_output`` to the local experts'
         output (R, C) (R: rows received), in (expert, source) order, before the combine."""
+        xr, local_counts, route = self.exchange.dispatch(xs, counts, self.training, side_fn)
+        y = super().forward(xr, local_counts)  # (R, C)
+        if self.keep_weight_grad_output:
+            self.weight_grad_output = y
+        return self.exchange.combine(y, route)
+
+    def extra_repr(self) -> str:
+        return (f"{self.exchange.describe(self.w1.shape[0])}, hidden={self.w1.shape[1]}, dim={self.w1.shape[2]}, "
+                "dispatch / combine: all-to-all")
+
+
+class TokenExchange:
+    """The dispatch / combine of expert parallel, apart from the expert compute between them (so
+    tensor parallel's experts, ``ndtrain.parallel.tp.moe_layers``, run their own compute inside).
+
+    ``dispatch(xs, counts, training, side_fn)``: xs (M, C) sorted by global expert id, counts (E,)
+    -> (rows received (R, C) in (local expert, source) order, their counts per local expert
+    (E/ep,), the route for ``combine``). ``combine(y, route)``: the local outputs (R, C) -> (M, C)
+    in xs's order, or ((M, C), ``side_fn()``) when a ``side_fn`` was given. Collective over the
+    ep group (also with M = 0). ``tally``: the MoE layer's ``LoadStats``, which counts the token
+    all-to-all bytes of training forwards (and their backward); not named ``stats``, by which
+    ``moe_layers()`` finds MoE layers.
+    """
+
+    def __init__(self, group: AxisGroup, tally=None):
+        self.group, self.tally = group, tally
+
+    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor, training: bool, side_fn=None):
         ep = self.group.size
         el = counts.numel() // ep
         send = counts.view(ep, el).contiguous()  # (ep, E/ep): row r -> rank r's experts
         recv = torch.empty_like(send)  # (ep, E/ep): row s = rows source s sends to my experts
         all_to_all_v(recv, send, [1] * ep, [1] * ep, self.group)
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        tally = self.tally if self.training else None  # the metric counts training steps, not evaluation
+        tally = self.tally if training else None  # the metric counts training steps, not evaluation
+        side = None
         if side_fn is None:
             xr = AllToAllV.apply(xs, out_splits, in_splits, self.group, tally)  # (R, C), (source, expert) order
         else:
             xr, side = dispatch_overlapped(xs, out_splits, in_splits, self.group, tally, side_fn)
         seg = torch.arange(ep * el, device=xs.device).repeat_interleave(recv.reshape(-1))  # (R,) s*el + e
         perm = torch.argsort((seg % el) * ep + seg // el, stable=True)  # -> (expert, source) order
-        self.weight_grad_output = None
-        y = super().forward(xr[perm], recv.sum(0))  # (R, C)
-        # both paths (side_fn or not): the same B / W split; a tp-split compute (expert_tp = tp)
-        # has already named its own partial sums, before its reduce-scatter
-        if self.keep_weight_grad_output and self.weight_grad_output is None:
-            self.weight_grad_output = y
+        return xr[perm], recv.sum(0), (perm, in_splits, out_splits, tally, side_fn is not None, side)
+
+    def combine(self, y: torch.Tensor, route):
+        perm, in_splits, out_splits, tally, with_side, side = route
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
         out = AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
-        return out if side_fn is None else (out, side)
+        return (out, side) if with_side else out
 
-    def extra_repr(self) -> str:
-        el, r = self.w1.shape[0], self.group.rank
-        return (f"experts [{r * el}, {(r + 1) * el}) of {self.n_experts} on ep{self.group.size} rank {r}, "
-                f"hidden={self.w1.shape[1]}, dim={self.w1.shape[2]}, dispatch / combine: all-to-all")
+    def describe(self, local_experts: int) -> str:
+        r, n = self.group.rank, local_experts * self.group.size
+        return f"experts [{r * local_experts}, {(r + 1) * local_experts}) of {n} on ep{self.group.size} rank {r}"

@@ -27,6 +27,7 @@ from ndtrain.parallel.tp.collectives import (
 )
 
 SEQ_DIM = 1  # activations are (B, T, C)
+TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size before padding[, blocks]) on split params
 
 
 def _enter(x: torch.Tensor, group: AxisGroup, sp: bool, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -51,18 +52,19 @@ class RegionInput(nn.Module):
     the region's own ``forward`` is model code that must not know about tp. One f per region, not
     one per column-parallel linear: wq / wk / wv share one gather (or one backward all-reduce).
     fwd: identity, or all-gather along T (SP); bwd: all-reduce, or reduce-scatter along T (SP).
-    ``dim``: the gathered dim (the MoE shared expert gathers token rows, dim 0 of (N, C)).
+    ``dim``: the gathered dim (the MoE shared expert gathers token rows, dim 0 of (N, C)); ``note``:
+    what else the region's style split in place (a linear mixer's per-head vectors), for ``repr``.
     """
 
-    def __init__(self, group: AxisGroup, sp: bool, dim: int = SEQ_DIM):
+    def __init__(self, group: AxisGroup, sp: bool, dim: int = SEQ_DIM, note: str = ""):
         super().__init__()
-        self.group, self.sp, self.dim = group, sp, dim
+        self.group, self.sp, self.dim, self.note = group, sp, dim, note
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _enter(x, self.group, self.sp, self.dim)
 
     def extra_repr(self) -> str:
-        return f"tp={self.group.size}, {_f_repr(self.sp)}"
+        return f"tp={self.group.size}, {_f_repr(self.sp)}" + (f", {self.note}" if self.note else "")
 
 
 class _LinearShard(nn.Module):
@@ -150,6 +152,51 @@ class ReplicatedKVLinear(_LinearShard):
         g = self.weight.shape[0] // self.head_dim
         return (f"in={self.in_features}, out={self.head_dim} (kv head {self.head} of {g}, whole weight), "
                 f"grad: all-reduce over tp{self.group.size}")
+
+
+class ReplicatedLinear(nn.Module):
+    """A bias-free linear kept whole on every tp rank but applied to this rank's tokens only
+    (sequence parallel; an MoE layer's router and shared-expert gate): the weight passes through
+    ``CopyWeightToTP`` (fwd identity, bwd all-reduce over tp in ``reduce_dtype``), so its gradient
+    covers every token. ``fp32``: computed in float32 at least (the router; float64 stays).
+    x (..., in) -> (..., out)."""
+
+    def __init__(self, weight: nn.Parameter, group: AxisGroup, reduce_dtype: torch.dtype | None = None,
+                 fp32: bool = False):
+        super().__init__()
+        self.weight = weight  # (out, in), whole
+        self.group, self.reduce_dtype, self.fp32 = group, reduce_dtype, fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = CopyWeightToTP.apply(self.weight, self.group, self.reduce_dtype)
+        if self.fp32:
+            dt = torch.promote_types(w.dtype, torch.float32)
+            x, w = x.to(dt), w.to(dt)
+        return F.linear(x, w)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        fp32 = ", fp32" if self.fp32 else ""
+        return f"in={inp}, out={out} (whole){fp32}, weight grad: all-reduce over tp{self.group.size}"
+
+
+class BlockParallelConv1d(nn.Conv1d):
+    """A depthwise short convolution over blocks of per-head channels ([q | k | v] of Gated
+    DeltaNet, [x | B | C] of Mamba-2; ``blocks``: the global block sizes), this rank holding its
+    1/tp of every block: weight (Ch_local, 1, W), bias (Ch_local,) or None. Each channel is
+    convolved alone, so nothing comes from other ranks; the mixers read ``weight`` / ``bias``."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: AxisGroup, blocks: tuple[int, ...]):
+        ch, _, width = weight.shape
+        with torch.device("meta"):  # placeholders only: replaced by the slices below
+            super().__init__(ch, ch, width, groups=ch, bias=bias is not None)
+        self.weight, self.bias = weight, bias
+        self.group, self.blocks = group, tuple(blocks)
+
+    def extra_repr(self) -> str:
+        tp = self.group.size
+        return (f"channels={sum(self.blocks)}/tp{tp} in blocks {list(self.blocks)}, "
+                f"kernel={self.kernel_size[0]}, depthwise")
 
 
 class SequenceParallelNorm(nn.Module):

@@ -1,198 +1,176 @@
-"""Tensor-parallel plans: a table ``{module-name pattern: style}`` per model family, in the manner of
-torchtitan's ``parallelize_module`` plans, and the loop that applies one.
+"""The tensor-parallel plan: one table ``{module-name pattern: style}`` for every model ndtrain
+builds (dense, every token mixer, MoE, MLA, MTP), in the manner of torchtitan's
+``parallelize_module`` plans, and the loop that applies it.
 
-A pattern is a module name with ``*`` standing for one name component (``layers.*.attention.wq``).
-A style turns the matched module into its tensor-parallel form (``ndtrain.parallel.tp.layers``),
-returning the replacement (installed under the same attribute, so parameter names do not change)
-or None when it modified the module in place. Modules a plan names but the model lacks (a pipeline
-stage without the embedding or head) are skipped.
+Pattern: a module name, component by component. ``*`` is any one component; ``{block}`` is a
+decoder block, ``layers.<i>`` or an MTP depth's ``mtp.<k>.block``; ``name[kind]`` also requires
+the module there (before any row ran) to be of that kind (``KINDS``), which is how one table tells
+a Mamba-2 ``in_proj`` from a Gated DeltaNet one. The styles (``ndtrain.parallel.tp.styles``) say
+what happens to a matched module; rows naming modules a model lacks (an output gate, a pipeline
+stage without the head) match nothing. Modules no row names stay whole and untouched on every
+rank (DSA's indexer; MLA's latent path and MTP's projection without SP).
 """
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from ndtrain.mesh import AxisGroup
-from ndtrain.optim import SHARD_AXES_ATTR
-from ndtrain.parallel.tp.layers import (
-    ColumnParallelLinear,
-    RegionInput,
-    ReplicatedKVLinear,
-    RowParallelLinear,
-    SequenceParallelNorm,
-    VocabParallelEmbedding,
+from ndtrain.model.attention import Attention
+from ndtrain.model.dsa import SparseAttention
+from ndtrain.model.gated_deltanet import GatedDeltaNet
+from ndtrain.model.linear_attention import LinearAttention
+from ndtrain.model.mamba2 import Mamba2
+from ndtrain.model.mla import MLAttention
+from ndtrain.model.mlp import FeedForward
+from ndtrain.model.moe import MoE
+from ndtrain.model.sliding_window import SlidingWindowAttention
+from ndtrain.parallel.tp.styles import (
+    BlockColwise,
+    BlockConv,
+    Colwise,
+    Experts,
+    HeadParams,
+    KVHeads,
+    MLARegion,
+    MoELayer,
+    MTPShift,
+    Region,
+    Rowwise,
+    SharedGain,
+    SparseRegion,
+    SplitGain,
+    SPNorm,
+    SPReplicatedLinear,
+    TokenRegion,
+    TokenReplicated,
+    TokenRowwise,
+    TPContext,
+    VocabEmbedding,
+    VocabHead,
+    gdn_conv_blocks,
+    mamba_conv_blocks,
+    mamba_proj_blocks,
 )
 
-TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size before padding[, segments]) on split params
+# the module classes a ``[kind]`` stands for (exact types: a subclass needs its own rows)
+KINDS: dict[str, tuple[type, ...]] = {
+    "softmax": (Attention, SlidingWindowAttention, SparseAttention),  # full, windowed, DSA
+    "attention": (Attention, SlidingWindowAttention),
+    "dsa": (SparseAttention,),
+    "linear": (LinearAttention,),
+    "gated_deltanet": (GatedDeltaNet,),
+    "mamba2": (Mamba2,),
+    "mla": (MLAttention,),
+    "dense": (FeedForward,),
+    "moe": (MoE,),
+}
+MIXER_KINDS = ("softmax", "linear", "gated_deltanet", "mamba2", "mla")  # what a block's attention may be
+FFN_KINDS = ("dense", "moe")
+
+GDN = ("dt_bias", "A_log"), ("num_k_heads", "num_v_heads", "key_dim", "value_dim")  # split / divided
+MAMBA = ("dt_bias", "A_log", "D"), ("d_inner", "n_heads", "n_groups")
+
+TP_PLAN: dict[str, object] = {
+    # ends of the model and the residual stream's norms (SP: split along T, gains summed over tp)
+    "tok_embeddings": VocabEmbedding(),  # rows by vocabulary, padded to tp * ceil(V / tp)
+    "output": VocabHead(),  # columns of the padded vocabulary; logits stay split
+    "norm": SPNorm(),
+    "{block}.attention_norm": SPNorm(),
+    "{block}.ffn_norm": SPNorm(),
+    # softmax attention, sliding window, DSA (Megatron-LM): per-head projections split
+    "{block}.attention[attention]": Region(),
+    "{block}.attention[dsa]": SparseRegion(),  # + the indexer target's head sum over tp
+    "{block}.attention[softmax].wq": Colwise(),
+    "{block}.attention[softmax].wk": KVHeads(),  # by kv head, or replicated when G < tp
+    "{block}.attention[softmax].wv": KVHeads(),
+    "{block}.attention[softmax].wo": Rowwise(),
+    "{block}.attention[softmax].wg": Colwise(),  # output gate (Qwen3-Next)
+    "{block}.attention[softmax].q_norm": SharedGain(),  # QK-norm: one gain for all heads
+    "{block}.attention[softmax].k_norm": SharedGain(),
+    # linear attention (Katharopoulos 2020)
+    "{block}.attention[linear]": Region(),
+    "{block}.attention[linear].wq": Colwise(),
+    "{block}.attention[linear].wk": Colwise(),
+    "{block}.attention[linear].wv": Colwise(),
+    "{block}.attention[linear].wo": Rowwise(),
+    # Gated DeltaNet (Yang 2024; fused projections grouped per key head, as in transformers)
+    "{block}.attention[gated_deltanet]": HeadParams(*GDN),
+    "{block}.attention[gated_deltanet].in_proj_qkvz": Colwise(),
+    "{block}.attention[gated_deltanet].in_proj_ba": Colwise(),
+    "{block}.attention[gated_deltanet].conv1d": BlockConv(gdn_conv_blocks),
+    "{block}.attention[gated_deltanet].norm": SharedGain(),
+    "{block}.attention[gated_deltanet].out_proj": Rowwise(),
+    # Mamba-2 (Dao & Gu 2024; whole B / C groups per rank)
+    "{block}.attention[mamba2]": HeadParams(*MAMBA),
+    "{block}.attention[mamba2].in_proj": BlockColwise(mamba_proj_blocks),
+    "{block}.attention[mamba2].conv1d": BlockConv(mamba_conv_blocks),
+    "{block}.attention[mamba2].norm": SplitGain(),
+    "{block}.attention[mamba2].out_proj": Rowwise(),
+    # DeepSeek MLA: latent path replicated, per-head up-projections split
+    "{block}.attention[mla]": MLARegion(),
+    "{block}.attention[mla].wq_a": SPReplicatedLinear(),
+    "{block}.attention[mla].q_norm": SPNorm(),
+    "{block}.attention[mla].wq_b": Colwise(),
+    "{block}.attention[mla].wq": Colwise(),  # full-rank queries (no q_lora_rank)
+    "{block}.attention[mla].wkv_a": SPReplicatedLinear(),
+    "{block}.attention[mla].kv_norm": SPNorm(),
+    "{block}.attention[mla].wkv_b": Colwise(),
+    "{block}.attention[mla].wo": Rowwise(),
+    # dense SwiGLU feed-forward
+    "{block}.feed_forward[dense]": Region(),
+    "{block}.feed_forward[dense].w1": Colwise(),
+    "{block}.feed_forward[dense].w3": Colwise(),
+    "{block}.feed_forward[dense].w2": Rowwise(),
+    # MoE: tp ranks route different tokens (ndtrain.parallel.tp.moe_layers)
+    "{block}.feed_forward[moe]": MoELayer(),
+    "{block}.feed_forward[moe].router": TokenReplicated(fp32=True),
+    "{block}.feed_forward[moe].experts": Experts(),  # whole, or hidden split (parallel.expert_tp)
+    "{block}.feed_forward[moe].shared": TokenRegion(),
+    "{block}.feed_forward[moe].shared.w1": Colwise(),
+    "{block}.feed_forward[moe].shared.w3": Colwise(),
+    "{block}.feed_forward[moe].shared.w2": TokenRowwise(),
+    "{block}.feed_forward[moe].shared_gate": TokenReplicated(),
+    # MTP depths (their blocks are the {block} rows above)
+    "mtp": MTPShift(),
+    "mtp.*.hnorm": SPNorm(),
+    "mtp.*.enorm": SPNorm(),
+    "mtp.*.norm": SPNorm(),
+    "mtp.*.proj": SPReplicatedLinear(),  # (C, 2C), kept whole: no collective
+}
+
+_BLOCK = r"(?:layers\.[^.]+|mtp\.[^.]+\.block)"
 
 
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary rows after padding to a multiple of ``tp``: ``tp * ceil(V / tp)``."""
-    return tp * math.ceil(vocab_size / tp)
-
-
-@dataclass
-class TPContext:
-    """What every style needs: the tp group, SP on/off, the weight-gradient reduce dtype (None:
-    the gradient's dtype), the real vocabulary size, and the slices already cut (by id of the
-    full Parameter), so a tied weight is cut once and shared by both of its modules."""
-
-    group: AxisGroup
-    sp: bool
-    reduce_dtype: torch.dtype | None
-    vocab_size: int
-    shards: dict[int, nn.Parameter] = field(default_factory=dict)
-
-    def shard(self, p: nn.Parameter, dim: int, pad_to: int | None = None,
-              segments: tuple[int, ...] | None = None) -> nn.Parameter:
-        """This rank's slice of ``p`` along ``dim`` (zero-padded to ``pad_to`` first), tagged with
-        ``ndtrain_shard_axes = ("tp",)`` and ``ndtrain_tp_shard = (dim, global size)``.
-
-        ``segments``: ``p`` is a fused weight whose ``dim`` concatenates blocks of these sizes
-        (Mamba-2's ``in_proj`` rows [z | x | B | C | dt], a short convolution's [q | k | v]
-        channels); each block is split over tp separately and the local slice is the concatenation
-        of this rank's piece of every block; the tag is then ``(dim, global size, segments)``.
-        Raises ValueError if the (padded) size, or a segment, does not split over tp."""
-        if id(p) in self.shards:
-            return self.shards[id(p)]
-        full, group = p.detach(), self.group
-        global_size = full.shape[dim]
-        if pad_to is not None and pad_to > global_size:
-            pad_shape = list(full.shape)
-            pad_shape[dim] = pad_to - global_size
-            full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-        spec: tuple = (dim, global_size)
-        if segments is not None:
-            if sum(segments) != global_size or any(s % group.size for s in segments):
-                raise ValueError(f"segments {segments} of dim {dim} (size {global_size}) must each be "
-                                 f"divisible by tp ({group.size}) and add up to the size")
-            spec = (dim, global_size, tuple(segments))
-            piece = torch.cat([blk.chunk(group.size, dim)[group.rank] for blk in full.split(segments, dim)], dim)
-        elif full.shape[dim] % group.size:
-            raise ValueError(f"size {full.shape[dim]} of dim {dim} is not divisible by tp ({group.size})")
-        else:
-            piece = full.chunk(group.size, dim)[group.rank]
-        local = nn.Parameter(piece.clone(), requires_grad=p.requires_grad)
-        setattr(local, SHARD_AXES_ATTR, ("tp",))
-        setattr(local, TP_SHARD_ATTR, spec)
-        self.shards[id(p)] = local
-        return local
-
-
-def _no_bias(lin: nn.Module) -> None:
-    if getattr(lin, "bias", None) is not None:
-        raise ValueError("tensor parallel linears here have no bias (Llama)")
-
-
-class Colwise:
-    """``nn.Linear`` -> ``ColumnParallelLinear`` (output features split)."""
-
-    def apply(self, lin: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        _no_bias(lin)
-        return ColumnParallelLinear(ctx.shard(lin.weight, 0), ctx.group, lin.weight.shape[0], ctx.sp)
-
-
-class Rowwise:
-    """``nn.Linear`` -> ``RowParallelLinear`` (input features split; output leaves the region)."""
-
-    def apply(self, lin: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        _no_bias(lin)
-        return RowParallelLinear(ctx.shard(lin.weight, 1), ctx.group, ctx.sp)
-
-
-class KVHeads:
-    """``wk`` / ``wv`` of a GQA attention (``parent.head_dim``): column-parallel by kv heads when
-    ``G % tp == 0``; else (``tp % G == 0``) ``ReplicatedKVLinear`` on kv head ``rank // (tp / G)``,
-    the one rank r's query heads belong to."""
-
-    def apply(self, lin: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        tp, d = ctx.group.size, parent.head_dim
-        n_kv = lin.weight.shape[0] // d
-        if n_kv % tp == 0:
-            return Colwise().apply(lin, parent, ctx)
-        _no_bias(lin)
-        return ReplicatedKVLinear(lin.weight, ctx.group.rank // (tp // n_kv), d, ctx.group, ctx.reduce_dtype)
-
-
-class VocabEmbedding:
-    """``nn.Embedding`` -> ``VocabParallelEmbedding`` (rows split, V padded to a multiple of tp)."""
-
-    def apply(self, emb: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        vp = padded_vocab(ctx.vocab_size, ctx.group.size)
-        w = ctx.shard(emb.weight, 0, pad_to=vp)
-        return VocabParallelEmbedding(w, ctx.group.rank * (vp // ctx.group.size), ctx.group, ctx.sp,
-                                      ctx.vocab_size)
-
-
-class VocabHead:
-    """Output head ``nn.Linear`` -> ``ColumnParallelLinear`` over the padded vocabulary, entering
-    its own one-layer region (its input is the residual stream; with SP split along T). A tied
-    head reuses the embedding's slice. Logits (B, T, Vp/tp) are never gathered (see
-    ``ndtrain.parallel.tp.vocab_loss``)."""
-
-    def apply(self, lin: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        _no_bias(lin)
-        w = ctx.shard(lin.weight, 0, pad_to=padded_vocab(ctx.vocab_size, ctx.group.size))
-        return ColumnParallelLinear(w, ctx.group, ctx.vocab_size, ctx.sp, enter_region=True)
-
-
-class Region:
-    """A tensor-parallel region (attention or MLP half): registers ``RegionInput`` as the child
-    ``tp_input`` and a forward pre-hook that passes the first positional input through it. The
-    region's output is left by its row-parallel linear."""
-
-    def apply(self, region: nn.Module, parent: nn.Module, ctx: TPContext) -> None:
-        region.add_module("tp_input", RegionInput(ctx.group, ctx.sp))
-        region.register_forward_pre_hook(lambda mod, args: (mod.tp_input(args[0]),) + tuple(args[1:]))
-
-
-class SequenceParallel:
-    """A norm under SP -> ``SequenceParallelNorm`` (gain gradient summed over tp)."""
-
-    def apply(self, norm: nn.Module, parent: nn.Module, ctx: TPContext) -> nn.Module:
-        return SequenceParallelNorm(norm, ctx.group, ctx.reduce_dtype)
-
-
-def llama_tp_plan(sequence_parallel: bool) -> dict[str, object]:
-    """The plan of ``ndtrain.model.Transformer`` with ``Attention`` + ``FeedForward`` blocks
-    (Megatron-LM's split): q / k / v and the MLP's w1 / w3 column-parallel, wo / w2 row-parallel,
-    vocabulary-parallel embedding and head; with SP the norms become ``SequenceParallelNorm``."""
-    plan: dict[str, object] = {
-        "tok_embeddings": VocabEmbedding(),
-        "layers.*.attention": Region(),
-        "layers.*.attention.wq": Colwise(),
-        "layers.*.attention.wk": KVHeads(),
-        "layers.*.attention.wv": KVHeads(),
-        "layers.*.attention.wo": Rowwise(),
-        "layers.*.feed_forward": Region(),
-        "layers.*.feed_forward.w1": Colwise(),
-        "layers.*.feed_forward.w3": Colwise(),
-        "layers.*.feed_forward.w2": Rowwise(),
-        "output": VocabHead(),
-    }
-    if sequence_parallel:
-        plan.update({"layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel(),
-                     "norm": SequenceParallel()})
-    return plan
-
-
-def _regex(pattern: str) -> re.Pattern:
-    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part)
-                                       for part in pattern.split(".")) + "$")
+def _compile(pattern: str) -> tuple[re.Pattern, list[tuple[str, str]]]:
+    """``pattern`` -> (regex over module names, [(group name, kind)] of its ``[kind]`` guards)."""
+    rx, guards = "", []
+    for i, part in enumerate(pattern.split(".")):
+        name, _, kind = part.partition("[")
+        piece = _BLOCK if name == "{block}" else "[^.]+" if name == "*" else re.escape(name)
+        rx = piece if i == 0 else rx + r"\." + piece
+        if kind:
+            kind = kind.rstrip("]")
+            if kind not in KINDS:
+                raise ValueError(f"tensor-parallel plan pattern {pattern!r}: unknown kind {kind!r}")
+            guards.append((f"g{len(guards)}", kind))
+            rx = f"(?P<{guards[-1][0]}>{rx})"
+    return re.compile(f"^{rx}$"), guards
 
 
 def apply_plan(model: nn.Module, plan: dict[str, object], ctx: TPContext) -> list[str]:
-    """Apply ``plan`` to ``model`` in place, in module registration order (so a tied embedding is
-    cut before its head). Returns the names of the modules a style was applied to; a module
-    matching two patterns raises ValueError."""
-    compiled = [(_regex(pat), style) for pat, style in plan.items()]
+    """Apply ``plan`` to ``model`` in place, in module registration order (a tied embedding is cut
+    before its head, a module before its children), then the styles' deferred steps. Returns the
+    names of the modules a style was applied to. Raises ValueError for a module two rows match."""
+    compiled = [(*_compile(pat), style) for pat, style in plan.items()]
+    before = dict(model.named_modules())  # snapshot: styles replace modules; guards read the originals
     applied = []
-    for name, mod in list(model.named_modules()):  # snapshot: styles replace modules
-        styles = [style for rx, style in compiled if rx.match(name)]
+    for name, mod in before.items():
+        styles = []
+        for rx, guards, style in compiled:
+            m = rx.match(name)
+            if m and all(type(before[m.group(g)]) in KINDS[kind] for g, kind in guards):
+                styles.append(style)
         if not styles:
             continue
         if len(styles) > 1:
@@ -203,4 +181,11 @@ def apply_plan(model: nn.Module, plan: dict[str, object], ctx: TPContext) -> lis
         if new is not None:
             setattr(parent, attr, new)
         applied.append(name)
+    for fn in ctx.deferred:
+        fn()
     return applied
+
+
+def slot_kind(module: nn.Module | None, kinds: tuple[str, ...]) -> str | None:
+    """The first of ``kinds`` whose classes include ``type(module)`` exactly (None if none)."""
+    return next((k for k in kinds if type(module) in KINDS[k]), None)

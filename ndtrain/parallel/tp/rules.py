@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 
 from ndtrain.errors import require
+from ndtrain.mixer_spec import linear_dims
 
 
 def check(tp: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, sequence_parallel: bool = False,
           moe: bool = False, mla: bool = False, mtp: bool = False) -> None:
     """Heads, kv heads and the FFN hidden size split over ``tp`` ranks; SP needs tp > 1; model
     features not implemented under tp > 1 are rejected. MLA and MTP are split by
-    ``ndtrain.parallel.tp.mla_plan`` (MLA's heads are ``n_heads``); MTP with MoE layers runs with
+    ``ndtrain.parallel.tp.plan`` (MLA's heads are ``n_heads``); MTP with MoE layers runs with
     and without SP (``moe``, ``mla``, ``mtp`` are accepted for the planner's signature)."""
     require(tp >= 1, f"parallel.tp ({tp}) must be >= 1")
     require(not sequence_parallel or tp > 1, "parallel.sequence_parallel needs tp > 1")
@@ -23,8 +24,8 @@ def check(tp: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, sequence_para
         return
     check_heads(n_heads, n_kv_heads, tp)
     check_ffn(ffn_hidden, tp)
-    # MoE layers: tp.moe_plan (each tp rank routes its T/tp tokens); their rules are in check_moe
-    # MLA heads split like attention heads (tp.mla_plan); MTP blocks like the decoder blocks. Under SP
+    # MoE layers: tp.moe_layers (each tp rank routes its T/tp tokens); their rules are in check_moe
+    # MLA heads split like attention heads (tp.plan); MTP blocks like the decoder blocks. Under SP
     # (and without SP for MoE MTP blocks) the MTP depths run on all T positions, padded at the last k,
     # which their MoE layers mask out of routing and statistics (MoE.token_mask): no rule needed
 
@@ -37,6 +38,23 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
             "when n_kv_heads % tp == 0, replicated when tp % n_kv_heads == 0)")
 
 
+def check_mixer_heads(tp: int, mixers: tuple[str, ...], m) -> None:
+    """The head counts the non-softmax ``mixers`` (``mixer_spec.non_softmax_mixers``) split over
+    ``tp`` (the softmax family's are ``check_heads``'): Gated DeltaNet's key heads, Mamba-2's B / C
+    groups (heads of a group share B, C and the gated-norm group, so whole groups go to one rank;
+    ``mamba_ssm`` has the same rule). ``m``: a ``ModelConfig`` / ``MixerFields`` (None: not
+    checked). The one home of this rule: validation, the planner and ``apply_tp`` call it."""
+    if tp == 1 or m is None:
+        return
+    x = linear_dims(m)
+    if "gated_deltanet" in mixers:
+        require(x["k_heads"] % tp == 0, f"gated_deltanet key heads (linear_heads {x['k_heads']}) are not "
+                                        f"divisible by tp ({tp})")
+    if "mamba2" in mixers:
+        require(x["m_groups"] % tp == 0, f"mamba2 with tp ({tp}) > 1 needs mamba_groups ({x['m_groups']}) "
+                                         f"divisible by tp: a B / C group's heads stay on one rank")
+
+
 def check_ffn(ffn_hidden: int, tp: int) -> None:
     """The SwiGLU hidden size splits over ``tp`` (column-parallel w1 / w3, row-parallel w2)."""
     require(ffn_hidden % tp == 0, f"ffn hidden ({ffn_hidden}) is not divisible by tp ({tp})")
@@ -44,7 +62,7 @@ def check_ffn(ffn_hidden: int, tp: int) -> None:
 
 def check_moe(tp: int, expert_tp: int, expert_ffn: int = 0, shared_ffn: int = 0, seq_len: int = 0,
               cp: int = 1) -> None:
-    """MoE under tp (``ndtrain.parallel.tp.moe_plan``): ``parallel.expert_tp`` is 1 (whole experts)
+    """MoE under tp (``ndtrain.parallel.tp.moe_layers``): ``parallel.expert_tp`` is 1 (whole experts)
     or tp (each expert's hidden ``expert_ffn`` split); the shared experts' hidden ``shared_ffn``
     splits like a dense FFN; each tp rank routes a 1/tp piece of every cp chunk of the sequence,
     so ``seq_len`` splits into cp * lcm(2, tp) pieces when cp > 1 (the load-balanced layout's two
