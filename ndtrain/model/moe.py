@@ -1,19 +1,11 @@
 """Mixture-of-Experts feed-forward: router, top-k routing, capacity, grouped SwiGLU experts (docs/moe.md).
 
-Sparsely-gated MoE (Shazeer 2017); top-k softmax with renormalised weights (Mixtral, Jiang 2024);
-capacity and token dropping (GShard, Lepikhin 2020; Switch, Fedus 2021); shared and fine-grained
-experts (DeepSeekMoE, Dai 2024); sigmoid scores, group-limited routing, routed scaling and the
-aux-loss-free selection bias (DeepSeek-V3, 2024). Balancing losses: ``moe_balance``.
-
-The N*k assignments are sorted by expert and each expert runs on its contiguous segment
-(``grouped_mm``: ``torch._grouped_mm``, or its slow twin ``grouped_mm_loop``, always for float64;
-pinned together in tests/unit/test_moe.py).
-
-``MoE.token_mask`` (B, T) bool: tokens outside the routed set (MTP's padded tail under sp / cp)
-route nowhere and leave every statistic, so results equal the single process's on the rest.
-``self.experts`` is the module expert parallel replaces per instance; with ``shared_overlap`` and
-``experts.accepts_side_fn`` the shared experts run while the dispatch all-to-all is in flight
-(``ndtrain.parallel.ep.overlap``; bitwise equal). This file never communicates."""
+Sparsely-gated MoE (Shazeer 2017); Mixtral's renormalised top-k (Jiang 2024); GShard / Switch
+capacity (Lepikhin 2020, Fedus 2021); DeepSeekMoE's shared and fine-grained experts (Dai 2024);
+DeepSeek-V3's sigmoid scores, group-limited routing and aux-loss-free bias. The N*k assignments
+are sorted by expert and run as one ``grouped_mm`` (slow twin ``grouped_mm_loop``, always for
+float64). ``token_mask`` (B, T): tokens that route nowhere and leave every statistic (MTP's padded
+tail). ``experts`` is what ep replaces per instance; this file never communicates."""
 from __future__ import annotations
 
 import torch

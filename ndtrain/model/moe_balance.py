@@ -1,19 +1,12 @@
-"""MoE load balancing: auxiliary losses, load statistics, the aux-loss-free bias update (docs/moe.md).
+"""MoE load balancing: auxiliary losses, load statistics, the aux-loss-free bias update (docs/moe.md,
+"Load balancing" and its scopes).
 
-* Switch load-balancing loss (Fedus 2021, eq. 4; top-k form): ``E * sum_i f_i * P_i``, 1.0 at
-  perfect balance (sigmoid scores normalised per token, as DeepSeek-V3).
-* Sequence-wise balance loss (DeepSeek-V3, eq. 17-20): the product per sequence, averaged.
-* Router z-loss (ST-MoE, Zoph 2022): mean of ``logsumexp(logits)^2``.
-
-Each term is produced as a token sum (loss of its scope times its tokens); the trainer divides by
-the global routed tokens, so the total does not depend on the layout when the scope does not:
-sequence-wise and z always; Switch with ``moe_aux_scope = "microbatch"`` depends on the microbatch
-partition only, with ``"global"`` its counts are all-reduced over ``dp_cp``. Under cp the counts
-are summed over the ranks sharing the sequences (``MoE.seq_shards``); masked tokens
-(``MoE.token_mask``) leave every sum. ``f`` is a count, so gradients flow through ``P`` only.
-
-Aux-loss-free balancing (DeepSeek-V3; Wang et al. 2024): after each step
-``b_i += rate * sign(mean_load - load_i)`` from the global batch's counts; ``b`` only biases selection."""
+Switch loss (Fedus 2021, eq. 4, top-k form) ``E * sum_i f_i * P_i``; sequence-wise loss
+(DeepSeek-V3, eq. 17-20); router z-loss (ST-MoE, Zoph 2022). Each is produced as a token sum and
+divided by the global routed tokens, so the total does not depend on the layout where its scope
+does not (``moe_aux_scope``: "microbatch" | "global"). ``f`` is a count: gradients flow through
+``P`` only. Aux-loss-free balancing (DeepSeek-V3; Wang et al. 2024): after each step
+``b_i += rate * sign(mean_load - load_i)``; ``b`` only biases selection."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -1,15 +1,10 @@
-"""Context parallel: every sample's sequence split over the ``cp`` axis (docs/context_parallel.md).
+"""Context parallel: every sample's sequence split over ``cp`` (docs/context_parallel.md).
 
-Layouts (``parallel.cp_layout``): ``load_balanced`` (ring default; 2*cp chunks, rank i holds i and
-2*cp-1-i, equal causal work: Liu et al. 2023, Megatron-LM / Llama 3) and ``contiguous`` (Ulysses,
-and every pattern with linear-family or sliding-window mixers).
-
-Per layer: softmax attention gets a ring (``ring``) or Ulysses core, sliding-window attention a
-``WindowContextParallel`` core (``window``), the linear family a ``StatePasser`` (``state_passing``);
-DSA under cp > 1 is rejected. MLA layers and MTP depths take the same cores (MTP fetches the tokens
-at i + k via ``mtp_shift``). Labels are shifted before sharding, so inputs, labels, positions and
-document ids are cut alike (``shard_batch``). Gradients are summed over ``dp_cp`` by the
-data-parallel wrapper; this axis's collectives carry activations and their gradients only."""
+Layouts (``parallel.cp_layout``): ``load_balanced`` (2*cp chunks, rank i holds i and 2*cp-1-i:
+equal causal work; Liu et al. 2023, Llama 3) and ``contiguous`` (Ulysses and state / window
+mixers). ``apply_cp`` gives each mixer its cp form; labels are shifted before ``shard_batch`` cuts
+inputs, labels, positions and documents alike. Gradients are summed over ``dp_cp`` by the
+data-parallel wrapper; this axis carries activations and their gradients only."""
 from __future__ import annotations
 
 import torch

@@ -1,23 +1,13 @@
-"""Context parallel for the linear-family mixers by state passing (contiguous layout).
+"""Context parallel for the linear-family mixers by state passing (contiguous layout;
+docs/context_parallel.md, "Hybrid models").
 
-Linear attention (Katharopoulos 2020), Mamba-2 / SSD (Dao & Gu 2024) and Gated DeltaNet (Yang,
-Kautz & Hatamizadeh 2024) carry a state S (K x V per head). Over a rank's T/cp tokens
-
-    S_out = A_r S_in + B_r,   o_t = o0_t + (A_t^T q_t)^T S_in    (A_t: the map up to token t)
-
-with A_r = exp(sum_t g_t) I for scalar decay (linear attention: A = I) and A_r = prod_t exp(g_t)
-(I - beta_t k_t k_t^T) for the delta rule. Each rank runs from a zero state, all-gathers (A_j, B_j)
-and composes its initial state
-
-    S_in(r) = P_r,   P_0 = 0,   P_{j+1} = A_j P_j + B_j,
-
-then corrects its outputs: exact, no rank waits for another, one all-gather forward and one
-reduce-scatter backward per layer (``GatherStates``). The delta rule gets [A_t^T q_t | o0] and
-[A_r | B_r] from one run with values [0 | v] from S' = [I | 0].
-
-Bytes per layer, microbatch and rank, each way: (cp-1) B H (K V + 1) s (scalar decay) or
-(cp-1) B H K (K + V) s (delta rule), independent of T (Ulysses: 4 (cp-1)/cp B (T/cp) H D s).
-The short convolutions take the previous rank's last W-1 inputs (``window.shift_from_prev``)."""
+Linear attention (Katharopoulos 2020), Mamba-2 (Dao & Gu 2024), Gated DeltaNet (Yang et al. 2024)
+carry a state S (K x V per head); over a rank's tokens ``S_out = A_r S_in + B_r``, ``o_t = o0_t +
+(A_t^T q_t)^T S_in``. Each rank runs from a zero state, all-gathers (A_j, B_j), composes
+``S_in(r) = P_r`` with ``P_0 = 0, P_{j+1} = A_j P_j + B_j`` and corrects its outputs: exact, no
+rank waits (``GatherStates``). The delta rule gets [A_t^T q_t | o0] and [A_r | B_r] from one run
+with values [0 | v] from S' = [I | 0]. Bytes per layer and rank each way: (cp-1) B H (K V + 1) s
+or (cp-1) B H K (K + V) s, independent of T."""
 from __future__ import annotations
 
 import torch

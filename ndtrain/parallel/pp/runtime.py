@@ -1,21 +1,13 @@
-"""Pipeline runtime: run one rank's schedule (``schedules``) over point-to-point (docs/pipeline_parallel.md).
+"""Pipeline runtime: run one rank's schedule over point-to-point (docs/pipeline_parallel.md, "Runtime").
 
-``PipelineRuntime.run`` loops over the rank's actions, one short method per kind (``_receive``,
-``_forward``, ``_backward``, ``_weight_grad``, ``_send``). The local batch (B_local, T) is cut into
-m microbatches (``tensor_split``); the last stage's loss is ``sum CE / n_valid_global``, so summed
-gradients are the single-process gradient. Every non-last stage backpropagates its own MoE layers'
-auxiliary terms (``extra_loss``). A send to oneself (DualPipeV's turn on rank p-1) is handed over
-in memory. Every gradient-producing action but the rank's last runs under ``dp.no_sync()``.
-
-Zero-bubble split (Qi et al. 2023): F records the outputs of parameter owners; B differentiates the
-stage input and those outputs only; W adds the weight gradients (``split_backward``). Parameters
-whose owner did not run (an MoE router's functional ``F.linear``) or that two modules own (tied
-embedding / head) are differentiated directly in B.
-
-DualPipeV pairs (``overlap=True``; ``pairs.run_pair``): B runs in a worker thread while the main
-thread runs F; torch ops and gloo waits release the GIL, so one's expert all-to-all hides under the
-other's compute. Results are bitwise those of the sequential pair. With an activation meter
-attached the pairs run sequentially (it sees the calling thread's operators only)."""
+``run`` loops over the actions, one short method per kind. The last stage's loss is ``sum CE /
+n_valid_global``, so summed gradients are the single-process gradient; every other stage
+backpropagates its own MoE layers' aux terms. Every gradient-producing action but the rank's last
+runs under ``dp.no_sync()``. Zero-bubble split (Qi et al. 2023): B differentiates the stage input
+and the recorded owner outputs only, W the weights (``split_backward``); parameters whose owner did
+not run (an MoE router's functional ``F.linear``) or that two modules own are taken directly in B.
+DualPipeV pairs (``overlap``) run B in a worker thread beside F (``pairs``; bitwise the sequential
+pair), sequentially when an activation meter is attached."""
 from __future__ import annotations
 
 import contextlib

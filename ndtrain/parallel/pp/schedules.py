@@ -1,17 +1,11 @@
-"""Pipeline schedules as per-rank action lists, each built from its formula (docs/pipeline_parallel.md).
+"""Pipeline schedules as per-rank action lists, each built from its formula (docs/pipeline_parallel.md,
+"Schedules"): GPipe (Huang et al. 2019), 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et
+al. 2021), ZB-H1 (Qi et al. 2023), DualPipeV (DeepSeek-V3 report 2024, section 3.2.1).
 
-Actions: ``F`` (forward of microbatch ``mb`` through ``chunk``), ``B`` (backward, or only its
-input-gradient part when split), ``W`` (the deferred weight-gradient part). Chunk ``c`` of rank
-``r`` is virtual stage ``c * p + r`` (Megatron's placement; DualPipeV: a V). Receives are posted
-ahead and sends never block, so an order is deadlock-free under any timing iff it respects the
-dependency graph; ``simulate.simulate`` checks that. No builder consults the simulator.
-
-* GPipe (Huang et al. 2019): bubble (p-1)/(m+p-1), all m microbatches' activations kept.
-* 1F1B, PipeDream-Flush (Narayanan et al. 2021): same bubble, at most ``min(p-r, m)`` in flight.
-* Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): bubble (p-1)/(v*m+p-1) for m >= p.
-* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): (p-1)/(3m+p-1) with equal F/B/W.
-* DualPipeV (DeepSeek-V3 report 2024, section 3.2.1; the V form of DualPipe): overlapped F&B pairs,
-  m >= 2p, bubble (p-1)/(6m+p-1) with equal F/B/W per chunk, 2p+1 chunk-activations in flight."""
+Actions: ``F``, ``B`` (input-gradient part only when split), ``W`` (deferred weight gradient).
+Chunk c of rank r is virtual stage ``c * p + r`` (DualPipeV: a V). Receives are posted ahead and
+sends never block, so an order is deadlock-free under any timing iff it respects the dependency
+graph, which ``simulate.simulate`` checks; no builder consults it. Bubbles: ``bubble_formula``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,23 +1,13 @@
-"""ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP"),
-and HSDP (gradients all-reduced over ``dp_replicate``). Hooks and traffic: docs/sharded_data_parallel.md.
+"""ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP")
+and HSDP; hooks, traffic and memory: docs/sharded_data_parallel.md, "ZeRO-3 / FSDP".
 
-Units (``units.default_units``: embedding, each block, head; a tied head is a second segment of
-the embedding's unit, kept gathered between segments) are sharded along dim 0 with padding
-(``flat_shard``) into one flat master-dtype shard per rank. The module keeps unsharded
-compute-dtype parameters whose storage exists only while gathered (``untyped_storage().resize_``),
-so autograd's saved references see the re-gathered values.
-
-Per microbatch: pre-forward gathers u and prefetches the next; post-forward frees u (unless
-``reshard_after_forward=False`` or u is the kept last unit); pre-backward re-gathers and prefetches
-the previous; post-backward reduce-scatters in ``reduce_dtype``, strictly in reverse order of first
-segments on every rank (an end-of-backward callback reduces units that got no gradient). ZeRO-3
-reduces every microbatch, so ``no_sync`` is a no-op. Checkpoint recompute gathers without
-prefetching and never frees.
-
-Traffic per rank and microbatch: 3 (N-1)/N Psi_pad b when dtypes agree; HSDP adds
-2 (R-1)/R Psi_pad / N b_r per step. Model state: 16/N bytes per parameter plus gathered units.
-Expert units (``expert_names``) nest in their block's unit over ``edp_shard`` (``domains``).
-Outside a unit's forward / backward the parameters are placeholders: read ``model_state_dict()``."""
+Units (``units.default_units``) are sharded along dim 0 with padding (``flat_shard``); the module
+keeps unsharded compute-dtype parameters whose storage exists only while gathered
+(``untyped_storage().resize_``), so autograd's saved references see the re-gathered values. Units
+reduce-scatter strictly in reverse order of their first segments on every rank (an end-of-backward
+callback takes units that got no gradient); ZeRO-3 reduces every microbatch, so ``no_sync`` is a
+no-op; checkpoint recompute gathers without prefetching and never frees. Outside a unit's forward /
+backward the parameters are placeholders: read ``model_state_dict()``."""
 from __future__ import annotations
 
 import contextlib

@@ -1,16 +1,12 @@
-"""What ZeRO-1/2 and ZeRO-3 share: fp32 master shards, AdamW over them, clipping, layout-free state dicts.
+"""What ZeRO-1/2 and ZeRO-3 share: fp32 master shards, AdamW over them, clipping, layout-free state
+dicts (docs/sharded_data_parallel.md, "Checkpoints that reshard").
 
-Each trainable parameter is a ``ShardEntry``: its padded dim-0 shard (a view into a flat buffer,
-``flat_shard``) as the optimizer's ``nn.Parameter``. AdamW is elementwise, so stepping shards is
-stepping the full tensors (ZeRO, Rajbhandari et al. 2020); a shard keeps its number of dims, so
-weight decay still skips 1-D parameters. Padding rows stay zero.
-
-State dicts (the contract of ``ndtrain.checkpoint.dcp``): the model's own names and global shapes
-in the master dtype, as DTensors over the domain's groups (``domains``) whose locals are views of
-the live shards (``dcp.load`` writes in place); a 0-d parameter is whole on every rank; buffers and
-frozen parameters whole. Optimizer state in ``get_optimizer_state_dict`` format, groups listing
-FQNs in plain data parallel's order. So a checkpoint of any of DDP / ZeRO-1/2/3 / HSDP / one
-process, with or without ep, loads under any other."""
+A ``ShardEntry``'s padded dim-0 shard is the optimizer's parameter; AdamW is elementwise, so this
+is stepping the full tensors (ZeRO, Rajbhandari et al. 2020), and a shard keeps its number of dims
+(decay still skips 1-D parameters). State dicts use the single-process names and global shapes:
+DTensors viewing the live shards (``dcp.load`` writes in place), 0-d parameters and buffers whole,
+optimizer state in ``get_optimizer_state_dict`` format, so a checkpoint of any layout loads under
+any other."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,16 +1,12 @@
-"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020): fp32 master weights and Adam moments sharded over
-``dp_shard_cp``; the model keeps full compute-dtype parameters (docs/sharded_data_parallel.md).
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020): fp32 masters and Adam moments sharded over
+``dp_shard_cp``, full compute-dtype parameters in the model (docs/sharded_data_parallel.md).
 
-Gradients are reduce-scattered in ``reduce_dtype`` bucket by bucket (buckets: ``dp.buckets``,
-shared with DDP; reduction: ``reduce``): ZeRO-1 once per step in ``finish_grad_sync``, ZeRO-2 every
-microbatch as buckets complete, so no full gradient is kept. HSDP all-reduces the shards over
-``dp_replicate`` once per step; a step post-hook all-gathers the updated shards into the model.
-Expert parameters use ``edp_shard`` (``domains``), never sharing a bucket with dense ones.
-
-Traffic per rank and step (b_r reduce, b_c compute bytes, M microbatches, R replicas):
-ZeRO-1 (N-1)/N Psi_pad (b_r + b_c); ZeRO-2 (N-1)/N Psi_pad (M b_r + b_c); HSDP adds
-2 (R-1)/R Psi_pad / N b_r. Model-state bytes per parameter (bf16 compute, K = 12):
-ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + (4 + 12)/N."""
+Buckets (``dp.buckets``, shared with DDP) reduce-scatter in ``reduce_dtype`` (``reduce``): ZeRO-1
+once per step, ZeRO-2 every microbatch, so no full gradient is kept; a step post-hook all-gathers
+the updated shards. Expert parameters use ``edp_shard`` and never share a bucket with dense ones.
+Traffic per rank and step: ZeRO-1 (N-1)/N Psi_pad (b_r + b_c), ZeRO-2 (N-1)/N Psi_pad (M b_r +
+b_c), HSDP + 2 (R-1)/R Psi_pad / N b_r; bytes per parameter (bf16, K = 12): 2 + 2 + 12/N and
+2 + (4 + 12)/N."""
 from __future__ import annotations
 
 import contextlib
