@@ -1,15 +1,13 @@
-"""ParallelDims: the layout's degrees, validated once, and the DeviceMesh built from them.
+"""ParallelDims: the layout's degrees, validated once, and the DeviceMesh built from them
+(docs/architecture.md).
 
-Axis order, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp`` (tp on the fastest link).
-Derived axes: ``dp`` = dp_replicate x dp_shard (which data a rank reads); ``dp_shard_cp`` =
-dp_shard x cp (what ZeRO / FSDP shard over); ``dp_cp`` = dp x cp (what loss and grad norm reduce
-over). Expert parallel (torchtitan's convention) cuts the flattened dp_shard x cp block into
-consecutive chunks of ``ep`` ranks: ``ep`` (one chunk, the all-to-all), ``edp`` (dp_replicate x
-dp_shard x cp / ep: ranks holding the same experts), ``edp_shard`` (its part inside one dp_shard x
-cp block, ZeRO's expert shards) and ``ep_bwd`` (a second process group over the ``ep`` ranks for
-backward all-to-alls, so DualPipeV's threaded pairs never share one). With ep = 1, ``edp`` is
-``dp_cp`` and ``edp_shard`` is ``dp_shard_cp``. All-ones dims work without a process group (size-1
-groups, no-op collectives). The mesh is passed down, never a global."""
+Axes, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp`` (tp on the fastest link). Derived:
+``dp`` = dp_replicate x dp_shard (the data a rank reads), ``dp_shard_cp`` (what ZeRO / FSDP shard
+over), ``dp_cp`` (what loss and grad norm reduce over). Expert parallel (torchtitan's convention)
+cuts the flattened dp_shard x cp block into chunks of ``ep`` ranks: ``ep`` (the all-to-all),
+``edp`` (ranks holding the same experts), ``edp_shard`` (ZeRO's expert shards) and ``ep_bwd`` (a
+second process group for backward all-to-alls, so DualPipeV's threaded pairs never share one).
+All-ones dims need no process group. The mesh is passed down, never a global."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

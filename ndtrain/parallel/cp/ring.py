@@ -1,20 +1,16 @@
-"""Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers"): exact
-attention over a sequence split across the ``cp`` ranks, K/V blocks passed around the ring.
+"""Ring attention (Liu, Zaharia & Abbeel 2023): exact attention over a sequence split across ``cp``,
+K/V blocks passed around the ring (docs/context_parallel.md, "Ring attention").
 
-At step s rank r holds rank ``(r - s) mod cp``'s K/V block; it starts sending it on
-(``batch_isend_irecv``), computes the block while the transfer runs, and merges in fp32 (fp64 for
-fp64 inputs):
+Each step sends the held K/V block on (``batch_isend_irecv``) while computing it, and merges in fp32
+(fp64 for fp64 inputs):
 
     lse' = logaddexp(lse, lse_b);   out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
 
-Fully masked blocks are skipped but still forwarded. Backward (FlashAttention-2 style, Dao 2023)
-recomputes each block's P from the final lse and ``delta = rowsum(dO * O)``; dK/dV travel with K/V
-and arrive home after cp hops. Key t is visible to query s iff (not causal or pos_k[t] <= pos_q[s])
-and doc_k[t] == doc_q[s]. K and V travel as one (B, G, T_l, D + Dv) message (Dv != D for MLA).
-
-Bytes sent per rank (K/V block = B G T_l (D + Dv) b): forward (cp-1) blocks; backward (cp-1)
-blocks + cp dK/dV blocks (accumulation dtype). Slow twin: full attention on the gathered sequence
-(tests/ops/test_ring_attention.py)."""
+Fully masked blocks are skipped but forwarded. Backward (FlashAttention-2 style, Dao 2023)
+recomputes P from the final lse and ``delta = rowsum(dO * O)``; dK/dV travel with K/V back home.
+Visibility: (not causal or pos_k <= pos_q) and equal document ids. K and V travel as one
+(B, G, T_l, D + Dv) message. Bytes per rank: forward (cp-1) blocks, backward (cp-1) blocks + cp
+dK/dV blocks. Slow twin: full attention on the gathered sequence."""
 from __future__ import annotations
 
 import math

@@ -1,19 +1,12 @@
-"""Pipeline stages: split the layers over ``pp``, build each stage on meta with the single-process
-initial weights (docs/pipeline_parallel.md).
+"""Pipeline stages: split the layers over ``pp`` and build each stage on meta with the single-process
+initial weights (docs/pipeline_parallel.md, "Stages").
 
-Placement (Megatron-LM interleaving, Narayanan et al. 2021): rank r's chunk c is virtual stage
-``c * p + r``; DualPipeV (DeepSeek-V3 2024) places 2 chunks as a V (stages r and 2p-1-r). Stage 0
-holds the embedding, stage S-1 the final norm and head, plus any MTP modules and an embedding copy
-for their lookup.
-
-Balance (Llama 3, 2024): layers are cut into S contiguous runs minimising the largest stage cost,
-a block costing its forward FLOPs per token (2 x active parameters, MoE counting only the top-k
-routed experts, + 4 T C for attention; ``mixer_spec.stage_seq_costs`` for other mixers), embedding
-and head 2 V C each, each MTP depth its block, projection and one more head. Every stage keeps a block.
-
-A stage is a ``Transformer`` with the blocks it does not own deleted and ``tok_embeddings`` /
-``norm`` / ``output`` None where not owned, so names are the full model's (checkpoints reshard
-across pp) and ``init_weights`` (seeded per name) gives single-process initial values."""
+Rank r's chunk c is virtual stage ``c * p + r`` (Megatron-LM, Narayanan et al. 2021; DualPipeV: r
+and 2p-1-r). Stage 0 holds the embedding, stage S-1 the norm, head, MTP modules and an embedding
+copy for their lookup. Balance (Llama 3, 2024): contiguous runs minimising the largest forward
+FLOPs per token (2 x active parameters + attention's 4 T C; embedding and head 2 V C each). A stage
+is a ``Transformer`` with what it does not own deleted or None, so names are the full model's and
+``init_weights`` (seeded per name) gives single-process values."""
 from __future__ import annotations
 
 import copy

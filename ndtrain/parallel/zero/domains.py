@@ -1,16 +1,12 @@
-"""Shard domains: over which ranks parameters are sharded, over which replicated, and how a shard
-presents itself as a global tensor (the checkpoint contract of ``sharded_state``).
+"""Shard domains: where parameters are sharded and replicated, and how a shard presents itself as a
+global tensor (docs/moe.md, "Expert parallel with ZeRO-1/2/3 and HSDP").
 
-* dense: sharded over ``dp_shard_cp``, replicated over ``dp_replicate`` (ZeRO, HSDP); a DTensor
-  ``Shard(0)`` (``(Replicate(), Shard(0))`` with replicas).
-* expert (ep > 1): the E/ep local experts sharded over ``edp_shard`` = dp_shard x cp / ep and
-  replicated over ``dp_replicate`` (torchtitan's and Megatron-Core's expert data parallel).
-
-An expert weight (E, ...) is cut twice along dim 0: ep blocks, then edp_shard padded row chunks,
-i.e. DTensor ``(Shard(0), Shard(0))`` over a mesh with ``ep`` before ``edp_shard``. ``ndtrain.mesh``
-orders them the other way, so the expert domain builds its own ``DeviceMesh`` over the same ranks
-with the dims swapped. Checkpoints then hold each expert tensor once under its single-process name
-and shape, and DCP reshards it to any ep / ZeRO stage / world size."""
+dense: sharded over ``dp_shard_cp``, replicated over ``dp_replicate``. expert (ep > 1): the E/ep
+local experts sharded over ``edp_shard``, replicated over ``dp_replicate`` (torchtitan's and
+Megatron-Core's expert data parallel). An expert weight is DTensor ``(Shard(0), Shard(0))`` over
+(ep, edp_shard); ``ndtrain.mesh`` orders those dims the other way, so the expert domain builds its
+own ``DeviceMesh`` over the same ranks with them swapped. Checkpoints then hold each expert tensor
+once under its single-process name and shape."""
 from __future__ import annotations
 
 import weakref

@@ -1,16 +1,14 @@
-"""Dim-0 sharding with padding of a group of parameters into one flat buffer (ZeRO / FSDP).
-
-Each parameter splits along dim 0 into N blocks of ``r = ceil(d0 / N)`` rows (``torch.chunk`` and
-DTensor ``Shard(0)`` semantics, so checkpoints load under any layout), zero-padded to r rows:
+"""Dim-0 sharding with padding of a group of parameters into one flat buffer (ZeRO / FSDP;
+docs/sharded_data_parallel.md, "The layout").
 
     parameter i: shape (d0_i, *rest_i), c_i = prod(rest_i) elements per row
     rows per shard r_i = ceil(d0_i / N), padded shard size s_i = r_i * c_i, offset o_i = sum_{j<i} s_j
     flat shard (S,), S = sum_i s_i; the gathered buffer (N * S,) viewed (N, S) holds rank k's shard
     in row k, so parameter i's rows k*r_i .. (k+1)*r_i - 1 are columns [o_i, o_i + s_i) of row k.
 
-Collectives move ``N * S`` elements: padding is real traffic (and counted by ``comm``). A 0-d
-parameter is one row of one element; an empty one takes no space; fewer rows than ranks leaves the
-last ranks empty. ``pack`` (``torch._chunk_cat``) has the slow twin ``pack_reference``."""
+``torch.chunk`` / DTensor ``Shard(0)`` semantics, so checkpoints load under any layout. Padding is
+real traffic (``comm`` counts it). A 0-d parameter is one row of one element, an empty one takes no
+space. ``pack`` (``torch._chunk_cat``) has the slow twin ``pack_reference``."""
 from __future__ import annotations
 
 import math
