@@ -29,7 +29,6 @@ from tests.utils import tiny_config
 STEPS, B, T, V = 10, 4, 16, 61  # V odd: tp pads the vocabulary
 
 
-
 def tiny_cfg(world: int = 1, **over):
     return tiny_config({"model.vocab_size": V, "data.seq_len": T, "training.global_batch_size": B,
                         "training.device": "cpu", "training.grad_clip": 1.0, **over}, world=world)

@@ -26,7 +26,6 @@ B, T, C = 2, 16, 32
 KINDS = ("linear", "mamba2", "gated_deltanet", "sliding_window")
 
 
-
 def _mcfg() -> ModelConfig:
     return tiny_config({"model.dim": C, "model.n_layers": 1, "model.rope_theta": 500000.0},
                        model={"linear_chunk_size": 3, "linear_heads": 2, "linear_key_head_dim": 8,

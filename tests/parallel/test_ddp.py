@@ -24,7 +24,6 @@ from tests.utils import tiny_config
 V, T, G = 64, 8, 8
 
 
-
 def tiny_cfg(micro: int, world: int, clip: float = 0.05) -> Config:
     return tiny_config({"model.vocab_size": V, "data.seq_len": 256, "training.global_batch_size": G,
                         "training.micro_batch_size": micro, "training.grad_clip": clip}, parallel={"dp_shard": world})

@@ -27,7 +27,6 @@ from tests.utils import tiny_config
 V, T, G, E, STEPS = 64, 8, 8, 8, 10
 
 
-
 # the MoE model of the ep tests: sigmoid scores, grouped routing, shared expert, every auxiliary loss
 MOE = {"model.vocab_size": V, "model.max_seq_len": 32, "model.init_std": 0.1, "model.moe_experts": E,
        "model.moe_top_k": 2, "model.moe_ffn_hidden": 16, "model.moe_shared_experts": 1, "model.moe_score": "sigmoid",

@@ -43,7 +43,6 @@ LAYOUTS = {
 }
 
 
-
 def moe_cfg(world: int, micro: int, **par) -> Config:
     """``test_ep.moe_cfg``'s model on the layout ``par`` (world 1: the reference)."""
     return tiny_config({**MOE, "training.micro_batch_size": micro}, world=world, parallel=par)

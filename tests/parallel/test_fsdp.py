@@ -83,7 +83,6 @@ def test_zero3_matches_torch_fully_shard():
         assert counts == {"on_demand": micro, "prefetched": 6 * micro}, counts
 
 
-
 def _mem_cfg(stage: int) -> Config:
     return tiny_config({"model.vocab_size": 256, "model.dim": 64, "model.n_layers": 8, "model.n_kv_heads": 4,
                         "model.ffn_hidden": 128, "model.max_seq_len": 32, "data.seq_len": 256,

@@ -42,7 +42,6 @@ LAYOUT = {"dp_shard": 2, "cp": 2, "tp": 2}
 CASES = {"dense": {}, "dense_zero3": {"zero_stage": 3}, "moe": {}}  # extra parallel keys
 
 
-
 MODEL = {"model.layer_pattern": "GGGA", "model.n_layers": 4, "model.linear_chunk_size": 3, "model.linear_heads": 2,
          "model.linear_key_head_dim": 8, "model.linear_value_heads": 4, "model.linear_value_head_dim": 8,
          "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global"}

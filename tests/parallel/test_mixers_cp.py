@@ -29,14 +29,12 @@ from tests.utils import tiny_config
 V, T, G, STEPS = 61, 16, 4, 10
 
 
-
 def _model_cfg(pattern: str):
     return tiny_config({"model.layer_pattern": pattern, "model.n_layers": len(pattern), "model.linear_chunk_size": 3,
                         "model.linear_heads": 2, "model.linear_key_head_dim": 8, "model.linear_value_heads": 4,
                         "model.linear_value_head_dim": 8, "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global",
                         "model.swa_window": 3, "model.mamba_state_dim": 8, "model.mamba_head_dim": 8},
                        preset="hybrid_debug")
-
 
 
 def _cfg(world: int, pattern: str = "GGGA", **par):

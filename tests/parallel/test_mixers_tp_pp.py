@@ -34,7 +34,6 @@ LAYOUTS = ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "pp_schedu
 GATED = dict(MODEL, n_layers=2, layer_pattern="MA", block_ffn=False, qk_norm=True, attn_output_gate=True)
 
 
-
 def _cfg(world: int, model: dict = MODEL, **par) -> Config:
     micro = 2 if par.get("pp", 1) > 1 else 0  # two microbatches through the pipeline
     return tiny_config({"model.rope_theta": 500000.0, "training.micro_batch_size": micro,

@@ -22,7 +22,6 @@ from tests.utils import tiny_config
 V, T, G, STEPS = 61, 16, 4, 6
 
 
-
 MODEL = {"model.n_layers": 6, "model.layer_pattern": "LMGSDA", "model.linear_chunk_size": 4, "model.swa_window": 5,
          "model.dsa_top_k": 6, "model.dsa_index_heads": 2, "model.mamba_state_dim": 8, "model.mamba_head_dim": 8,
          "model.linear_heads": 2, "model.linear_value_heads": 4, "model.rope_theta": 500000.0,

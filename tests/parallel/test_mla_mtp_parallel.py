@@ -65,7 +65,6 @@ MOE_KEYS = ("aux_loss", "aux_switch", "aux_seq", "aux_z", "moe_load_max_mean", "
             "moe_dropped_frac")
 
 
-
 def mla_mtp_cfg(world: int = 1, moe: bool = False, **par) -> Config:
     return tiny_config({"model.n_kv_heads": 4, "model.mtp_depth": 2, "model.mtp_loss_weight": 0.3,
                         "training.micro_batch_size": 2 if moe else 0}, world=world,

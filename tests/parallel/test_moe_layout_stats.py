@@ -43,7 +43,6 @@ STATS = ("aux_loss", "aux_switch", "aux_seq", "aux_z", "moe_load_max_mean", "moe
 LAYOUTS = {"cp2xdp2": (2, 2, 1, "ring"), "dp4xep2": (4, 1, 2, "ring"), "dp2xcp2xep4": (2, 2, 4, "ulysses")}
 
 
-
 def make_cfg(world: int, dp_shard: int, cp: int, ep: int, impl: str) -> Config:
     return tiny_config({"model.vocab_size": V, "model.dim": C, "model.max_seq_len": 32, "model.init_std": 0.1,
                         "training.global_batch_size": G, "training.micro_batch_size": MICRO}, world=world,

@@ -53,7 +53,6 @@ LAYOUTS = {
 METRICS = ("loss", "aux_loss", "grad_norm", "moe_load_max_mean", "moe_dropped_frac", "moe_tokens_per_expert_max")
 
 
-
 def _cfg(preset: str, world: int, micro: int = 0, **par):
     return tiny_config(MOE if preset == "moe_debug" else HYBRID, world=world, preset=preset,
                        training={"micro_batch_size": micro}, parallel={"dp_shard": -1, **par})

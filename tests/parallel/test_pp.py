@@ -31,7 +31,6 @@ V, T, G, C, STEPS = 64, 8, 8, 32, 10
 SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 
 
-
 def pp_cfg(pp: int, sched: str = "1f1b", m: int = 0, v: int = 1, tie: bool = False, **par) -> Config:
     return tiny_config({"model.vocab_size": V, "model.dim": C, "model.n_layers": 8, "model.tie_embeddings": tie,
                         "data.seq_len": T, "training.global_batch_size": G, "training.lr": 1e-3},

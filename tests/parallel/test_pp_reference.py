@@ -30,7 +30,6 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-
 def _cfg(pp: int):
     """The schema's trainer defaults (lr, warmup, clipping) on a 4-layer model: pp cuts it in 2 or 4."""
     return tiny_config({"model.vocab_size": V, "model.dim": 16, "model.n_layers": 4, "model.n_heads": 2,

@@ -36,7 +36,6 @@ from tests.utils import tiny_config
 V, T, G, STEPS = 61, 8, 8, 6
 
 
-
 def moe_cfg(zero_stage: int = 0, ep: int = 1) -> Config:
     return tiny_config({"model.dim": 16, "model.n_heads": 2, "model.n_kv_heads": 1, "model.ffn_hidden": 24,
                         "model.max_seq_len": 32, "model.moe_experts": 4, "model.moe_top_k": 2,

@@ -27,7 +27,6 @@ from tests.utils import tiny_config
 V, T, STEPS, MICRO = 61, 8, 10, 4
 
 
-
 def tiny_cfg(global_batch: int, micro: int, ac: str = "none", tie: bool = False, **parallel) -> Config:
     """Not validated; ``data.seq_len`` keeps the schema default (the pp stage split reads it)."""
     return tiny_config({"model.dim": 30, "model.n_heads": 3, "model.n_kv_heads": 1, "model.ffn_hidden": 45,

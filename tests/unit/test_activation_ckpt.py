@@ -50,7 +50,6 @@ def test_one_policy_parser_for_validation_and_planner():
     assert every_blocks("sqrt", 2) == 1 and every_blocks("every:1", 8) == 1
 
 
-
 def _cfg(ac: str) -> Config:
     return tiny_config({"model.dim": 30, "model.n_layers": 4, "model.n_heads": 3, "model.n_kv_heads": 1,
                         "model.ffn_hidden": 45, "data.seq_len": 256, "training.micro_batch_size": 2,

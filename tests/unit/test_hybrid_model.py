@@ -103,7 +103,6 @@ def test_decoding_window_linear_and_sparse_layers():
     _check_decode_equals_full(cfg)
 
 
-
 def _tiny_hybrid(**over) -> ModelConfig:
     return tiny_config({"model.vocab_size": 100, "model.n_layers": 6, "model.max_seq_len": 256,
                         "model.rope_theta": 500000.0, "model.layer_pattern": "ALMGSD"},

@@ -17,7 +17,6 @@ from tests.utils import tiny_config
 MLA = dict(attention="mla", mla_q_rank=16, mla_kv_rank=12, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=6)
 
 
-
 def tiny(**kw) -> ModelConfig:
     return tiny_config({"model.vocab_size": 64, "model.max_seq_len": 32, "model.rope_theta": 500000.0,
                         "model.n_kv_heads": 4, "model.init_std": 0.2}, model=kw).model

@@ -163,7 +163,6 @@ def test_aux_loss_token_sums_match_definitions():
     assert math.isclose(float(uniform), 1.0)  # Switch loss is 1 at perfect balance
 
 
-
 def _skewed_run(rate: float, steps: int = 25) -> list[float]:
     cfg = tiny_config({**MOE, "model.moe_experts": 16, "model.moe_score": "sigmoid",
                        "model.moe_bias_update_rate": rate, "model.init_std": 0.1, "data.seq_len": 16,

@@ -29,7 +29,6 @@ from tests.utils import tiny_config
 V, T, G = 64, 8, 8
 
 
-
 def _cfg(dtype: str, moe: bool) -> Config:
     extra = {"moe_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001,
              "mtp_depth": 1} if moe else {}

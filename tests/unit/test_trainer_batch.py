@@ -16,7 +16,6 @@ from tests.utils import tiny_config
 V, T = 64, 8
 
 
-
 def _trainer(micro: int) -> Trainer:
     cfg = tiny_config({"model.vocab_size": V, "model.max_seq_len": 16, "data.seq_len": T,
                        "training.micro_batch_size": micro, "training.steps": 100, "training.lr": 3e-4,
