@@ -1,9 +1,5 @@
-"""The project's error types, in a module with no imports so every layer can raise them.
-
-``ConfigError`` lives here (re-exported by ``ndtrain.config.load``) so that ``ndtrain.config.validate``,
-``ndtrain.mesh`` and the per-axis ``rules`` modules can raise it without importing ``ndtrain.config.load``,
-which itself runs validation: no import cycle between config, validate and mesh.
-"""
+"""The project's error types, in a module without imports so every layer can raise them (validate,
+mesh and the rules modules raise ``ConfigError`` without importing ``config.load``, which validates)."""
 from __future__ import annotations
 
 

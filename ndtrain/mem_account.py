@@ -1,33 +1,15 @@
 """Per-rank memory accounting without an allocator: model-state bytes and peak activation bytes.
 
-Model state (``StateMemory``): the bytes of the tensors a rank holds, counted directly from their
-storages (each storage once, even when several tensors view it; a freed FSDP parameter's storage
-has size 0), in four categories:
+``StateMemory`` counts the storages a rank holds (each once; a freed FSDP parameter has size 0) in
+``params`` (compute-dtype params, or ZeRO-3's shards), ``grads`` (unreduced, shards, ``.grad``),
+``optim`` (Adam state, ZeRO-1/2's separate masters) and ``buffers`` (comm buffers, gathered ZeRO-3
+units), sampled at fixed points of a step and, with a ``MemorySampler`` attached, inside the
+sharded wrappers' hooks.
 
-* ``params``  - parameters the model computes with (full compute-dtype params for DDP / ZeRO-1/2;
-  the sharded fp32 params for ZeRO-3);
-* ``grads``   - gradients: full ones not yet reduced, reduced shards, the optimizer's ``.grad``;
-* ``optim``   - optimizer state: Adam moments and step counters, plus fp32 master shards where they
-  are a separate copy (ZeRO-1/2);
-* ``buffers`` - transient communication buffers and gathered (unsharded) ZeRO-3 parameters.
-
-Data-parallel objects expose ``memory_tensors() -> {category: [tensors]}``; plain DDP does not and
-is read from the model and optimizer (``state_tensors``). Samples are taken at fixed points of a
-step (after each microbatch's backward, after the gradient sync, after the optimizer step) and,
-while a ``MemorySampler`` is attached to a sharded data-parallel object's ``observers``
-(``ndtrain.parallel.zero.observe``), inside its hooks; the log reports each category's peak and
-the peak of params + grads + optim (``mem_state_peak_bytes``).
-
-Activations (``ActivationMeter``): a ``TorchDispatchMode`` that sees every tensor an operator
-creates during one microbatch's forward and backward and follows its storage's lifetime with a
-``weakref.finalize`` (views and in-place results, which alias an input, are not new storage);
-after every operator it records the bytes of storages alive at once. It
-therefore measures saved activations, recomputed activations (activation checkpointing) and
-activation gradients, on CPU and GPU alike. Excluded: storages created inside gradient
-accumulation / data-parallel gradient hooks (the autograd node running is ``AccumulateGrad``),
-storages that become a parameter's ``.grad``, and anything created inside ``untracked()``
-(data-parallel gather / reduce buffers).
-"""
+``ActivationMeter`` is a ``TorchDispatchMode`` that follows the lifetime of every storage an
+operator creates (``weakref.finalize``; views alias their input) and records the peak alive: saved,
+recomputed and gradient activations, on CPU and GPU alike. Excluded: storages made while
+``AccumulateGrad`` runs or that become a ``.grad``, and anything inside ``untracked()``."""
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +37,7 @@ def storage_bytes(tensors) -> int:
 
 
 def state_tensors(model: torch.nn.Module, optimizer, dp=None) -> dict[str, list[torch.Tensor]]:
-    """``dp.memory_tensors()`` when the data-parallel object has it, else params / grads of the
-    model and the optimizer's state tensors (plain data parallel: the params are the masters)."""
+    """``dp.memory_tensors()``, or (plain DDP) the model's params / grads and the optimizer state."""
     if dp is not None and hasattr(dp, "memory_tensors"):
         return dp.memory_tensors()
     params = list(model.parameters())
@@ -88,9 +69,8 @@ class StateMemory:
 
 
 class MemorySampler:
-    """Observer of a sharded data-parallel object's hooks: samples ``dp.memory_tensors()`` into
-    ``mem`` (a ``StateMemory``) whenever the tensors it holds change (``on_state``).
-    Attach: ``dp.observers["memory"] = MemorySampler(mem)``."""
+    """Observer sampling ``dp.memory_tensors()`` into ``mem`` on every ``on_state``. Attach:
+    ``dp.observers["memory"] = MemorySampler(mem)``."""
 
     def __init__(self, mem: StateMemory):
         self.mem = mem
@@ -113,12 +93,8 @@ def untracked():
 
 
 class ActivationMeter(TorchDispatchMode):
-    """Peak bytes of live activation storages while active; see the module docstring.
-
-    Args:
-        params: the model's parameters; storages that become their ``.grad`` are excluded.
-    Use: ``with ActivationMeter(model.parameters()) as m: loss.backward()...``; then ``m.peak``.
-    """
+    """Peak bytes of live activation storages while active (``m.peak``); storages becoming a ``.grad``
+    of ``params`` are excluded. ``with ActivationMeter(model.parameters()) as m: loss.backward()``."""
 
     def __init__(self, params):
         super().__init__()

@@ -1,32 +1,13 @@
-"""ParallelDims: the layout's degrees, validated once, and the DeviceMesh built from them.
+"""ParallelDims: the layout's degrees, validated once, and the DeviceMesh built from them
+(docs/architecture.md).
 
-Axis order, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp`` (TP innermost so it lands on the
-fastest link). Derived axes are named by purpose:
-
-* ``dp``          = dp_replicate x dp_shard: which data a rank reads;
-* ``dp_shard_cp`` = dp_shard x cp: what FSDP / ZeRO shards over;
-* ``dp_cp``       = dp_replicate x dp_shard x cp: what the loss and grad norm reduce over.
-
-Expert parallel (torchtitan's convention) borrows its ranks from ``dp_shard x cp``: flatten that
-block (dp_shard-major, cp-minor, the mesh's own order) and cut it into consecutive chunks of ``ep``
-ranks. Two more groups follow:
-
-* ``ep``  = one chunk: the ranks that split the experts between them (all-to-all dispatch);
-* ``edp`` = dp_replicate x (dp_shard x cp / ep): ranks holding the *same* experts, over which
-  expert gradients are reduced (the expert-data-parallel group);
-* ``edp_shard`` = dp_shard x cp / ep: the part of ``edp`` inside one dp_shard x cp block, over
-  which ZeRO shards the expert parameters (``ndtrain.parallel.zero.domains``);
-* ``ep_bwd`` = the same ranks as ``ep`` on a second process group (also ``mesh.group("ep").bwd``):
-  every backward all-to-all of expert parallel runs on it, so DualPipeV's overlapped F&B pairs
-  (``parallel.pp_overlap``) can run one microbatch's forward all-to-alls (on ``ep``) and another's
-  backward all-to-alls at the same time from two threads without mixing their order on one group.
-
-With ep = 1, ``ep`` has size 1, ``edp`` is ``dp_cp`` and ``edp_shard`` is ``dp_shard_cp``.
-
-``ParallelDims`` of all ones works in one process without ``init_process_group``: every group is a
-size-1 ``AxisGroup`` whose collectives are no-ops. The mesh is an explicit value passed down, never
-a global.
-"""
+Axes, outer to inner: ``pp, dp_replicate, dp_shard, cp, tp`` (tp on the fastest link). Derived:
+``dp`` = dp_replicate x dp_shard (the data a rank reads), ``dp_shard_cp`` (what ZeRO / FSDP shard
+over), ``dp_cp`` (what loss and grad norm reduce over). Expert parallel (torchtitan's convention)
+cuts the flattened dp_shard x cp block into chunks of ``ep`` ranks: ``ep`` (the all-to-all),
+``edp`` (ranks holding the same experts), ``edp_shard`` (ZeRO's expert shards) and ``ep_bwd`` (a
+second process group for backward all-to-alls, so DualPipeV's threaded pairs never share one).
+All-ones dims need no process group. The mesh is passed down, never a global."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,22 +24,16 @@ DERIVED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")
 
 
 def check_ep_borrow(ep: int, dp_shard: int, cp: int) -> None:
-    """ep borrows its ranks from the dp_shard x cp block (``Mesh`` builds its groups there), so ep
-    divides dp_shard x cp. Raises ConfigError naming the rule."""
+    """ep divides dp_shard x cp, the block it borrows its ranks from. Raises ConfigError naming the rule."""
     if (dp_shard * cp) % ep:
         raise ConfigError(f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
 
 
 @dataclass
 class AxisGroup:
-    """A named process group plus the byte counters of the mesh it belongs to.
-
-    ``pg`` is None when the axis has size 1 (or there is no process group at all); the collectives
-    in ``ndtrain.parallel.comm`` then return their input unchanged and count nothing. ``bwd``: a
-    twin of this group (same name, ranks and counters, its own process group) that backward
-    collectives run on, so a backward in one thread and a forward in another never share a
-    process group (``ep`` only, ``Mesh._make_expert_groups``); None: backward uses this group.
-    """
+    """A named process group plus its mesh's byte counters. ``pg`` None (size 1): ``comm``'s collectives
+    return their input and count nothing. ``bwd``: a twin group (same ranks and counters) for backward
+    collectives (``ep`` only); None: backward uses this group."""
 
     name: str
     size: int
@@ -70,10 +45,8 @@ class AxisGroup:
 
 @dataclass
 class ParallelDims:
-    """Validated parallel degrees. ``world_size`` must equal the product of all axes (ep excluded).
-
-    Raises ConfigError naming the rule that failed, e.g. ``"world_size (6) is not divisible by
-    pp*dp_replicate*cp*tp (4)"``.
+    """Validated degrees; ``world_size`` must equal the product of all axes (ep excluded). Raises
+    ConfigError naming the rule, e.g. ``"world_size (6) is not divisible by pp*dp_replicate*cp*tp (4)"``.
     """
 
     dp_replicate: int = 1
@@ -86,8 +59,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p, world_size: int) -> ParallelDims:
-        """Degrees from a ``ParallelConfig`` ``p`` (typed by name: ``ndtrain.config.load`` imports this
-        module's users, not the other way round) on ``world_size`` ranks."""
+        """Degrees from a ``ParallelConfig`` on ``world_size`` ranks (typed by name: config imports this
+        module's users)."""
         if world_size < 1:
             raise ConfigError(f"world_size ({world_size}) must be >= 1")
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
@@ -134,11 +107,8 @@ class ParallelDims:
 
 
 class Mesh:
-    """The layout's DeviceMesh with named and derived axes, and per-axis byte counters.
-
-    ``mesh.group("dp")`` returns the ``AxisGroup`` of this rank on that axis. ``mesh.stats`` maps
-    axis name to bytes sent by this rank since the last ``reset_stats()``.
-    """
+    """The layout's DeviceMesh with named and derived axes. ``group(name)``: this rank's ``AxisGroup``;
+    ``stats``: bytes sent per axis since ``reset_stats()``."""
 
     def __init__(self, dims: ParallelDims, device_type: str = "cpu"):
         import torch.distributed as dist  # torch only once a mesh is built: the rules above stay torch-free
@@ -177,7 +147,7 @@ class Mesh:
         return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
 
     def _make_expert_groups(self, device_type: str) -> None:
-        """Add the ``ep`` and ``edp`` groups (see module docstring)."""
+        """Add the ``ep``, ``edp`` and ``edp_shard`` groups."""
         d = self.dims
         if d.ep == 1:
             self._groups["ep"] = self._groups["ep_bwd"] = AxisGroup("ep", 1, 0, None, self.stats)
@@ -207,10 +177,8 @@ class Mesh:
             self._groups["edp"] = AxisGroup("edp", edp_size, edp.get_local_rank(), edp.get_group(), self.stats)
 
     def _twin(self, group: AxisGroup, ranks: torch.Tensor) -> AxisGroup:
-        """A second process group over the ranks of ``group`` (``ranks``: global ranks, the group's
-        axis last), set as ``group.bwd`` and returned. Collective: every rank creates every twin,
-        in the same order (``new_group``); a gloo group costs a few sockets, an NCCL one nothing
-        until its first collective."""
+        """A second process group over ``ranks`` (global, the group's axis last), set as ``group.bwd``.
+        Collective: every rank creates every twin in the same order (``new_group``)."""
         import torch.distributed as dist
 
         mine = None

@@ -1,23 +1,12 @@
-"""Mixed precision: compute dtypes and dynamic loss scaling for fp16.
+"""Mixed precision (Micikevicius et al. 2018): compute dtypes and dynamic loss scaling for fp16.
 
-``training.dtype`` picks the recipe (Micikevicius et al. 2018, "Mixed Precision Training"):
-
-* ``float64`` / ``float32``: everything in that dtype, no autocast.
-* ``bfloat16``: fp32 master weights, bf16 compute under ``torch.autocast``. Plain data parallel keeps
-  fp32 parameters (autocast casts them per op); ZeRO-1/2 keep bf16 model parameters and fp32 master
-  shards; ZeRO-3 gathers bf16 copies of fp32 shards. Gradients are reduced in
-  ``parallel.grad_reduce_dtype`` (fp32 default, bf16 halves the traffic) and accumulated in fp32.
-* ``float16``: as bf16 but fp16 compute, whose 5-bit exponent underflows small gradients, so the
-  loss is multiplied by a scale S before backward and gradients by 1/S after (dynamic loss scaling,
-  ``LossScaler``).
-
-Dynamic loss scaling: after the gradient sync, each rank checks its gradients for inf / NaN and the
-flags are max-reduced over every rank of the mesh (by the caller's ``reduce_max``, e.g.
-``ndtrain.parallel.dp.grad_sync.max_over_mesh(mesh)``; this module never touches process groups),
-so all ranks agree. On overflow every rank skips the
-optimizer step (and the LR schedule does not advance) and halves S; after
-``loss_scale_growth_interval`` consecutive good steps S doubles.
-"""
+``float64`` / ``float32``: no autocast. ``bfloat16``: fp32 masters, bf16 compute under autocast
+(DDP keeps fp32 parameters; ZeRO-1/2 bf16 parameters with fp32 master shards; ZeRO-3 gathers bf16
+copies); gradients reduced in ``parallel.grad_reduce_dtype`` and accumulated in fp32. ``float16``:
+as bf16, plus a loss scale S against its 5-bit exponent's underflow: overflow flags are
+max-reduced over the mesh by the caller's ``reduce_max`` (no process groups here), every rank then
+skips the step (no LR advance) and halves S; S doubles after ``loss_scale_growth_interval`` good
+steps."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,20 +22,14 @@ def compute_dtype(dtype: str) -> torch.dtype | None:
 
 
 def grad_reduce_dtype(dtype: str, grad_reduce: str) -> torch.dtype | None:
-    """Dtype of gradient reductions: ``parallel.grad_reduce_dtype`` under mixed precision, else
-    None (the parameters' dtype)."""
+    """``parallel.grad_reduce_dtype`` under mixed precision, else None (the parameters' dtype)."""
     return getattr(torch, grad_reduce) if dtype in _MIXED else None
 
 
 class LossScaler:
-    """Dynamic loss scale for fp16 (Micikevicius et al. 2018; the rules of torch.amp.GradScaler).
-
-    Args:
-        init_scale: S at the start.
-        growth_interval: consecutive finite steps after which S doubles.
-        growth_factor / backoff_factor: multipliers of S on growth / overflow.
-    Attributes: ``scale`` (float), ``good_steps`` (finite steps since the last change).
-    """
+    """Dynamic fp16 loss scale (the rules of ``torch.amp.GradScaler``): ``scale`` starts at
+    ``init_scale``, times ``growth_factor`` after ``growth_interval`` finite steps, times
+    ``backoff_factor`` on overflow; ``good_steps`` counts finite steps since the last change."""
 
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
@@ -58,11 +41,8 @@ class LossScaler:
     @torch.no_grad()
     def unscale_and_check(self, grads: list[torch.Tensor],
                           reduce_max: Callable[[torch.Tensor], None] | None = None) -> bool:
-        """Multiply ``grads`` in place by 1/S; return True if every gradient of every rank is finite.
-
-        ``reduce_max(flag)`` max-reduces the (1,) float32 overflow flag in place over every rank
-        of the mesh (a collective: every rank calls it); None in a single process.
-        """
+        """Multiply ``grads`` by 1/S in place; True if every rank's are finite. ``reduce_max`` max-reduces
+        the (1,) float32 flag over the mesh (a collective); None in one process."""
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g in grads:
             if not torch.isfinite(g).all():

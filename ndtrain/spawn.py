@@ -1,12 +1,8 @@
-"""``spawn``: the one helper that starts local ranks, for the trainer (``ndtrain.cli.launch``), the
-planner's measurements, the tests (``tests/dist_utils.run_ranks``) and the benchmarks.
+"""``spawn``: the one helper starting local ranks (trainer, planner measurements, tests, benchmarks).
 
-Each rank is a fresh interpreter (multiprocessing "spawn": no state forked from the launcher, and
-CUDA-safe) with the torchrun-style environment, an optional default process group, and a result
-handed back through a file. Failures come back as one ``SpawnError`` naming the rank to blame,
-with that rank's traceback once, instead of every rank's. Torch is imported only inside ranks that
-use it, so the command line can name ``SpawnError`` without importing torch.
-"""
+Each rank is a fresh interpreter (multiprocessing "spawn": CUDA-safe) with the torchrun
+environment, an optional default process group and a result file. Failures come back as one
+``SpawnError`` blaming one rank, with its traceback once. Torch is imported only inside ranks."""
 from __future__ import annotations
 
 import os
@@ -26,9 +22,8 @@ from pathlib import Path
 
 
 class SpawnError(RuntimeError):
-    """A spawned rank failed, died or hung. ``rank``: the rank to blame (None when several hung);
-    ``details``: its Python traceback ("" when it died without one); ``exitcode``: that rank's
-    exit code (negative: killed by that signal; None when unknown)."""
+    """A rank failed, died or hung. ``rank``: the one to blame (None if several hung); ``details``: its
+    traceback ("" if none); ``exitcode``: negative for a signal, None when unknown."""
 
     def __init__(self, message: str, rank: int | None = None, details: str = "", exitcode: int | None = None):
         super().__init__(message)
@@ -36,8 +31,7 @@ class SpawnError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 the OS just found free (another process may take it before rank 0
-    binds it; ``spawn`` retries that case)."""
+    """A free 127.0.0.1 TCP port (another process may take it first; ``spawn`` retries)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,19 +42,13 @@ def spawn(fn, nprocs: int, args: tuple = (), *, backend: str | None = None, thre
           group_timeout_s: float = 600.0) -> list:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; return the per-rank results.
 
-    Each rank gets ``MASTER_ADDR``/``MASTER_PORT`` (a free loopback port), ``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` and ``env`` in its environment; ``threads`` sets its torch / OpenMP thread count.
-    With ``backend`` ("gloo" / "nccl") the helper creates the default process group around ``fn``
-    (collective timeout ``group_timeout_s``) and barriers before tearing it down; without it ``fn``
-    creates its own. ``fn`` and ``args`` must be picklable (``fn`` at module level), as must the
-    results. The ranks ignore SIGINT: a Ctrl-C (KeyboardInterrupt) in the caller stops them all,
-    and a rank whose parent dies exits within a second, so no rank outlives its launcher.
+    Each rank gets ``MASTER_ADDR`` / ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``env``; ``threads`` sets its thread count. With ``backend`` the helper owns the default process
+    group (timeout ``group_timeout_s``). ``fn`` (module level), ``args`` and results must pickle. Ranks
+    ignore SIGINT and exit within a second if the parent dies.
 
-    Raises:
-        SpawnError: a rank raised (the message names the first rank that failed and its error; the
-            traceback is in ``details``), died without a Python error, or ranks were still running
-            after ``timeout_s`` seconds (all are then killed; the message names them).
-    """
+    Raises SpawnError when a rank raised (``details``: its traceback), died without a Python error, or
+    ranks ran past ``timeout_s`` (then all are killed and named)."""
     for attempt in range(3):
         try:
             return _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env or {}, group_timeout_s)
@@ -129,8 +117,7 @@ def _write(out_dir: str, rank: int, payload: bytes) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Watchdog thread of a rank: exit at once if the launcher died (SIGKILL, crash), so no rank
-    keeps training on its own."""
+    """Rank watchdog: exit at once if the launcher died, so no rank trains on alone."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)
@@ -152,8 +139,8 @@ def _environ(updates: dict[str, str]):
 
 @contextmanager
 def _sigint_ignored():
-    """Ranks start with SIGINT ignored (Python keeps an inherited SIG_IGN): a Ctrl-C reaches the
-    whole terminal process group, and only the launcher should react to it, by stopping the ranks."""
+    """Ranks start with SIGINT ignored: Ctrl-C reaches the whole terminal process group, and only the
+    launcher should react (by stopping the ranks)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -182,8 +169,7 @@ def _wait(procs, out_dir: str, timeout_s: float | None) -> None:
 
 
 def stop_processes(procs, grace_s: float = 5.0) -> None:
-    """Terminate the started processes that are still alive, wait up to ``grace_s`` seconds in all,
-    then kill what is left."""
+    """Terminate live processes, wait up to ``grace_s`` in all, kill the rest."""
     procs = [p for p in procs if p.pid is not None]  # started ones
     for p in procs:
         if p.is_alive():
@@ -204,10 +190,8 @@ def _read(out_dir: str, rank: int):
 
 
 def _blame(procs, out_dir: str, first: int, codes: list) -> SpawnError:
-    """The rank killed by a signal before the launcher stopped anyone (``codes``: exit codes then;
-    its peers' Python errors, "connection closed by peer", are its consequence); else the rank whose
-    Python error came first (the others usually fail because it left their collectives); else
-    ``first``, the rank seen dying first, by its exit code."""
+    """The rank killed by a signal before anyone was stopped (its peers' errors follow from it); else the
+    first Python error; else ``first``, the rank seen dying first."""
     n, errors = len(procs), []
     killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
     if killed:

@@ -1,22 +1,11 @@
-"""Corpus sources: turn ``DataConfig.source`` into a deterministic stream of text documents.
+"""Corpus sources: ``DataConfig.source`` as a deterministic stream of text documents.
 
-Sources (``DataConfig.source``):
-
-- ``"stdlib"``: every ``.py`` file of the running interpreter's standard library
-  (``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` / ``dist-packages``), sorted by
-  relative path; one document per file. Handy as a zero-download code corpus.
-- otherwise a path, a glob (``**`` allowed) or a comma-separated list of them. A directory means
-  every non-hidden file below it. Per file, by suffix:
-  ``.jsonl`` one document per non-blank line, the string in field ``text_field``;
-  ``.parquet`` one document per non-null value of column ``text_field`` (read with pyarrow);
-  anything else is UTF-8 plain text, one document per file.
-
-``max_corpus_bytes > 0`` caps the UTF-8 bytes yielded in total: the document crossing the cap is cut
-at a character boundary and the stream ends there.
-
-``source_fingerprint(cfg)`` hashes the matched files (path, size, mtime) and the config fields that
-change the text, so caches built from a corpus are invalidated when it changes.
-"""
+``"stdlib"``: the interpreter's standard-library ``.py`` files (no site-packages), by relative
+path, one document each. Otherwise a path, glob (``**``) or comma-separated list; a directory means
+every non-hidden file below it. ``.jsonl``: one document per line (field ``text_field``);
+``.parquet``: one per non-null value of column ``text_field``; else UTF-8 text, one per file.
+``max_corpus_bytes > 0`` cuts the stream at a character boundary. ``source_fingerprint`` hashes the
+files and fields so caches follow corpus changes."""
 from __future__ import annotations
 
 import glob
@@ -62,11 +51,8 @@ def _expand_one(spec: str) -> list[Path]:
 
 
 def resolve_files(cfg: DataConfig) -> list[Path]:
-    """The files of ``cfg.source`` in reading order.
-
-    Raises:
-        ValueError: a path / glob of the source matched no file (the message names it).
-    """
+    """The files of ``cfg.source`` in reading order. Raises ValueError naming a path / glob that matched
+    nothing."""
     if cfg.source == "stdlib":
         files = stdlib_files()
         if not files:
@@ -153,14 +139,9 @@ def _iter_file(path: Path, cfg: DataConfig) -> Iterator[str]:
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """Yield the documents of ``cfg.source`` in a deterministic order (see module docstring).
-
-    Empty documents are skipped. Total UTF-8 size is capped at ``cfg.max_corpus_bytes`` when > 0.
-
-    Raises:
-        ValueError: no files matched, a JSONL record / parquet file lacks ``text_field``,
-            or a file cannot be read or decoded (the message names the path).
-    """
+    """The non-empty documents of ``cfg.source`` in a fixed order, capped at ``cfg.max_corpus_bytes``.
+    Raises ValueError (naming the path) when nothing matched, a record lacks ``text_field``, or a file
+    cannot be read or decoded."""
     cap = cfg.max_corpus_bytes
     total = 0
     for path in resolve_files(cfg):
@@ -179,12 +160,8 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
-    """Stable hex digest (16 chars) of the source: matched files' paths, sizes, mtimes and the
-    config fields that change the text (``source``, ``text_field``, ``max_corpus_bytes``).
-
-    Raises:
-        ValueError: as ``resolve_files``.
-    """
+    """16-hex-char digest of the matched files (path, size, mtime) and ``source``, ``text_field``,
+    ``max_corpus_bytes``. Raises ValueError as ``resolve_files``."""
     h = hashlib.sha256()
     h.update(json.dumps({"source": cfg.source, "text_field": cfg.text_field,
                          "max_corpus_bytes": cfg.max_corpus_bytes}, sort_keys=True).encode())

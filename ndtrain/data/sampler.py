@@ -1,12 +1,9 @@
-"""Layout-independent batch sampling: the global batch at a step is the same whatever the DP degree.
+"""Layout-independent batch sampling: the global batch at a step is the same whatever the dp degree.
 
-The training order is one global stream of sequence indices: epoch ``e`` is
-``torch.randperm(num_sequences)`` drawn from a generator seeded from ``(seed, e)``, and the epochs
-are concatenated. Global batch ``s`` is stream items ``[s*G, (s+1)*G)``. Each data-parallel rank
-takes a contiguous slice of the global batch (``local_slice``). The whole state is ``consumed``
-(stream items used so far), so a run may resume with a different number of data-parallel ranks -
-or even a different global batch size - and continue the very same stream.
-"""
+One global stream of sequence indices: epoch ``e`` is ``torch.randperm(N)`` seeded from
+``(seed, e)``; global batch ``s`` is items ``[s*G, (s+1)*G)``, each dp rank taking a contiguous
+slice. The state is ``consumed`` alone, so a run resumes on another dp degree, or global batch
+size, and continues the same stream."""
 from __future__ import annotations
 
 import hashlib
@@ -22,11 +19,8 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 def local_slice(global_indices: Sequence[int], dp_rank: int, dp_size: int) -> list[int]:
-    """Rank ``dp_rank``'s contiguous share of a global batch: items ``[r*G/dp, (r+1)*G/dp)``.
-
-    Raises:
-        ValueError: ``len(global_indices)`` not divisible by ``dp_size``, or rank out of range.
-    """
+    """Rank ``dp_rank``'s items ``[r*G/dp, (r+1)*G/dp)``. Raises ValueError if G % dp_size or the rank is
+    off."""
     g = len(global_indices)
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size={dp_size})")
@@ -37,14 +31,8 @@ def local_slice(global_indices: Sequence[int], dp_rank: int, dp_size: int) -> li
 
 
 class GlobalBatchSampler:
-    """Reshardable, resumable sampler of global batches of sequence indices.
-
-    Args:
-        num_sequences: sequences in the split (N >= 1); indices are in ``[0, N)``.
-        global_batch_size: sequences per optimizer step over all ranks (G >= 1); may exceed N
-            (a batch then spans epochs).
-        seed: picks the stream.
-    """
+    """Reshardable, resumable sampler of global batches: indices in ``[0, num_sequences)``,
+    ``global_batch_size`` G >= 1 (may exceed N: a batch then spans epochs), ``seed`` picks the stream."""
 
     def __init__(self, num_sequences: int, global_batch_size: int, seed: int = 0):
         if num_sequences < 1:
@@ -108,8 +96,7 @@ class GlobalBatchSampler:
         return {"consumed": self.consumed, "seed": self.seed, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Continue the stream of ``sd``: adopts its ``consumed`` and ``seed``. The saved
-        ``global_batch_size`` is informational; this sampler keeps its own G."""
+        """Continue ``sd``'s stream (its ``consumed`` and ``seed``); this sampler keeps its own G."""
         consumed = int(sd["consumed"])
         if consumed < 0:
             raise ValueError(f"consumed ({consumed}) must be >= 0")
@@ -120,15 +107,9 @@ class GlobalBatchSampler:
 
 def val_batches(num_sequences: int, global_batch_size: int, num_batches: int | None = None,
                 dp_rank: int = 0, dp_size: int = 1) -> Iterator[list[int]]:
-    """Validation order: sequences 0, 1, 2, ... (fixed, unshuffled), in global batches of G, each
-    sliced for ``dp_rank`` (see ``local_slice``).
-
-    Yields ``num_batches`` batches, or when None ``max(1, N // G)`` (the full batches). Indices
-    wrap around modulo N, so a split smaller than a batch still yields full, equal-sized batches.
-
-    Raises:
-        ValueError: ``num_sequences < 1``, or G not divisible by ``dp_size``.
-    """
+    """Validation order: sequences 0, 1, 2, ... unshuffled, in global batches of G sliced for
+    ``dp_rank``; ``num_batches`` of them (None: ``max(1, N // G)``), wrapping modulo N. Raises
+    ValueError if ``num_sequences < 1`` or G % dp_size."""
     if num_sequences < 1:
         raise ValueError(f"validation split has no sequence (num_sequences={num_sequences}); "
                          f"lower data.seq_len or raise data.val_fraction")

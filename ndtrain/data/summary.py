@@ -1,12 +1,6 @@
-"""What a run trains on, in numbers: ``data_summary(data, cfg)`` (written to the run directory as
-``data_summary.json`` and printed in the start-up summary).
-
-``bytes_read`` is the UTF-8 size of the text the corpus source yields under ``data.max_corpus_bytes``
-(what was tokenized); ``truncated`` says whether the cap cut the corpus. Both come from one pass
-over the source's documents (no tokenization), stopping one byte past the cap, and are cached in the
-prepared data folder (``corpus_bytes.json``; its key already covers the corpus and the cap), so only
-the first run on a corpus pays for the pass.
-"""
+"""What a run trains on, in numbers (``data_summary.json``, the start-up summary). ``bytes_read`` and
+``truncated`` come from one pass over the documents, cached in the prepared folder
+(``corpus_bytes.json``), so only the first run on a corpus pays for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +16,8 @@ _CACHE = "corpus_bytes.json"
 
 
 def corpus_bytes(cfg: DataConfig) -> tuple[int, bool]:
-    """(bytes read, truncated) of ``cfg.source`` under ``cfg.max_corpus_bytes`` (0 = no cap).
-
-    Raises ValueError as ``iter_documents`` (unreadable or missing source)."""
+    """(bytes read, truncated) under ``cfg.max_corpus_bytes`` (0 = no cap). Raises ValueError as
+    ``iter_documents``."""
     cap = cfg.max_corpus_bytes
     total = 0
     for doc in iter_documents(dataclasses.replace(cfg, max_corpus_bytes=0)):
@@ -53,13 +46,9 @@ def _cached_corpus_bytes(data, cfg: DataConfig) -> tuple[int, bool]:
 
 
 def data_summary(data, cfg: Config) -> dict:
-    """The corpus of a run: ``source``, ``tokenizer`` (the ``data.tokenizer`` setting),
-    ``vocab_size`` (tokenizer ids), ``eos_id``, ``bytes_read``, ``truncated``, ``train_tokens``,
-    ``val_tokens``, ``epochs`` = tokens the run consumes (steps x global_batch_size x seq_len) /
-    train_tokens.
-
-    Args: ``data``: the prepared ``TokenData``; ``cfg``: the run's config.
-    Raises ValueError when the source cannot be read (see ``iter_documents``)."""
+    """``source``, ``tokenizer``, ``vocab_size``, ``eos_id``, ``bytes_read``, ``truncated``,
+    ``train_tokens``, ``val_tokens``, ``epochs`` (steps x global_batch_size x seq_len / train_tokens).
+    Raises ValueError when the source cannot be read."""
     meta = data.meta
     n_bytes, truncated = _cached_corpus_bytes(data, cfg.data)
     t = cfg.training

@@ -1,12 +1,6 @@
-"""Causal multi-head attention with grouped-query attention (GQA, Ainslie 2023) and RoPE (Su 2021),
-as in Llama 2 / Llama 3 (Touvron 2023; Llama 3, 2024).
-
-The per-rank head counts are read from the weight shapes at forward time
-(``wq.weight.shape[0] // head_dim``), so tensor parallel can shard heads across ranks without
-touching this file. The attention kernel is the overridable ``Attention.core(q, k, v)``: context
-parallel replaces it per instance (``block.attention.core = ring_core``) to change how keys and
-values are gathered, while projections, RoPE and the KV cache stay here.
-"""
+"""Causal attention with GQA (Ainslie 2023) and RoPE (Su 2021), as in Llama 2 / 3 (Touvron 2023).
+Head counts come from weight shapes at forward time (tp shards heads without touching this file);
+``Attention.core`` is replaced per instance by cp."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -30,16 +24,9 @@ class KVCacheLike(Protocol):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
-    """Scaled dot-product attention, causal, with GQA broadcasting of kv heads.
-
-    Args:
-        q: (B, H, T, D) queries; query t sits at sequence index ``q_offset + t``.
-        k, v: (B, G, S, D) keys / values at sequence indices 0 .. S-1; H must be a multiple of G.
-        q_offset: number of keys before the first query (the cached length when decoding).
-
-    Returns: (B, H, T, D). Query t attends to keys s <= q_offset + t. Scale 1/sqrt(D).
-    Raises ValueError if H is not a multiple of G or the keys do not cover the queries.
-    """
+    """q (B, H, T, D) at indices ``q_offset + t``, k / v (B, G, S, D) -> (B, H, T, D); query t sees keys
+    s <= q_offset + t, scale 1/sqrt(D). Raises ValueError if H % G != 0 or the keys do not cover the
+    queries."""
     h, g, t, s = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     if h % g:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({g})")
@@ -56,20 +43,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
 
 
 class Attention(nn.Module):
-    """Projections ``wq``, ``wk``, ``wv``, ``wo`` (no biases), RoPE, causal GQA; optionally
-    ``q_norm`` / ``k_norm``, an RMSNorm over each head's D dims of q and k before RoPE (QK-norm as in
-    Qwen3, "Qwen3 Technical Report", 2025; Dehghani et al. 2023), one gain shared by all heads.
+    """``wq``, ``wk``, ``wv``, ``wo`` (no biases), RoPE, causal GQA: x (B, T, C), cos / sin (T, D/2) or
+    (B, T, D/2) -> (B, T, C).
 
-    Args:
-        dim: model width C.
-        n_heads: query heads H; n_kv_heads: kv heads G (H % G == 0).
-        layer_id: the block's key in ``Transformer.layers``; names this layer in a KV cache.
-        head_dim: D (0 = C / H; Qwen3 uses D != C / H). qk_norm: add ``q_norm`` / ``k_norm`` with
-        epsilon ``norm_eps``. output_gate: add ``wg`` (C -> H*D): the heads' output is multiplied by
-        ``sigmoid(wg x)`` before ``wo`` (Qwen3-Next's gated attention).
-
-    Shapes: x (B, T, C), cos / sin (T, D/2) or (B, T, D/2) -> (B, T, C).
-    """
+    ``head_dim``: D (0 = C / H). ``qk_norm``: RMSNorm over each head's D dims of q and k before RoPE
+    (Qwen3, 2025; Dehghani et al. 2023). ``output_gate``: heads times ``sigmoid(wg x)`` before ``wo``
+    (Qwen3-Next). ``layer_id`` names the layer in a KV cache."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: str = "0", head_dim: int = 0,
                  qk_norm: bool = False, norm_eps: float = 1e-5, output_gate: bool = False):
@@ -91,15 +70,13 @@ class Attention(nn.Module):
         self.wg = nn.Linear(dim, n_heads * self.head_dim, bias=False) if output_gate else None  # (H*D, C)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over one full sequence: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D).
-
-        Overridable (assign a callable to the instance attribute ``core``) by context parallel.
-        """
+        """Causal attention, one full sequence: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D). cp
+        overrides it."""
         return causal_attention(q, k, v)
 
     def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-        """Decoding: q (B, H, T, D) after ``past`` cached tokens, k / v (B, G, past + T, D) ->
-        (B, H, T, D). Mixers that restrict what a query sees (a sliding window) override it."""
+        """Decoding: q (B, H, T, D) after ``past`` cached tokens, k / v (B, G, past + T, D) -> (B, H, T, D).
+        Mixers that restrict what a query sees override it."""
         return causal_attention(q, k, v, q_offset=past)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -115,8 +92,8 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|G, T, D)
 
     def merge(self, out: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
-        """Heads back to the model width: (B, H, T, D) -> wo -> (B, T, C). With the output gate
-        (``wg``), the (B, T, H*D) heads are first multiplied by ``sigmoid(wg x)``, x the block input."""
+        """(B, H, T, D) -> (B, T, C) via ``wo``; with ``wg`` first times ``sigmoid(wg x)``, x the block
+        input."""
         b, _, t, _ = out.shape
         o = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
         if self.wg is not None:

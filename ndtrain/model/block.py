@@ -16,17 +16,10 @@ from ndtrain.model.norm import RMSNorm
 
 
 class TransformerBlock(nn.Module):
-    """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
-
-    ``attention`` is the layer's token mixer (``cfg.layer_pattern``): ``Attention`` (MHA / GQA) or
-    ``MLAttention`` (``cfg.attention == "mla"``) for softmax layers, else a mixer of
-    ``ndtrain.model.mixers`` (linear, mamba2, gated_deltanet, sliding_window, dsa);
-    ``feed_forward`` is ``FeedForward`` or ``MoE`` (``cfg.is_moe_layer(layer_index)``). With
-    ``cfg.block_ffn`` false the block is ``x + attention(attention_norm(x))`` only (Mamba-2's
-    mixer-only block; ``ffn_norm`` and ``feed_forward`` are None).
-
-    Shapes: x (B, T, C), cos / sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C).
-    """
+    """``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``; x (B, T, C), cos /
+    sin (T, D_rope/2) or (B, T, D_rope/2) -> (B, T, C). ``attention``: the layer's mixer (``Attention``,
+    ``MLAttention`` or ``mixers``); ``feed_forward``: ``FeedForward`` or ``MoE``. Without
+    ``cfg.block_ffn`` only the mixer half (Mamba-2)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: str, layer_index: int | None = None):
         super().__init__()

@@ -1,21 +1,13 @@
-"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency
-with DeepSeek Sparse Attention"), on GQA attention: a lightweight *lightning indexer* scores every
-earlier key for each query,
+"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp"), on GQA: a lightning indexer
+scores every earlier key,
 
     I_{t,s} = sum_j w_{t,j} ReLU(q^I_{t,j} . k^I_s)      (H_I indexer heads, one shared indexer key)
 
-and each query attends only to its top-k keys by that score. ``topk_attention`` (the fast form)
-gathers the k selected keys / values per query (O(T k) attention); ``dense_topk_attention`` is its
-twin: full attention under the selection mask.
-
-Training the indexer (the report's sparse stage): top-k selection passes no gradient, so the
-indexer is trained by its own loss, the KL divergence from the main attention's distribution over
-the selected keys (summed over heads, renormalised; detached) to softmax(I) over the same keys, with
-the indexer's input detached, so the loss reaches only the indexer weights. It is summed over
-sequences (a per-sequence mean over tokens), which adds up the same under any data / ZeRO layout,
-and enters backward through ``AttachLoss`` (the device of Megatron-LM's MoE aux-loss scaler); the
-logged loss stays the language-model loss. Not built: the dense warm-up stage.
-"""
+and each query attends only to its top-k keys. ``topk_attention`` gathers them (O(T k));
+``dense_topk_attention`` is its masked-full-attention twin. Selection passes no gradient, so the
+indexer learns from its own loss: KL from the main attention's (detached) distribution over the
+selected keys to softmax(I), on a detached input, summed over sequences (layout-independent),
+entering backward through ``AttachLoss``. The dense warm-up stage is not built."""
 from __future__ import annotations
 
 import torch
@@ -27,11 +19,8 @@ from ndtrain.model.rope import apply_rope
 
 
 def select_topk(index_scores: torch.Tensor, top_k: int, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal top-k per query of ``index_scores`` (B, T, S) (query i at position q_offset + i).
-
-    Returns idx (B, T, k') int64 key positions and valid (B, T, k') bool (False where fewer than k'
-    keys precede the query), k' = min(top_k, S).
-    """
+    """Causal top-k of ``index_scores`` (B, T, S) (query i at q_offset + i) -> idx (B, T, k') int64,
+    valid (B, T, k') bool (False where fewer keys precede), k' = min(top_k, S)."""
     t, s = index_scores.shape[1:]
     qi = torch.arange(t, device=index_scores.device)[:, None] + q_offset
     causal = torch.arange(s, device=index_scores.device)[None, :] <= qi  # (T, S)
@@ -42,8 +31,8 @@ def select_topk(index_scores: torch.Tensor, top_k: int, q_offset: int = 0) -> tu
 
 def dense_topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                          valid: torch.Tensor) -> torch.Tensor:
-    """Twin: q (B, H, T, D), k / v (B, G, S, D), idx / valid (B, T, k) -> (B, H, T, D) by full
-    attention under the mask "key s is among query t's valid selections"."""
+    """Twin: q (B, H, T, D), k / v (B, G, S, D), idx / valid (B, T, k) -> (B, H, T, D), full attention
+    under the selection mask."""
     b, t, _ = idx.shape
     mask = torch.zeros(b, t, k.shape[2], dtype=torch.bool, device=q.device)
     mask.scatter_(2, idx, valid)
@@ -51,8 +40,8 @@ def dense_topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
 
 
 class AttachLoss(torch.autograd.Function):
-    """fwd: returns ``x`` unchanged; bwd: passes ``x``'s gradient through and seeds ``loss`` (a 0-d
-    tensor) with gradient 1, so ``loss`` is minimised as if it were added to the objective."""
+    """fwd: ``x``; bwd: ``x``'s gradient, and gradient 1 for the 0-d ``loss`` (as if added to the
+    objective)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -67,10 +56,9 @@ class AttachLoss(torch.autograd.Function):
 
 def indexer_kl(picked_scores: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor,
                reduce_heads=None) -> torch.Tensor:
-    """The indexer loss: sum over sequences of the mean over queries of KL(p || softmax(I)) on the
-    selected keys. picked_scores / valid (B, T, k); probs (B, G, R, T, k) main attention (detached).
-    ``reduce_heads``: None, or a callable adding the heads held elsewhere to the (B, T, k) head sum
-    (tensor parallel's all-reduce), so p always sums all H heads. Returns a 0-d tensor."""
+    """Indexer loss (0-d): sum over sequences of the mean over queries of KL(p || softmax(I)) on the
+    selected keys. picked_scores / valid (B, T, k); probs (B, G, R, T, k). ``reduce_heads``: adds the
+    heads held elsewhere (tp's all-reduce), so p covers all H."""
     p = probs.detach().sum((1, 2))  # (B, T, k) summed over heads
     if reduce_heads is not None:
         p = reduce_heads(p)
@@ -82,8 +70,8 @@ def indexer_kl(picked_scores: torch.Tensor, valid: torch.Tensor, probs: torch.Te
 
 def topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                    valid: torch.Tensor, return_probs: bool = False):
-    """Fast form: gather the selected keys / values (B, G, T, k, D) and attend over k per query.
-    With ``return_probs`` also returns the attention probabilities (B, G, H/G, T, k)."""
+    """Gather the selected keys / values (B, G, T, k, D) and attend; ``return_probs`` adds (B, G, H/G, T,
+    k)."""
     b, h, t, d = q.shape
     g, kk = k.shape[1], idx.shape[-1]
     gather = idx[:, None, :, :, None].expand(b, g, t, kk, d)  # (B, G, T, k, D)
@@ -102,12 +90,9 @@ def topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch
 
 
 class SparseAttention(Attention):
-    """``Attention`` (projections ``wq wk wv wo``, RoPE, GQA) plus the indexer ``wq_index`` (C ->
-    H_I*D), ``wk_index`` (C -> D), ``w_index`` (C -> H_I); each query attends to ``cfg.dsa_top_k``
-    keys. Decoding caches the indexer keys in ``kv_cache.states[layer_id]``.
-
-    Shapes: x (B, T, C), cos / sin (T, D/2) -> (B, T, C).
-    """
+    """``Attention`` plus the indexer ``wq_index`` (C -> H_I*D), ``wk_index`` (C -> D), ``w_index``
+    (C -> H_I); x (B, T, C), cos / sin (T, D/2) -> (B, T, C). Decoding caches indexer keys in
+    ``kv_cache.states[layer_id]``."""
 
     def __init__(self, cfg, layer_id: str = "0"):
         super().__init__(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id)

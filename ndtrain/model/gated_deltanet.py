@@ -1,7 +1,5 @@
-"""Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving
-Mamba2 with Delta Rule"), laid out as the Qwen3-Next implementation in ``transformers``
-(``Qwen3NextGatedDeltaNet``: same parameter names and shapes, same interleaved projection order,
-so its weights import without reshuffling):
+"""Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh 2024), laid out as ``transformers``'
+``Qwen3NextGatedDeltaNet`` (same names, shapes and interleaved projection order):
 
     [q, k, v, z] = in_proj_qkvz(x) (grouped per key head);  [b, a] = in_proj_ba(x)
     q, k, v = silu(conv1d([q, k, v]));  q, k = l2norm(q), l2norm(k);  q = q / sqrt(K)
@@ -9,9 +7,7 @@ so its weights import without reshuffling):
     S_t = e^(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;  o_t = S_t^T q_t
     out = out_proj(RMSNorm(o) * silu(z))
 
-Key heads H_k serve H_v / H_k value heads each (grouped value attention). Training uses the
-chunked UT-transform op, decoding the recurrent step (``ndtrain.ops.gated_delta``).
-"""
+Each key head serves H_v / H_k value heads (``ops.gated_delta``)."""
 from __future__ import annotations
 
 import torch
@@ -49,11 +45,8 @@ def run_gated_delta(q, k, v, g, beta, state, chunk_size: int):
 
 
 class GatedDeltaNet(nn.Module):
-    """Shapes: x (B, T, C) -> (B, T, C); cos / sin ignored (the short convolution gives position).
-
-    Sizes: key heads H_k (``linear_heads``) of dim K, value heads H_v of dim V, conv width
-    ``linear_conv_kernel``; state (B, H_v, K, V) plus the conv window (B, W-1, 2 H_k K + H_v V).
-    """
+    """x (B, T, C) -> (B, T, C); cos / sin ignored. Key heads H_k (``linear_heads``) of dim K, value
+    heads H_v of dim V; state (B, H_v, K, V) plus the conv window (B, W-1, 2 H_k K + H_v V)."""
 
     ndtrain_normal_init = True  # A_log / dt_bias get a placeholder draw, then init_buffers
     state_passer = None  # context parallel's hook (mixer_common.StatePasser); None: whole sequence
@@ -76,8 +69,7 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Set A_log / dt_bias (Mamba-2's decay init) and an identity short convolution after
-        ``init_weights``' generic pass (called by it)."""
+        """A_log / dt_bias (Mamba-2's init) and an identity conv after the generic init."""
         ssm_decay_init_(self.A_log, self.dt_bias)
         identity_conv_(self.conv1d)
 

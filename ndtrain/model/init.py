@@ -1,15 +1,9 @@
 """Meta-device construction and deterministic, layout-independent weight init.
 
-Every parameter is drawn from its own CPU ``torch.Generator`` seeded from ``(seed, canonical fully
-qualified name)``, in float32, then cast and copied to the parameter's device and dtype. So a
-parameter's value depends only on (seed, name, shape): not on the device, not on float32 vs
-float64 (a float64 model holds exactly the float32 draws), and not on which other layers exist
-(a pipeline stage that deleted layer "0" gets the same layer "1" as the full model).
-
-Scheme (Llama 3, 2024 / GPT-2 style): Normal(0, init_std) for embeddings and linears, with
-``wo`` / ``w2`` (the projections that write into the residual stream) scaled by
-1 / sqrt(2 * n_layers) (Radford 2019); RMSNorm gains are ones.
-"""
+Each parameter is drawn in float32 from its own CPU generator seeded by (seed, canonical name),
+then cast and copied, so its value depends only on (seed, name, shape): not on device, float64 vs
+float32, or which other layers exist. Scheme (Llama 3 / GPT-2): Normal(0, init_std), ``wo`` / ``w2``
+scaled by 1 / sqrt(2 * n_layers) (Radford 2019), RMSNorm gains ones."""
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +22,7 @@ _RESIDUAL_OUT = ("wo", "w2")
 
 
 def canonical_name(name: str) -> str:
-    """Parameter name with wrapper tokens removed, e.g. ``layers.1._orig_mod.attention.wq.weight`` ->
+    """Name without wrapper tokens: ``layers.1._orig_mod.attention.wq.weight`` ->
     ``layers.1.attention.wq.weight``."""
     for tok in _WRAPPER_TOKENS:
         name = name.replace(tok, "")
@@ -54,11 +48,8 @@ def _copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter of ``model`` (a ``Transformer`` or a stage of one) in place.
-
-    Raises NotImplementedError for a parameter of a module type this scheme does not know (new
-    module types must add their rule here rather than silently keep ``to_empty`` garbage).
-    """
+    """Initialise ``model`` (a ``Transformer`` or stage) in place. Raises NotImplementedError for an
+    unknown module type's parameter (new types add a rule here instead of keeping ``to_empty`` garbage)."""
     cfg: ModelConfig = model.cfg
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -85,11 +76,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 
 def count_params(model: nn.Module, include_embedding: bool = True) -> int:
-    """Number of distinct parameters (tied weights counted once; DTensors by global size).
-
-    ``include_embedding=False`` drops the input token embedding (Kaplan 2020's "non-embedding"
-    count); an untied output head is kept, since it costs matmul FLOPs.
-    """
+    """Distinct parameters (tied once, DTensors by global size). ``include_embedding=False`` drops the
+    input embedding (Kaplan 2020's non-embedding count); an untied head stays."""
     n = sum(p.numel() for p in model.parameters())
     emb = getattr(model, "tok_embeddings", None)
     if not include_embedding and emb is not None:

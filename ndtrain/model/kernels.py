@@ -1,17 +1,8 @@
-"""Which implementation of the model's hot ops a run uses (``training.kernels``).
-
-* ``eager``  - PyTorch ops (the model's own forward code; the reference).
-* ``triton`` - Triton kernels from ``ndtrain.ops``: ``fused_rmsnorm`` for every RMSNorm,
-  ``fused_swiglu`` for the SwiGLU gate of every dense feed-forward, and FlashAttention-2
-  (``flash_attention_bhtd``) as the causal attention core. Needs CUDA, or ``TRITON_INTERPRET=1``
-  (Triton's CPU interpreter: slow, for tests).
-* ``auto``   - ``triton`` where CUDA is present and Triton imports, else ``eager``.
-
-``apply_kernels(model, kind)`` swaps the implementations on module instances from outside, like the
-parallel axes do, so the model code stays single-device and free of Triton imports: ``RMSNorm.fused``,
-``FeedForward.gate`` and ``Attention.core`` are the hooks. Call it before context parallel, which
-replaces ``Attention.core`` with its ring / Ulysses core (the ring core keeps its own kernel).
-"""
+"""Which implementation of the hot ops a run uses (``training.kernels``; docs/kernels.md): ``eager``
+(PyTorch, the reference), ``triton`` (``fused_rmsnorm``, ``fused_swiglu``, FlashAttention-2; needs
+CUDA or ``TRITON_INTERPRET=1``), ``auto`` (triton where CUDA and Triton exist). ``apply_kernels``
+swaps them on module instances (``RMSNorm.fused``, ``FeedForward.gate``, ``Attention.core``), so the
+model imports no Triton; call it before cp, which replaces ``Attention.core``."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,10 +19,7 @@ def triton_available() -> bool:
 
 
 def resolve_kernels(kind: str, cuda: bool | None = None) -> str:
-    """``auto`` -> ``triton`` with CUDA and Triton installed, else ``eager``; other kinds unchanged.
-
-    Raises ValueError for a kind outside ``KINDS``.
-    """
+    """``auto`` -> ``triton`` with CUDA and Triton, else ``eager``. Raises ValueError outside ``KINDS``."""
     if kind not in KINDS:
         raise ValueError(f"training.kernels ({kind!r}) must be one of {'|'.join(KINDS)}")
     if kind != "auto":
@@ -41,9 +29,9 @@ def resolve_kernels(kind: str, cuda: bool | None = None) -> str:
 
 
 def apply_kernels(model: nn.Module, kind: str) -> dict[str, int]:
-    """Install the ``kind`` implementations on ``model``'s modules in place; returns how many
-    modules of each op were switched (all zero for ``eager``, and for ``auto`` on a CPU model). Attention modules whose head dim is
-    not a power of two >= 16 keep the eager core. Raises ValueError for an unknown kind."""
+    """Install ``kind`` on ``model``'s modules in place; returns modules switched per op (all zero for
+    eager, or auto on CPU). Attention with a head dim not a power of two >= 16 stays eager. Raises
+    ValueError for an unknown kind."""
     params = list(model.parameters())
     kind = resolve_kernels(kind, cuda=params[0].is_cuda if params else None)  # auto follows the model's device
     counts = {"rmsnorm": 0, "swiglu": 0, "attention": 0}

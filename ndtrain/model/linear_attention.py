@@ -1,5 +1,5 @@
-"""Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive
-Transformers with Linear Attention") as a token mixer: letter L of ``model.layer_pattern``."""
+"""Causal linear attention (Katharopoulos et al. 2020) as a token mixer: letter L of
+``model.layer_pattern``."""
 from __future__ import annotations
 
 import torch
@@ -14,11 +14,8 @@ class LinearAttention(nn.Module):
 
         o_t = phi(q_t)^T S_t / (phi(q_t)^T z_t),  S_t = S_{t-1} + phi(k_t) v_t^T,  z_t = z_{t-1} + phi(k_t)
 
-    with phi = elu + 1 and no positional encoding. The normaliser z rides along as an extra value
-    column of ones, so one state (B, H, D, D + 1) holds both. Projections ``wq wk wv wo`` (H*D each).
-
-    Shapes: x (B, T, C) -> (B, T, C); cos / sin are ignored.
-    """
+    phi = elu + 1, no positional encoding; z rides along as a value column of ones, so one state
+    (B, H, D, D + 1) holds both. x (B, T, C) -> (B, T, C)."""
 
     state_passer = None  # context parallel's hook (mixer_common.StatePasser); None: whole sequence
 

@@ -1,18 +1,12 @@
-"""Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient
-Algorithms Through Structured State Space Duality"), with ``mamba_groups`` B / C groups (heads
-h * g / n_h share group g's B, C; the gated norm normalises each group's slice of the inner width on
-its own), parameter names and layout as in Hugging Face's ``Mamba2Mixer`` (``in_proj``, ``conv1d``,
-``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``; ``ndtrain.hf.mamba2`` maps them 1:1).
+"""Mamba-2 token mixer (Dao & Gu 2024, "Transformers are SSMs"), with ``mamba_groups`` B / C groups,
+parameters as HF's ``Mamba2Mixer`` (``ndtrain.hf.mamba2`` maps them 1:1):
 
     [z, xBC, dt] = in_proj(u);  xBC = silu(conv1d(xBC));  [x, B, C] = xBC
     dt = softplus(dt + dt_bias);  A = -exp(A_log)                       (one scalar per head)
     h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T;  y_t = h_t^T C_t + D x_t  (h: N x P per head)
     out = out_proj(GroupRMSNorm(y * silu(z)))
 
-The SSD recurrence is decayed linear attention with q = C, k = B, v = dt x, log-decay dt A
-(``ndtrain.ops.linear_attn``); training uses the chunked form, decoding the recurrent step with the
-conv window and h as the state.
-"""
+SSD is decayed linear attention with q = C, k = B, v = dt x, log-decay dt A (``ops.linear_attn``)."""
 from __future__ import annotations
 
 import torch
@@ -33,9 +27,8 @@ from ndtrain.model.mixer_common import (
 
 
 class GroupGatedRMSNorm(GatedRMSNorm):
-    """Mamba-2's gated norm ``RMSNorm(x * silu(z))`` with the mean square taken over each of
-    ``groups`` equal slices of the last dim (HF ``MambaRMSNormGated(group_size=C / groups)``), so
-    the norm of a head depends only on its own group. Shapes (..., C) -> (..., C)."""
+    """``RMSNorm(x * silu(z))`` with the mean square per each of ``groups`` slices (HF
+    ``MambaRMSNormGated(group_size=C / groups)``). Shapes (..., C)."""
 
     def __init__(self, dim: int, eps: float, groups: int):
         super().__init__(dim, eps, gate_first=True)
@@ -51,8 +44,7 @@ class GroupGatedRMSNorm(GatedRMSNorm):
 
 
 def per_head(m: torch.Tensor, n_heads: int, n_state: int) -> torch.Tensor:
-    """B or C (B, T, g*N) -> (B, n_h, T, N), head h reading group h // (n_h / g) (HF's
-    ``repeat_interleave`` order); one group is a broadcast view, no copy."""
+    """B or C (B, T, g*N) -> (B, n_h, T, N), head h reading group h // (n_h / g) (HF's order)."""
     b, t, gn = m.shape
     g = gn // n_state
     if g == 1:
@@ -62,11 +54,8 @@ def per_head(m: torch.Tensor, n_heads: int, n_state: int) -> torch.Tensor:
 
 
 class Mamba2(nn.Module):
-    """Shapes: x (B, T, C) -> (B, T, C); cos / sin ignored (no positional encoding).
-
-    Sizes from the config: inner width ``mamba_expand * dim`` = n_h * P, head dim P
-    (``mamba_head_dim``), state N (``mamba_state_dim``), conv width ``linear_conv_kernel``.
-    """
+    """x (B, T, C) -> (B, T, C); cos / sin ignored. Inner width ``mamba_expand * dim`` = n_h * P
+    (``mamba_head_dim``), state N (``mamba_state_dim``), conv width ``linear_conv_kernel``."""
 
     ndtrain_normal_init = True  # A_log / dt_bias / D get a placeholder draw, then init_buffers
     state_passer = None  # context parallel's hook (mixer_common.StatePasser); None: whole sequence
@@ -89,8 +78,7 @@ class Mamba2(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Set the SSM parameters after ``init_weights``' generic pass (called by it): A in [1, 16],
-        dt in [1e-3, 0.1], D = 1, the short convolution the identity."""
+        """SSM parameters after the generic init: A in [1, 16], dt in [1e-3, 0.1], D = 1, identity conv."""
         ssm_decay_init_(self.A_log, self.dt_bias)
         from ndtrain.model.init import _copy_full_
 

@@ -1,9 +1,7 @@
-"""What the token mixers share (``ndtrain.model.mixers`` chooses among them): the short causal
-depthwise convolution with its decode state (Mamba, Gu & Dao 2023; Gated DeltaNet, Yang 2024),
-the SSM decay init, the gated RMSNorm, the state lookup in a cache and the linear-attention
-dispatch. ``LINEAR_IMPL`` selects the sequence form of the linear family: "chunk" (default) or
-"naive" (the paper's token-by-token recurrence, the slow twin the tests pin the model to).
-"""
+"""What the token mixers share: the short causal depthwise convolution with its decode state (Mamba,
+Gu & Dao 2023; Gated DeltaNet, Yang 2024), the SSM decay init, the gated RMSNorm, cache lookup and
+the linear-attention dispatch. ``LINEAR_IMPL``: "chunk" (default) or "naive" (the token-by-token
+recurrence, the slow twin)."""
 from __future__ import annotations
 
 import math
@@ -28,12 +26,8 @@ def get_state(kv_cache, layer_id: str) -> dict:
 
 def causal_conv(x: torch.Tensor, conv: nn.Conv1d, state: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution over time, continuing from ``state``.
-
-    Args: x (B, T, Ch); conv an ``nn.Conv1d(Ch, Ch, W, groups=Ch)``; state (B, W-1, Ch) the last
-    W-1 inputs before x (None = zeros, the start of a sequence).
-    Returns: y (B, T, Ch) (no activation), the new state (B, W-1, Ch).
-    """
+    """Depthwise causal convolution continuing from ``state``: x (B, T, Ch), conv ``nn.Conv1d(Ch, Ch, W,
+    groups=Ch)``, state (B, W-1, Ch) or None (zeros) -> y (B, T, Ch) (no activation), new state."""
     w = conv.weight.shape[-1]
     if state is None:
         state = x.new_zeros(x.shape[0], w - 1, x.shape[2])
@@ -49,8 +43,7 @@ def make_conv(channels: int, width: int, bias: bool) -> nn.Conv1d:
 
 
 def identity_conv_(conv: nn.Conv1d) -> None:
-    """Init a depthwise conv to pass the current token through (last tap 1, others and bias 0): the
-    short convolution starts as the identity and learns its mixing (deterministic, layout-free)."""
+    """Init a depthwise conv as the identity (last tap 1, rest and bias 0): deterministic, layout-free."""
     from ndtrain.model.init import _copy_full_
 
     full = torch.zeros(tuple(conv.weight.shape))
@@ -61,8 +54,8 @@ def identity_conv_(conv: nn.Conv1d) -> None:
 
 
 def ssm_decay_init_(a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
-    """Mamba-2's decay init (Dao & Gu 2024): A spread over [1, 16], dt over [1e-3, 1e-1]
-    log-uniformly (here evenly, so init needs no generator), dt_bias = softplus^-1(dt)."""
+    """Mamba-2's decay init (Dao & Gu 2024): A over [1, 16], dt over [1e-3, 1e-1] log-evenly (no
+    generator needed), dt_bias = softplus^-1(dt)."""
     from ndtrain.model.init import _copy_full_
 
     h = a_log.shape[0]
@@ -72,8 +65,8 @@ def ssm_decay_init_(a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
 
 
 class GatedRMSNorm(RMSNorm):
-    """``RMSNorm(x) * silu(gate)`` (norm before gate, Qwen3-Next's ``RMSNormGated``), or with
-    ``gate_first`` ``RMSNorm(x * silu(gate))`` (Mamba-2's ``RMSNormGated``). Shapes (..., C)."""
+    """``RMSNorm(x) * silu(gate)`` (Qwen3-Next), or with ``gate_first`` ``RMSNorm(x * silu(gate))``
+    (Mamba-2). Shapes (..., C)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, gate_first: bool = False):
         super().__init__(dim, eps)
@@ -98,19 +91,16 @@ def run_linear(q, k, v, log_decay, state, chunk_size: int):
 
 
 class StatePasser(Protocol):
-    """What a linear mixer's ``state_passer`` attribute holds (class default None: the whole
-    sequence is on this device). Context parallel installs one from outside
-    (``ndtrain.parallel.cp.state_passing``) when a mixer sees one contiguous shard of each sequence:
-    the short convolution's left context and the recurrent state of the earlier tokens then come
-    from the ranks holding them."""
+    """A linear mixer's ``state_passer`` (None: the whole sequence is here). cp installs one
+    (``parallel.cp.state_passing``) that fetches the conv context and earlier tokens' state."""
 
     def conv_state(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
         """x (B, T, Ch) this shard's conv input -> (B, width-1, Ch) the inputs just before it."""
         ...
 
     def scan(self, run, q, k, v, log_decay=None, delta: bool = False):
-        """``run(q, k, v, initial_state) -> (o, state)`` continued from the earlier shards' state;
-        ``log_decay`` (B, H, T) the scalar decay (``delta``: a delta-rule op instead)."""
+        """``run(q, k, v, initial_state) -> (o, state)`` continued from earlier shards; ``log_decay`` (B,
+        H, T), ``delta``: delta rule."""
         ...
 
 

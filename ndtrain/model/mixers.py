@@ -1,19 +1,10 @@
-"""The token-mixer interface: what fills a block's ``attention`` slot, chosen per layer by
-``model.layer_pattern`` (``ndtrain.mixer_spec``; letters A L M G S D).
+"""The token-mixer interface: what fills a block's ``attention`` slot, per ``model.layer_pattern``
+(``ndtrain.mixer_spec``; letters A L M G S D; docs/attention_alternatives.md).
 
-Every mixer is an ordinary single-device ``nn.Module`` with the attention signature
-``forward(x (B, T, C), cos, sin, kv_cache=None) -> (B, T, C)``, so ZeRO, DDP, activation
-checkpointing and autocast apply unchanged. Softmax and window layers keep keys / values in the
-cache's ``update``; the linear family (linear, mamba2, gated_deltanet) keeps a fixed-size
-recurrent state in ``kv_cache.states[layer_id]`` (``ndtrain.inference.generate.KVCache``), and a cached
-forward of one token takes the ``recurrent`` op, of several the ``chunk`` op from that state.
-
-``LINEAR_IMPL`` selects the sequence form of the linear family: "chunk" (default) or "naive" (the
-token-by-token reference from the paper, the slow twin the tests pin the model to).
-
-Shared pieces (short causal convolution, gated RMSNorm, state lookup) live in ``mixer_common``;
-linear attention (Katharopoulos et al. 2020) in ``linear_attention``.
-"""
+Every mixer is a single-device module with ``forward(x (B, T, C), cos, sin, kv_cache=None) ->
+(B, T, C)``. The linear family keeps a fixed-size state in ``kv_cache.states[layer_id]``; a cached
+one-token forward takes the ``recurrent`` op, several tokens the ``chunk`` op. ``LINEAR_IMPL``:
+"chunk" or "naive" (the slow twin)."""
 from __future__ import annotations
 
 from torch import nn
@@ -37,8 +28,7 @@ def mixer_kinds(cfg) -> list[str]:
 
 
 def build_mixer(cfg, layer_id: str, kind: str) -> nn.Module:
-    """The token mixer ``kind`` for block ``layer_id``; "attention" is ``Attention`` / ``MLAttention``
-    exactly as before (so a model without a pattern is bitwise unchanged)."""
+    """The mixer ``kind`` for block ``layer_id``; "attention" is ``Attention`` / ``MLAttention`` exactly."""
     if kind == "attention":
         return (MLAttention(cfg, layer_id) if cfg.attention == "mla"
                 else Attention(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id, cfg.attn_head_dim, cfg.qk_norm,

@@ -1,33 +1,17 @@
 """Multi-head Latent Attention (MLA; DeepSeek-V2, 2024, section 2.1), as used by DeepSeek-V3.
 
-Keys and values of all heads are reconstructed from one low-rank latent per token,
-``c_kv = RMSNorm(W_dkv x)`` of width ``d_c = mla_kv_rank``; RoPE, which would not commute with the
-up-projection, is applied to a separate *decoupled* slice: each head's query has ``mla_rope_dim``
-extra dims, and one RoPE key of that width, shared by all heads, comes straight from ``x``.
-Queries optionally go through their own latent (``mla_q_rank``).
+Keys and values come from one low-rank latent per token; RoPE, which would not commute with the
+up-projection, goes on a decoupled slice (one RoPE key shared by the heads):
 
     q  = W_uq RMSNorm(W_dq x)      -> per head [q_nope (d_n), q_rope (d_r)]  (or q = W_q x)
     [c_kv, k_rope] = W_dkv x        c_kv (d_c), k_rope (d_r) shared by the heads
     [k_nope, v] = W_ukv RMSNorm(c_kv) per head: k_nope (d_n), v (d_v)
     attention(q = [q_nope, rope(q_rope)], k = [k_nope, rope(k_rope)], v), scale 1/sqrt(d_n + d_r)
 
-Generation cache: only ``c_kv`` and the rotated ``k_rope`` are cached, (d_c + d_r) values per token
-per layer instead of MHA's 2 * H * D; keys and values are re-expanded from the latent at each step
-(the matrix-absorption trick that folds ``W_ukv`` into the query / output projections is not
-applied). The cache is the ordinary ``KVCache`` holding the latent as a 1-head "key" of width d_c
-and the RoPE key as a 1-head "value" of width d_r.
-
-Parameter names: ``wq`` (full-rank) or ``wq_a`` / ``q_norm`` / ``wq_b``; ``wkv_a``, ``kv_norm``,
-``wkv_b``, ``wo``. Heads are read from ``wkv_b``'s shape at forward time. RoPE uses the
-rotate-half pairing of ``ndtrain.model.rope``; ``ndtrain.hf.moe`` permutes the RoPE rows of
-interleaved (DeepSeek-layout) checkpoints on import.
-
-Parallelism hooks (the code stays single-device): ``enter_heads`` separates the replicated latent
-path (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) from the per-head projections (``wq_b`` / ``wq``,
-``wkv_b``, ``wo``), where tensor parallel splits heads (``ndtrain.parallel.tp.plan``); ``core``
-takes q, k (B, H, T, d_n+d_r) and v (B, H, T, d_v), where context parallel runs ring or Ulysses
-attention (``ndtrain.parallel.cp``).
-"""
+The cache holds only c_kv and the rotated k_rope, (d_c + d_r) values per token and layer, in the
+ordinary ``KVCache`` (latent as a 1-head key, k_rope as a 1-head value); no matrix absorption.
+``enter_heads`` separates the replicated latent path from the per-head projections (tp splits
+there, ``tp.plan``); ``core`` is cp's hook. ``ndtrain.hf.moe`` permutes interleaved RoPE rows."""
 from __future__ import annotations
 
 import torch
@@ -42,13 +26,9 @@ LATENT_NORM_EPS = 1e-6  # eps of the latent RMSNorms, fixed as in DeepSeek's cod
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V2 MLA. Shapes: x (B, T, C), cos / sin (T, d_r/2) or (B, T, d_r/2) -> (B, T, C).
-
-    Args:
-        cfg: ``attention == "mla"`` config: ``mla_kv_rank`` d_c, ``mla_q_rank`` (0 = no query
-            latent), ``mla_rope_dim`` d_r, ``mla_nope_dim`` d_n and ``mla_v_dim`` d_v (0 = head_dim).
-        layer_id: the block's key; names this layer in a KV cache.
-    """
+    """DeepSeek-V2 MLA: x (B, T, C), cos / sin (T, d_r/2) or (B, T, d_r/2) -> (B, T, C). ``cfg``:
+    ``mla_kv_rank`` d_c, ``mla_q_rank`` (0 = no query latent), ``mla_rope_dim`` d_r, ``mla_nope_dim``
+    d_n, ``mla_v_dim`` d_v (0 = head_dim)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: str = "0"):
         super().__init__()
@@ -75,8 +55,7 @@ class MLAttention(nn.Module):
         return causal_attention(q, k, v)
 
     def expand_kv(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents c_kv (B, S, d_c) (normalised) and rotated k_rope (B, S, d_r) -> k (B, H, S, d_n+d_r),
-        v (B, H, S, d_v)."""
+        """c_kv (B, S, d_c) (normalised), k_rope (B, S, d_r) -> k (B, H, S, d_n+d_r), v (B, H, S, d_v)."""
         b, s, _ = c_kv.shape
         kv = self.wkv_b(c_kv).view(b, s, -1, self.nope_dim + self.v_dim)  # (B, S, H, d_n+d_v)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -85,11 +64,8 @@ class MLAttention(nn.Module):
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def enter_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """Hook between the replicated latent path and the per-head projections: identity on one
-        device. Tensor parallel installs Megatron's f operator here (``ndtrain.parallel.tp.plan``),
-        so the down-projections and their norms run before the head split, as in Megatron-Core.
-        x (B, T, d_q + d_c + d_r) (or C + d_c + d_r without a query latent) -> the same (with
-        sequence parallel: (B, T/tp, .) -> (B, T, .))."""
+        """Identity on one device; tp installs Megatron's f here (``tp.plan``), so the down-projections
+        run before the head split. x (B, T, d_q + d_c + d_r) -> same (sp: (B, T/tp, .) -> (B, T, .))."""
         return x
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

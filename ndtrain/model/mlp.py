@@ -11,15 +11,8 @@ def _silu_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``: ``w1`` gate, ``w3`` up, ``w2`` down projections, no biases.
-
-    Args:
-        dim: model width C.
-        hidden: SwiGLU hidden size F (``ModelConfig.ffn_dim``).
-
-    Shapes: x (B, T, C) -> (B, T, C). Tensor parallel may shard F (``w1``/``w3`` by rows, ``w2`` by
-    columns) without changes here: no shape is hard-coded.
-    """
+    """``w2(silu(w1 x) * w3 x)`` (gate, up, down; no biases): x (B, T, C) -> (B, T, C), hidden F =
+    ``ModelConfig.ffn_dim``. No shape is hard-coded, so tp may shard F."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()

@@ -1,37 +1,11 @@
-"""Mixture-of-Experts feed-forward: router, top-k routing, capacity, grouped SwiGLU experts.
+"""Mixture-of-Experts feed-forward: router, top-k routing, capacity, grouped SwiGLU experts (docs/moe.md).
 
-Algorithms: sparsely-gated MoE (Shazeer 2017); top-k softmax routing with renormalised weights as in
-Mixtral (Jiang 2024); GShard / Switch capacity and token dropping (Lepikhin 2020, Fedus 2021);
-shared plus fine-grained experts (DeepSeekMoE, Dai 2024); sigmoid scores, group-limited routing,
-routed scaling and the selection-only bias of auxiliary-loss-free balancing (DeepSeek-V3, 2024).
-The balancing losses and the bias update live in ``ndtrain.model.moe_balance``.
-
-Compute path (no Python loop over tokens): the N*k (token, expert) assignments are sorted by expert
-(stable argsort), the tokens are gathered into that order, each expert runs on its contiguous
-segment (``grouped_mm``), and the results are scattered back to (token, slot) positions and summed
-with the routing weights. ``grouped_mm`` uses ``torch._grouped_mm`` (one kernel for all experts;
-float32 / bfloat16, 16-byte aligned rows) when available, else ``grouped_mm_loop`` (its slow twin:
-one matmul per expert over its segment; always used for float64). ``tests/unit/test_moe.py`` pins
-the two together, outputs and gradients.
-
-**Token mask.** ``MoE.token_mask`` (None: every token routes) is a (B, T) bool of the tokens that
-belong to the layer's routed set, set by the caller for one forward (``ndtrain.model.mtp`` sets it
-for the MTP depths run padded to the full sequence under sequence / context parallel, whose last k
-positions are not part of the single process's (B, T - k) input). A masked token goes to no expert
-(its routed output is 0; shared experts still run on it) and is left out of everything statistical:
-the Switch, sequence-wise and z losses, the loads, the capacity and its ranking, the bias update.
-The result equals the single process's on the unmasked tokens alone. ``forward_tokens(x, valid)``
-takes the mask explicitly (tensor parallel passes each rank its slice).
-
-``MoE.run_experts(xs, counts)`` calls ``self.experts``, the module expert parallel replaces per instance
-(as context parallel replaces ``Attention.core``): given tokens sorted by global expert id and the count per
-expert, return the expert outputs in the same order. This file never communicates.
-
-**Shared-expert overlap.** When expert parallel sets ``shared_overlap`` (``parallel.moe_shared_overlap``)
-and ``experts`` declares ``accepts_side_fn``, the layer calls ``experts(xs, counts, side_fn=f)``,
-which returns ``(ys, f())`` with ``f`` (the shared experts and their gate) run while the dispatch
-all-to-all is in flight (``ndtrain.parallel.ep.overlap``). Same ops, other order: bitwise equal.
-"""
+Sparsely-gated MoE (Shazeer 2017); Mixtral's renormalised top-k (Jiang 2024); GShard / Switch
+capacity (Lepikhin 2020, Fedus 2021); DeepSeekMoE's shared and fine-grained experts (Dai 2024);
+DeepSeek-V3's sigmoid scores, group-limited routing and aux-loss-free bias. The N*k assignments
+are sorted by expert and run as one ``grouped_mm`` (slow twin ``grouped_mm_loop``, always for
+float64). ``token_mask`` (B, T): tokens that route nowhere and leave every statistic (MTP's padded
+tail). ``experts`` is what ep replaces per instance; this file never communicates."""
 from __future__ import annotations
 
 import torch
@@ -46,14 +20,9 @@ from ndtrain.model.moe_capacity import SequenceShards, capacity_keep
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Reference grouped matmul: rows of ``x`` are grouped by expert, ``counts[e]`` rows each.
-
-    Args:
-        x: (M, K) rows sorted by group; w: (E, N, K) weights in ``nn.Linear`` layout; counts: E
-            Python ints summing to M.
-    Returns: (M, N), row r of group e is ``x[r] @ w[e].T``. Every expert's weight enters the graph
-    (an empty segment contributes a zero gradient, never None).
-    """
+    """Reference grouped matmul. x (M, K) sorted by group, w (E, N, K) (``nn.Linear`` layout), counts: E
+    Python ints summing to M -> (M, N), row r of group e = ``x[r] @ w[e].T``. An empty segment still
+    gives its expert a zero gradient (never None)."""
     outs, off = [], 0
     for e, n in enumerate(counts):
         outs.append(x[off:off + n] @ w[e].t())  # (n, N)
@@ -73,11 +42,8 @@ def _fused_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """Grouped matmul over expert segments: ``torch._grouped_mm`` when usable, else the loop.
-
-    Args: x (M, K) sorted by group; w (E, N, K); counts (E,) int64; impl auto | loop | fused.
-    Returns: (M, N). Raises RuntimeError if ``impl == "fused"`` but the kernel cannot run here.
-    """
+    """x (M, K) sorted by group, w (E, N, K), counts (E,) int64, impl auto | loop | fused -> (M, N).
+    Raises RuntimeError if ``impl == "fused"`` but ``torch._grouped_mm`` cannot run here."""
     w = w.to(x.dtype) if w.dtype != x.dtype else w  # bf16 autocast does not cover _grouped_mm
     if impl == "loop" or (impl == "auto" and not _fused_ok(x, w)):
         return grouped_mm_loop(x, w, counts.tolist())
@@ -88,8 +54,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: ``_grouped_mm``'s backward
-    rejects stride-0 gradients (e.g. from ``out.sum().backward()``: "Invalid strides/sizes")."""
+    """Identity whose backward makes the gradient contiguous (``_grouped_mm`` rejects stride 0)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor) -> torch.Tensor:
@@ -101,11 +66,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked weights: ``w1`` / ``w3`` (E, F, C), ``w2`` (E, C, F).
-
-    ``forward(xs, counts)``: xs (M, C) sorted by expert, counts (E,) -> (M, C). E is read from the
-    weights, so expert parallel can keep only a slice of the experts.
-    """
+    """E SwiGLU experts as stacked weights: ``w1`` / ``w3`` (E, F, C), ``w2`` (E, C, F). xs (M, C) sorted
+    by expert, counts (E,) -> (M, C). E is read from the weights (expert parallel keeps a slice)."""
 
     ndtrain_normal_init = True  # init.py: normal(0, init_std); w2 scaled like other residual outputs
 
@@ -122,22 +84,12 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (+ optional shared experts) replacing a block's feed-forward.
+    """Routed (+ optional shared) experts replacing a block's feed-forward; x (B, T, C) -> (B, T, C).
 
-    Args:
-        cfg: model config (``moe_*`` fields; see ``ModelConfig``).
-
-    Parameters: ``router`` Linear C -> E (computed in float32, or float64 in a float64 model),
-    ``experts`` GroupedExperts, ``shared`` FeedForward of hidden ``moe_shared_experts *
-    moe_ffn_hidden`` (or ``moe_shared_ffn_hidden``) or None, ``shared_gate`` Linear C -> 1 or None
-    (``moe_shared_gate``: the shared output times its sigmoid, Qwen3-Next). Buffer ``expert_bias``
-    (E,): the aux-loss-free selection bias.
-
-    Shapes: x (B, T, C) -> (B, T, C). In training (``self.training`` and grad enabled) the forward
-    also records, via ``moe_balance``, the auxiliary-loss token sums (``aux_sum``) and the load
-    statistics used by logging and the bias update. Capacity dropping applies in training only;
-    evaluation and generation are dropless.
-    """
+    ``router`` C -> E runs in float32 (float64 in a float64 model); ``shared`` FeedForward or None;
+    ``shared_gate`` C -> 1 or None (Qwen3-Next's sigmoid gate); buffer ``expert_bias`` (E,). Training
+    forwards record the aux-loss token sums (``aux_sum``) and load statistics (``moe_balance``);
+    capacity dropping applies in training only."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -169,15 +121,11 @@ class MoE(nn.Module):
             return F.linear(x.to(rdt), self.router.weight.to(rdt))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scores, top-k expert ids and routing weights from logits (N, E).
+        """logits (N, E) -> scores (N, E), idx (N, k) int64 (descending biased score), weights (N, k).
 
-        Selection uses ``scores + expert_bias`` (the bias never enters the weights), restricted to
-        the ``moe_topk_groups`` best of ``moe_n_groups`` expert groups (group score: sum of its two
-        best biased scores, DeepSeek-V3). Weights are the unbiased scores of the chosen experts,
-        renormalised to sum to 1 if ``moe_renormalize``, times ``moe_route_scale``.
-
-        Returns: scores (N, E), idx (N, k) int64 (in descending biased-score order), weights (N, k).
-        """
+        Selection uses ``scores + expert_bias`` within the ``moe_topk_groups`` best of ``moe_n_groups``
+        groups (group score: sum of its two best biased scores, DeepSeek-V3); weights are the unbiased
+        scores, renormalised if ``moe_renormalize``, times ``moe_route_scale``."""
         c = self.cfg
         scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores.detach() + self.expert_bias.to(scores.dtype)  # (N, E)
@@ -196,14 +144,9 @@ class MoE(nn.Module):
 
     def capacity_keep(self, idx: torch.Tensor, shape: tuple[int, int] | None = None,
                       valid: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Which assignments fit the expert capacity ``ceil(cf * B T k / E)`` of the microbatch
-        (None: dropless, or not training). GShard's priority: all first choices in (sequence,
-        position) order, then all second choices, and so on; an expert keeps its first
-        ``capacity`` assignments in that order. Under context parallel (``seq_shards``) the
-        decision is the single process's on the whole sequences (``ndtrain.model.moe_capacity``).
-        idx (N, k), shape (B, T_local) (default (1, N)), valid (N,) bool or None (the token mask:
-        masked tokens neither count nor are kept) -> keep (N, k) bool.
-        """
+        """keep (N, k) bool: assignments within capacity ``ceil(cf * B T k / E)`` (None: dropless or eval).
+        GShard priority; under cp the single process's decision (``moe_capacity``). idx (N, k), shape
+        (B, T_local) (default (1, N)), valid (N,) bool or None."""
         cf = self.cfg.moe_capacity_factor
         if cf <= 0 or not self.training:
             return None
@@ -225,8 +168,8 @@ class MoE(nn.Module):
         return self.forward_tokens(x, self.token_mask)
 
     def forward_tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """x (B, T, C), valid (B, T) bool or None (module docstring) -> (B, T, C).
-        Raises ValueError when ``valid`` is not (B, T)."""
+        """x (B, T, C), valid (B, T) bool or None -> (B, T, C). Raises ValueError if ``valid`` is not (B,
+        T)."""
         b, t, c = x.shape
         if valid is not None and tuple(valid.shape) != (b, t):
             raise ValueError(f"MoE token mask {tuple(valid.shape)} does not match the tokens {(b, t)}")

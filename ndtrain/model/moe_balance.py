@@ -1,44 +1,12 @@
-"""MoE load balancing: auxiliary losses, load statistics, and the aux-loss-free bias update.
+"""MoE load balancing: auxiliary losses, load statistics, the aux-loss-free bias update (docs/moe.md,
+"Load balancing" and its scopes).
 
-Losses (each computed per MoE layer and summed over layers):
-
-* Switch Transformer load-balancing loss (Fedus 2021, eq. 4, top-k form as in GShard / Mixtral):
-  ``E * sum_i f_i * P_i`` with ``f_i`` the fraction of the N*k assignments routed to expert i and
-  ``P_i`` the mean router probability of expert i (for sigmoid scores: scores normalised to sum 1
-  per token, as DeepSeek-V3 does). 1.0 at perfect balance.
-* Sequence-wise balance loss (DeepSeek-V3, eq. 17-20): the same product computed per sequence with
-  ``f_i = E / (k T) * count_i``, averaged over sequences.
-* Router z-loss (ST-MoE, Zoph 2022): mean over tokens of ``logsumexp(logits)^2``.
-
-**Scope and normalisation.** ndtrain's loss is a token-weighted sum over the global batch (sum over
-valid labels / global valid labels, DP gradients summed), so every auxiliary term is produced here
-as a *token sum* -- the loss of its statistics scope times the tokens it covers -- and the Trainer
-divides the weighted sum by the global number of routed tokens (global batch x T). The total is
-then independent of how microbatches are spread over ranks whenever the statistics scope is:
-
-* sequence-wise loss and z-loss: per sequence / per token, so always partition-independent (under
-  context parallel the (B, E) per-sequence counts are summed over the cp ranks holding the chunks of
-  those sequences, ``MoE.seq_shards``, and ``f`` uses the full sequence length);
-* Switch loss, ``moe_aux_scope = "microbatch"`` (default): ``f`` and ``P`` over one microbatch;
-  the step's value is the token-weighted mean of the microbatch losses. It depends on the
-  microbatch partition of the global batch (dp degree x micro_batch_size), not on ep or cp: under
-  context parallel the (E,) counts are summed over the cp ranks that share the microbatch;
-* Switch loss, ``moe_aux_scope = "global"``: ``f`` counted over the same microbatch index on all
-  ``dp_cp`` ranks (an all-reduce of the (E,) counts, installed by ``ndtrain.parallel.ep.expert_parallel``;
-  Megatron's "global" load balancing). With one microbatch per rank this is the global batch.
-
-The gradient of the Switch loss only flows through ``P`` (``f`` is a count), so the token-sum form
-``E * sum_i f_i * sum_t p_ti`` summed over ranks equals the scope's loss times its tokens exactly.
-
-**Token mask** (``MoE.token_mask``; MTP depths run padded under sequence / context parallel): the
-masked tokens leave every sum above (counts, ``P``, z, the per-sequence length ``T`` of the
-sequence-wise loss, which becomes the sequence's valid count), so each term is the single process's
-over its (B, T - k) MTP input.
-
-**Aux-loss-free balancing** (DeepSeek-V3, Wang et al. 2024): after each optimizer step the per-
-expert assignment counts of the whole global batch (all microbatches, all-reduced over dp_cp) give
-``b_i += rate * sign(mean_load - load_i)``; ``b`` only biases selection (``MoE.route``).
-"""
+Switch loss (Fedus 2021, eq. 4, top-k form) ``E * sum_i f_i * P_i``; sequence-wise loss
+(DeepSeek-V3, eq. 17-20); router z-loss (ST-MoE, Zoph 2022). Each is produced as a token sum and
+divided by the global routed tokens, so the total does not depend on the layout where its scope
+does not (``moe_aux_scope``: "microbatch" | "global"). ``f`` is a count: gradients flow through
+``P`` only. Aux-loss-free balancing (DeepSeek-V3; Wang et al. 2024): after each step
+``b_i += rate * sign(mean_load - load_i)``; ``b`` only biases selection."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,14 +17,9 @@ AUX_TERMS = ("switch", "seq", "z")
 
 
 class LoadStats:
-    """Counters one MoE layer accumulates over the training forwards of one optimizer step.
-
-    ``counts`` (E,) float64: router demand (assignments per expert, before capacity dropping);
-    ``dropped`` / ``assigned``: assignments dropped by capacity / made; ``terms``: unweighted aux
-    token sums (switch, seq, z) for logging; ``a2a_bytes``: bytes this rank sent to other ranks in
-    the layer's expert-parallel all-to-alls (dispatch and combine, forward and backward, activation
-    recompute included: real traffic), added by the parallel experts module. Reset by ``end_step``.
-    """
+    """One layer's counters over a step's training forwards; reset by ``end_step``. ``counts`` (E,)
+    float64: demand before dropping; ``dropped`` / ``assigned``; ``terms``: unweighted aux token sums;
+    ``a2a_bytes``: bytes this rank sent in the layer's ep all-to-alls (recompute included)."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -74,14 +37,9 @@ class LoadStats:
 def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
            keep: torch.Tensor | None, shape: tuple[int, int], update_stats: bool = True,
            valid: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Return the weighted auxiliary-loss token sum (None if no aux loss) and, if
-    ``update_stats``, add this forward's loads and aux values to ``moe.stats``.
-
-    Args: logits / scores (N, E) router outputs; idx (N, k) chosen experts; keep (N, k) or None;
-    shape (B, T) with N = B*T; valid (N,) bool or None: the token mask (``MoE.token_mask``):
-    masked tokens are left out of every count and loss, so the result equals the single process's
-    on the valid tokens alone (per-sequence lengths are the valid counts, summed over the cp shards).
-    """
+    """The weighted aux-loss token sum (None without aux loss); with ``update_stats`` also add this
+    forward's loads to ``moe.stats``. logits / scores (N, E), idx (N, k), keep (N, k) or None, shape
+    (B, T) with N = B*T, valid (N,) bool or None (masked tokens leave every count and loss)."""
     c, st = moe.cfg, moe.stats
     e = scores.shape[1]
     sel = idx if valid is None else idx[valid]  # (N_valid, k) assignments that count
@@ -118,9 +76,8 @@ def record(moe, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor,
 
 def _seq_term(moe, probs: torch.Tensor, idx: torch.Tensor, shape: tuple[int, int],
               valid: torch.Tensor | None) -> torch.Tensor:
-    """The sequence-wise balance loss's token sum (DeepSeek-V3 eq. 17-20): probs (N, E), idx (N, k),
-    shape (B, T), valid (N,) or None. Under cp the (B, E) counts (and, with a mask, the (B,) valid
-    lengths) are summed over the ranks holding the chunks of each sequence."""
+    """Sequence-wise loss token sum (DeepSeek-V3 eq. 17-20): probs (N, E), idx (N, k), shape (B, T),
+    valid (N,) or None. Under cp the (B, E) counts and (B,) valid lengths are summed over the shards."""
     b, t = shape
     k = idx.shape[1]
     e = probs.shape[1]
@@ -147,9 +104,8 @@ def _seq_term(moe, probs: torch.Tensor, idx: torch.Tensor, shape: tuple[int, int
 
 
 def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every MoE module of ``model`` in registration order (empty for a dense model): the modules
-    that keep routing statistics in a ``LoadStats`` (``ndtrain.model.moe.MoE``; defined by attribute
-    so this module needs no import of ``moe``, which imports it)."""
+    """Every MoE module of ``model`` in registration order (empty if dense), found by attribute: this
+    module cannot import ``moe``, which imports it."""
     return [m for m in model.modules() if isinstance(getattr(m, "stats", None), LoadStats)]
 
 
@@ -168,22 +124,12 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
              bias_update_rate: float) -> dict[str, float]:
     """After the optimizer step: reduce load statistics, update expert biases, reset counters.
 
-    Args:
-        model: the (possibly parallelised) model.
-        all_reduce: in-place sum of a float64 tensor over the ranks that hold different data
-            (``dp_cp``); None in one process. Called once with every layer's counters packed.
-        bias_update_rate: aux-loss-free step ``gamma`` (0 = no update).
-
-    Returns (empty for a dense model): ``moe_load_max_mean`` (max/mean expert load over the global
-    batch, averaged over MoE layers), ``moe_load_max_mean_worst`` (worst layer),
-    ``moe_tokens_per_expert_max`` (the most assignments any expert of any layer got from the global
-    batch, before dropping), ``moe_tokens_per_expert_mean`` (B T k / E of the global batch),
-    ``moe_dropped_frac`` (dropped / assigned), ``moe_a2a_bytes`` (bytes of the expert-parallel
-    token all-to-alls of the step, all layers, summed over the ranks; 0 without ep; see
-    ``LoadStats``), and ``aux_<name>_sum`` for each of ``AUX_TERMS``:
-    the unweighted token sum over the global batch and all MoE layers (divide by routed tokens for
-    the mean).
-    """
+    ``all_reduce``: in-place float64 sum over ``dp_cp`` (None in one process), called once with every
+    layer's counters packed; ``bias_update_rate``: the aux-loss-free step (0 = none). Returns (empty if
+    dense) ``moe_load_max_mean`` (max/mean load, mean over layers), ``moe_load_max_mean_worst``,
+    ``moe_tokens_per_expert_max`` / ``_mean`` (global batch, before dropping), ``moe_dropped_frac``,
+    ``moe_a2a_bytes`` (all layers and ranks; 0 without ep) and ``aux_<name>_sum`` per ``AUX_TERMS``
+    (unweighted token sums over the global batch and all layers)."""
     layers = [m for m in moe_layers(model) if m.stats.counts is not None]
     if not layers:
         return {}

@@ -1,27 +1,12 @@
-"""Expert capacity (token dropping) and the sequence-sharding description that makes MoE statistics
-independent of the layout.
+"""Expert capacity (token dropping) that does not depend on the layout.
 
-Capacity (GShard, Lepikhin 2020; Switch Transformer, Fedus 2021): within one *microbatch* of B
-sequences of T tokens, expert e accepts at most ``capacity = ceil(cf * B T k / E)`` of the B T k
-(token, slot) assignments. Priority is GShard's: every first choice before any second choice, and
-within a slot, tokens in (sequence, position) order. An assignment is kept iff the number of
-higher-priority assignments to the same expert in the microbatch is below the capacity.
-
-Under context parallel a rank holds only some chunks of each sequence, so its own assignments are
-not enough to rank a token. ``SequenceShards`` (installed by parallel code on every MoE layer as
-``MoE.seq_shards``; the model never imports ``ndtrain.parallel``) says which chunks each rank
-holds. Every rank counts its assignments per (slot, sequence, chunk, expert) block, one all-gather
-of those counts gives the whole microbatch's block counts, and the rank of an assignment is the
-number of same-expert assignments in all earlier blocks (prefix sum in priority order) plus those
-before it in its own block. This is integer arithmetic on the same set of assignments, so the kept
-set equals the single-process decision bit for bit; it costs one all-gather of k * B * chunks * E
-int64 per MoE layer and forward instead of gathering the B T k routing decisions.
-
-A token mask (``valid``: the MTP depths' padded tail under sequence / context parallel, see
-``ndtrain.model.moe``) removes tokens from the microbatch before any of this: they add to no block
-count, and the capacity is taken over the valid tokens, so the decision equals the single process's
-on the truncated (B, T - k) sequences.
-"""
+Capacity (GShard, Lepikhin 2020; Switch, Fedus 2021): per microbatch of B x T tokens, expert e
+keeps at most ``ceil(cf * B T k / E)`` assignments; priority: every first choice before any second,
+then (sequence, position) order. Under cp a rank holds only some chunks of each sequence
+(``SequenceShards``, installed by parallel code as ``MoE.seq_shards``): block counts per (slot,
+sequence, chunk, expert) are all-gathered (k * B * chunks * E int64 per layer and forward) and
+prefix-summed, so the kept set equals the single process's bit for bit. Masked tokens
+(``valid``) count nowhere; capacity is taken over the valid tokens."""
 from __future__ import annotations
 
 import math
@@ -33,13 +18,9 @@ import torch
 
 @dataclass
 class SequenceShards:
-    """How the tokens of each sequence of a microbatch are spread over the ranks that share it
-    (the ``cp`` group): every sequence is cut into ``n_chunks`` equal chunks, rank r holds chunks
-    ``chunks[r]`` (global chunk indices, in the order its local tokens are stored).
-
-    ``all_reduce(t)`` sums ``t`` over those ranks in place and returns it; ``all_gather(t)`` returns
-    (size, *t.shape), rank order. Neither takes part in autograd (counts carry no gradient).
-    """
+    """How the cp ranks share each sequence: ``n_chunks`` equal chunks, rank r holds ``chunks[r]``
+    (global indices, local order). ``all_reduce`` (in place) and ``all_gather`` ((size, *shape))
+    take no part in autograd."""
 
     rank: int
     chunks: tuple[tuple[int, ...], ...]
@@ -60,8 +41,7 @@ class SequenceShards:
 
 
 def _rank_in_expert(slot_major: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """For each entry of ``slot_major`` (M,) expert ids: how many earlier entries chose the same
-    expert. (M,) int64."""
+    """For each of ``slot_major`` (M,) expert ids: earlier entries with the same expert, (M,) int64."""
     order = torch.argsort(slot_major, stable=True)
     counts = torch.bincount(slot_major, minlength=n_experts)  # (E,)
     starts = torch.cumsum(counts, 0) - counts  # (E,)
@@ -72,23 +52,11 @@ def _rank_in_expert(slot_major: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 def capacity_keep(idx: torch.Tensor, shape: tuple[int, int], n_experts: int, capacity_factor: float,
                   shards: SequenceShards | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Which assignments fit the expert capacity of the microbatch (module docstring).
+    """keep (N, k) bool, the single-process decision on the whole microbatch.
 
-    Args:
-        idx: (N, k) int64 expert ids of this rank's N = B * T_local tokens, (sequence, position)
-            order, slot j = the j-th choice.
-        shape: (B, T_local).
-        n_experts: E.
-        capacity_factor: cf > 0.
-        shards: None (this rank holds whole sequences) or the cp sharding of the sequences; then
-            T = T_local * shards.size and T_local must split into ``len(shards.local)`` chunks.
-        valid: None (every token routes) or (N,) bool: tokens outside the microbatch's routed set
-            (MTP's padded tail). They take no capacity and do not count in it: the capacity is
-            ``ceil(cf * N_valid k / E)`` over the microbatch's valid tokens (summed over the shards)
-            and a valid assignment's rank counts valid assignments only, as if the invalid tokens
-            had been cut out of the microbatch. Their entries of ``keep`` are False.
-    Returns: keep (N, k) bool, equal to the single-process decision on the whole microbatch.
-    """
+    idx (N, k) int64 in (sequence, position) order, N = B * T_local; shape (B, T_local); shards: None
+    or the cp sharding (T = T_local * shards.size); valid: None or (N,) bool, tokens that take no
+    capacity (capacity ``ceil(cf * N_valid k / E)`` over the valid tokens) and are never kept."""
     n, k = idx.shape
     e = n_experts
     slot_major = idx.t().reshape(-1)  # (k*N,) priority order: slot, then sequence, then position
@@ -112,11 +80,8 @@ def capacity_keep(idx: torch.Tensor, shape: tuple[int, int], n_experts: int, cap
 
 def _rank_over_shards(rank: torch.Tensor, slot_major: torch.Tensor, shape: tuple[int, int], k: int,
                       experts: tuple[int, int], shards: SequenceShards) -> tuple[torch.Tensor, int]:
-    """Turn ranks among this rank's assignments into ranks in the whole microbatch (module
-    docstring): one all-gather of the (slot, sequence, chunk, expert) block counts. ``experts`` =
-    (E, columns): ``slot_major`` (k*N,) ids are < columns, and ids >= E (the sentinel of invalid
-    tokens) are not counted. Returns the ranks (k*N,) and the number of counted assignments of the
-    whole microbatch."""
+    """Local ranks -> ranks in the whole microbatch via one all-gather of block counts. ``experts`` =
+    (E, columns); ids >= E (invalid tokens' sentinel) are not counted. Returns (ranks (k*N,), counted)."""
     b, t = shape
     e, cols = experts
     nl, nc = len(shards.local), shards.n_chunks

@@ -1,24 +1,15 @@
-"""Multi-token prediction (MTP; DeepSeek-V3, 2024, section 2.2; Gloeckle et al. 2024 for the idea).
+"""Multi-token prediction (DeepSeek-V3, 2024, section 2.2; Gloeckle et al. 2024).
 
-D sequential modules extend the main model's prediction depth. Module k (1-based) combines the
-previous depth's representation of position i with the embedding of token t_{i+k}:
+Depth k (1-based) combines the previous depth's state at i with the embedding of t_{i+k}:
 
     h'_i = W_k [RMSNorm(h^{k-1}_i) ; RMSNorm(Emb(t_{i+k}))]          (2C -> C)
     h^k  = TransformerBlock_k(h'), over the T-k positions where t_{i+k} exists
     logits^k_i = OutputHead(RMSNorm_k(h^k_i))    predicts t_{i+k+1}
 
-``h^0`` is the main model's last hidden state before its final norm. The embedding and the output
-head are the main model's (shared), so gradients of the MTP loss reach them. With the main
-model's labels ``labels[i] = t_{i+1}``, depth k's target at position i is ``labels[i + k]``.
-
-Pipeline parallel: the modules sit on the stage of the head, which also keeps a copy of the
-embedding for the lookup of the shifted tokens (``ndtrain.parallel.pp.stage``); that stage's input
-is hidden states, so the runtime hands it the token ids (``feeding_token_ids``).
-
-Loss (DeepSeek-V3 eq. 24-25): ``lambda / D * sum_k L^k`` with ``L^k`` the token-weighted mean
-cross-entropy of depth k over the global batch (``ndtrain.train.extras`` computes it). At inference
-the modules are skipped (they could serve speculative decoding; not implemented).
-"""
+``h^0`` is the trunk's last hidden state before its final norm; embedding and head are shared.
+Depth k's target at i is ``labels[i + k]``. Loss (eq. 24-25): ``lambda / D * sum_k L^k``, computed
+in ``ndtrain.train.extras``. Under pp the modules sit on the head's stage, which keeps an
+embedding copy and gets the token ids from the runtime (``feeding_token_ids``). Skipped at inference."""
 from __future__ import annotations
 
 import contextlib
@@ -34,12 +25,8 @@ from ndtrain.model.norm import RMSNorm
 
 
 class MTPModule(nn.Module):
-    """One MTP depth: ``hnorm``, ``enorm``, ``proj`` (C, 2C), ``block`` (a decoder block of the same
-    kind as the model's last layer), ``norm``.
-
-    Shapes: h (B, T', C) previous depth, e (B, T', C) embeddings of the shifted tokens, cos / sin
-    (T', D/2) -> (B, T', C) (pre-norm hidden of this depth; ``norm`` is applied by the caller).
-    """
+    """One depth: ``hnorm``, ``enorm``, ``proj`` (C, 2C), ``block`` (same kind as the last layer), ``norm``.
+    h (B, T', C), e (B, T', C), cos / sin (T', D/2) -> (B, T', C), before ``norm`` (the caller's)."""
 
     def __init__(self, cfg: ModelConfig, depth: int):
         super().__init__()
@@ -59,9 +46,8 @@ MTP_TOKENS_ATTR = "ndtrain_mtp_token_ids"
 
 
 def mtp_token_ids(model, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Placement hook: the (B, T) token ids MTP embeds. ``tokens`` themselves when they are ids;
-    when they are hidden states (a pipeline stage holding the head, fed by the previous stage),
-    the ids the pipeline runtime attached with ``feeding_token_ids``, else None."""
+    """The (B, T) ids MTP embeds: ``tokens`` when they are ids, else (a pp stage fed hidden states) the
+    ids attached by ``feeding_token_ids``, or None."""
     if not tokens.is_floating_point():
         return tokens
     return getattr(model, MTP_TOKENS_ATTR, None)
@@ -69,8 +55,7 @@ def mtp_token_ids(model, tokens: torch.Tensor) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def feeding_token_ids(model, ids: torch.Tensor):
-    """Attach the microbatch's (B, T) token ids to ``model`` (a pipeline stage holding the head and
-    MTP modules) for the duration of its forward; see ``mtp_token_ids``."""
+    """Attach the microbatch's (B, T) ids to ``model`` for its forward (``mtp_token_ids``)."""
     setattr(model, MTP_TOKENS_ATTR, ids)
     try:
         yield
@@ -82,30 +67,19 @@ SHIFT_ATTR = "mtp_shift"  # optional model attribute: the sequence-shift hook (s
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """x (B, T) -> (B, T): ``x[:, i + k]`` at i < T - k, ``fill`` at the last k positions.
-
-    The single-device form of the ``mtp_shift`` hook. A layout whose ranks hold only part of each
-    sequence (context parallel) installs its own hook with this signature, which fetches the
-    tokens at i + k from the rank holding them (``ndtrain.parallel.cp.mtp_shift``)."""
+    """x (B, T) -> (B, T): ``x[:, i + k]`` at i < T - k, ``fill`` at the last k. The single-device
+    ``mtp_shift`` hook; cp installs one that fetches from the rank holding i + k."""
     k = min(k, x.shape[1])
     return torch.cat([x[:, k:], x.new_full((x.shape[0], k), fill)], dim=1)
 
 
 def mtp_forward(model, tokens: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> list[torch.Tensor]:
-    """Run ``model.mtp`` after the main trunk.
+    """Run ``model.mtp`` after the trunk. tokens (B, T), h (B, T, C), cos / sin (T, D/2) or (B, T, D/2).
 
-    Args: tokens (B, T) input ids; h (B, T, C) last hidden before the final norm; cos / sin (T, D/2)
-    or (B, T, D/2) at the input positions.
-    Returns: D logits tensors, depth k (1-based) of shape (B, T-k, V); when the model has an
-    ``mtp_shift`` hook (set by sequence / context parallel, whose ranks hold a slice of the
-    positions), (B, T, V) instead: every depth runs on all positions with the shifted tokens
-    (``shift_left``) and the last k positions, whose token t_{i+k} does not exist, get a padding
-    token and an ignored label. Causal attention keeps them out of the real positions, so the loss
-    is the truncated one; MoE layers of the depth's block get those positions masked
-    (``MoE.token_mask``), so their routing, capacity, balance losses and loads are the truncated
-    run's too.
-    """
+    Returns D logits, depth k (B, T-k, V); with an ``mtp_shift`` hook (sp / cp) (B, T, V): the last k
+    positions get a padding token and an ignored label, and are masked out of MoE routing
+    (``MoE.token_mask``), so loss and MoE statistics are the truncated run's."""
     shift = getattr(model, SHIFT_ATTR, None)
     out = []
     t = tokens.shape[1]
@@ -126,9 +100,8 @@ def mtp_forward(model, tokens: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
 
 @contextlib.contextmanager
 def masking_moe(module: nn.Module, valid: torch.Tensor):
-    """Set ``valid`` (B, T) bool as the ``token_mask`` of every MoE layer inside ``module`` for the
-    duration of its forward (``ndtrain.model.moe``; a no-op for dense blocks). The MTP blocks are
-    not activation-checkpointed, so no recompute runs after the mask is cleared."""
+    """``valid`` (B, T) bool as ``token_mask`` of every MoE layer in ``module`` during its forward (MTP
+    blocks are not activation-checkpointed: no recompute runs after the mask is cleared)."""
     layers = moe_layers(module)
     for m in layers:
         m.token_mask = valid
@@ -148,12 +121,9 @@ def _target(labels: torch.Tensor, k: int, length: int, shift, ignore_index: int)
 
 def mtp_loss_sums(mtp_logits: list[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100,
                   shift=None, loss_sum=None) -> list[torch.Tensor]:
-    """Summed cross-entropy of each depth: depth k (1-based) scores ``logits^k[:, i]`` against
-    ``labels[:, i + k]``. labels (B, T) -> list of 0-d tensors (sums over valid targets).
-
-    ``shift``: the model's ``mtp_shift`` hook for full-length logits (B, T, V) (default
-    ``shift_left``). ``loss_sum(logits (B, T', V'), target (B, T'))``: the summed token loss
-    (default cross-entropy; tensor parallel passes its vocab-parallel one)."""
+    """Per-depth summed cross-entropy (``logits^k[:, i]`` vs ``labels[:, i + k]``): labels (B, T) -> list
+    of 0-d sums. ``shift``: the ``mtp_shift`` hook for (B, T, V) logits; ``loss_sum(logits, target)``:
+    the summed token loss (tp passes its vocab-parallel one)."""
     sums = []
     for k, logits in enumerate(mtp_logits, start=1):
         target = _target(labels, k, logits.shape[1], shift, ignore_index)
@@ -167,8 +137,7 @@ def mtp_loss_sums(mtp_logits: list[torch.Tensor], labels: torch.Tensor, ignore_i
 
 
 def mtp_valid_counts(labels: torch.Tensor, depth: int, ignore_index: int = -100, shift=None) -> list[int]:
-    """Valid targets per depth k = 1..depth in a (B, T) label batch (``shift``: the model's
-    ``mtp_shift`` hook; a collective under context parallel)."""
+    """Valid targets per depth 1..D of a (B, T) label batch (a collective under cp)."""
     if shift is None:
         return [int((labels[:, k:] != ignore_index).sum()) for k in range(1, depth + 1)]
     return [int((shift(labels, k, ignore_index) != ignore_index).sum()) for k in range(1, depth + 1)]

@@ -1,9 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
-
-Normalises by the root mean square of the last dim, without centring or bias. Computed in float32
-and cast back to the input dtype before the gain, as Llama (Touvron 2023) and Hugging Face do, so
-bf16 activations keep an fp32-accurate normaliser.
-"""
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back before the gain (as Llama and
+HF), so bf16 activations keep an fp32-accurate normaliser."""
 from __future__ import annotations
 
 import torch
@@ -11,15 +7,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2, -1) + eps) * weight``.
-
-    Args:
-        dim: size C of the normalised (last) dim.
-        eps: added to the mean square before the reciprocal square root.
-
-    Shapes: x (..., C) -> (..., C), same dtype as x (the gain multiplies in the promoted dtype of
-    x and ``weight``, as in Hugging Face's LlamaRMSNorm).
-    """
+    """``y = x / sqrt(mean(x^2, -1) + eps) * weight``: x (..., C) -> (..., C), x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()

@@ -1,15 +1,9 @@
 """Rotary position embedding (Su 2021, "RoFormer") with Llama 3.1 frequency scaling (Llama 3, 2024).
 
-Convention: **rotate-half** (the Hugging Face / GPT-NeoX layout). Dim i of a head is paired with
-dim i + D/2, and the pair is rotated by angle ``position * inv_freq[i]``. Meta's original
-checkpoints use the interleaved layout (pairs (2i, 2i+1)); the two are equivalent up to a fixed
-permutation of the rows of ``wq`` / ``wk``, which Hugging Face checkpoints already carry, so
-``ndtrain.hf.llama`` copies q/k weights unchanged. Converting a Meta-format checkpoint would need that
-permutation (not provided here).
-
-Tables are computed exactly as Hugging Face computes them (fp32 inverse frequencies, fp32 angles
-``pos * inv_freq``), so imported checkpoints match to float32 rounding.
-"""
+Rotate-half convention (Hugging Face / GPT-NeoX): dim i pairs with i + D/2. Meta's interleaved
+layout differs by a fixed permutation of ``wq`` / ``wk`` rows, already carried by HF checkpoints,
+so ``ndtrain.hf.llama`` copies them unchanged (Meta-format import is not provided). Tables are
+computed as HF does (fp32), so imports match to float32 rounding."""
 from __future__ import annotations
 
 import math
@@ -20,16 +14,10 @@ from ndtrain.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/D)``, i = 0 .. D/2-1 (D = ``cfg.rope_dim``), with optional
-    Llama 3.1 scaling.
-
-    Llama 3.1 scaling (``cfg.rope_scaling``): with wavelength ``w = 2 pi / inv_freq`` and
-    ``L = rope_original_max_seq_len``, frequencies whose wavelength is below ``L / high_freq_factor``
-    are kept; those above ``L / low_freq_factor`` are divided by ``rope_scaling_factor``; those in
-    between are interpolated linearly in ``L / w`` between the two.
-
-    Returns: (D/2,) float32 on CPU. Raises ValueError if the scaling factors are inconsistent.
-    """
+    """``theta^(-2i/D)``, i < D/2 (D = ``cfg.rope_dim``), (D/2,) float32 on CPU. Llama 3.1 scaling
+    (``cfg.rope_scaling``, L = ``rope_original_max_seq_len``): wavelengths below L / high_freq_factor
+    kept, above L / low_freq_factor divided by ``rope_scaling_factor``, linear in L / w between.
+    Raises ValueError if the factors are inconsistent."""
     d = cfg.rope_dim  # head_dim, or MLA's decoupled RoPE slice
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))  # (D/2,)
     if not cfg.rope_scaling:
@@ -49,10 +37,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``position * inv_freq`` for positions 0 .. max_seq_len-1.
-
-    Returns: (cos, sin), each (max_seq_len, D/2) float32 on ``device``.
-    """
+    """(cos, sin) of ``position * inv_freq``, each (max_seq_len, D/2) float32 on ``device``."""
     inv_freq = rope_inv_freq(cfg)  # (D/2,)
     pos = torch.arange(cfg.max_seq_len, dtype=torch.int64, device="cpu").float()  # (S,)
     angles = pos[:, None] * inv_freq[None, :]  # (S, D/2)
@@ -60,16 +45,9 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of each head of ``x`` (rotate-half convention).
-
-    Args:
-        x: (B, T, H, D) queries or keys.
-        cos, sin: (T, D/2) or (B, T, D/2), already gathered at the tokens' positions; cast to
-            x's dtype here (as Hugging Face does).
-
-    Returns: (B, T, H, D), dtype of x. Partial RoPE (Qwen3-Next, GPT-NeoX ``rotary_pct``): when
-    cos / sin cover R/2 < D/2 pairs, the first R dims are rotated and the last D - R pass unchanged.
-    """
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) with cos / sin (T, D/2) or (B, T, D/2) at the tokens'
+    positions (cast to x's dtype, as HF) -> (B, T, H, D). Partial RoPE (Qwen3-Next): tables covering
+    R/2 < D/2 pairs rotate the first R dims only."""
     rot = 2 * cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)

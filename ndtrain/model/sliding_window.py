@@ -1,10 +1,6 @@
-"""Sliding-window causal attention (Longformer's local pattern, Beltagy 2020; as interleaved in
-Mistral 7B, Gemma 3 and OLMo 3): query t attends to keys t - w + 1 .. t.
-
-``window_attention`` (the fast form) cuts the sequence into blocks of w queries; each block needs
-only its own keys and the previous block's, so the cost is O(T w) instead of O(T^2).
-``dense_window_attention`` is its twin: full attention under a band mask.
-"""
+"""Sliding-window causal attention (Beltagy 2020; Mistral 7B, Gemma 3, OLMo 3): query t sees keys
+t - w + 1 .. t. ``window_attention`` works in blocks of w queries (O(T w)); ``dense_window_attention``
+is its band-masked twin."""
 from __future__ import annotations
 
 import torch
@@ -29,12 +25,8 @@ def dense_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                      kv_prev: torch.Tensor | None = None, prev_len: int = 0) -> torch.Tensor:
-    """Blocked sliding-window attention over one sequence: q (B, H, T, D), k / v (B, G, T, D)
-    -> (B, H, T, D), equal to ``dense_window_attention`` (tested).
-
-    ``kv_prev`` (2, B, G, window - 1, D): keys / values of the window - 1 positions just before
-    this sequence (context parallel: the previous rank's last tokens), of which the last
-    ``prev_len`` are real and the rest masked (0: the sequence's start, e.g. cp rank 0)."""
+    """Blocked form: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D). ``kv_prev`` (2, B, G, w - 1, D):
+    the positions before this sequence (cp: the previous rank's), the last ``prev_len`` real."""
     b, h, t, d = q.shape
     g = k.shape[1]
     w = window if kv_prev is not None else min(window, t)  # a block must reach window - 1 back
@@ -61,11 +53,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
 
 
 class SlidingWindowAttention(Attention):
-    """``Attention`` (same projections, RoPE, GQA, parameter names) restricted to a causal window of
-    ``cfg.swa_window`` keys. Decoding keeps the full KV cache and masks it to the window.
-
-    Shapes: x (B, T, C), cos / sin (T, D/2) -> (B, T, C).
-    """
+    """``Attention`` restricted to ``cfg.swa_window`` keys: x (B, T, C), cos / sin (T, D/2) -> (B, T, C).
+    Decoding keeps the full cache and masks it."""
 
     def __init__(self, cfg, layer_id: str = "0"):
         super().__init__(cfg.dim, cfg.n_heads, cfg.kv_heads, layer_id)

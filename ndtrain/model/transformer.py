@@ -1,18 +1,11 @@
 """A Llama-3-style decoder (Llama 3, 2024; Touvron 2023): pre-norm RMSNorm (Zhang & Sennrich 2019),
-causal GQA attention (Ainslie 2023) with RoPE (Su 2021), SwiGLU feed-forward (Shazeer 2020).
+causal GQA (Ainslie 2023) with RoPE (Su 2021), SwiGLU (Shazeer 2020).
 
-Single-device and parallel-agnostic, but composable:
-
-* ``layers`` is an ``nn.ModuleDict`` keyed "0".."L-1"; a pipeline stage deletes the blocks it does
-  not own and keeps the others' names (so checkpoints and per-parameter init seeds line up).
-* ``tok_embeddings``, ``norm`` and ``output`` may be set to None: a stage without an embedding takes
-  hidden states (B, T, C) instead of tokens, and a stage without an output returns hidden states.
-* Head counts are inferred from weight shapes at forward time, so tensor parallel shards heads
-  without changing this code; ``Attention.core`` is the hook for context parallel.
-
-Module names (``attention.wq`` ..., ``feed_forward.w1`` ...) are the contract with ``ndtrain.hf.llama``
-and the parallelisms that shard by name.
-"""
+Single-device, parallel-agnostic: ``layers`` is a ModuleDict keyed "0".."L-1" (a pp stage deletes
+blocks and keeps names); ``tok_embeddings`` / ``norm`` / ``output`` may be None (a stage then takes
+or returns (B, T, C) hidden states); head counts come from weight shapes at forward time (tp);
+``Attention.core`` is cp's hook. Module names are the contract with ``ndtrain.hf.llama`` and the
+name-based parallel plans."""
 from __future__ import annotations
 
 import torch
@@ -28,16 +21,11 @@ from ndtrain.model.rope import rope_tables
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer.
+    """Decoder-only transformer; build with ``build_model`` (meta, then ``init_weights``).
 
-    Attributes: ``tok_embeddings`` (V, C) | None, ``layers`` ModuleDict of ``TransformerBlock``,
-    ``norm`` RMSNorm | None, ``output`` Linear C -> V without bias | None (its weight *is* the
-    embedding's when ``cfg.tie_embeddings``), non-persistent fp32 buffers ``rope_cos`` / ``rope_sin``
-    (max_seq_len, D/2) built by ``init_rope`` (called by ``init_weights``; after meta construction
-    and ``to_empty`` they are garbage until then).
-
-    Construct through ``ndtrain.model.build_model`` (meta device, then ``init_weights``).
-    """
+    ``tok_embeddings`` (V, C) | None, ``layers``, ``norm`` | None, ``output`` C -> V | None (the
+    embedding's weight when tied), non-persistent fp32 ``rope_cos`` / ``rope_sin`` (max_seq_len, D/2),
+    garbage after ``to_empty`` until ``init_rope``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -58,9 +46,8 @@ class Transformer(nn.Module):
             self.init_rope()
 
     def tie_weights(self) -> None:
-        """Make ``output.weight`` the embedding's Parameter when ``cfg.tie_embeddings`` (and both
-        exist). Needed again after ``to_empty``, which materialises each module's parameters
-        separately and so unties them."""
+        """Make ``output.weight`` the embedding's Parameter if tied; again after ``to_empty``, which
+        unties."""
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
@@ -71,27 +58,18 @@ class Transformer(nn.Module):
         self.rope_sin = sin.to(self.rope_sin.device)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init, independent of device, dtype and which layers exist; see ``init.py``."""
+        """Deterministic init, independent of device, dtype and which layers exist (``init.py``)."""
 
         init_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_cache: KVCacheLike | None = None) -> torch.Tensor:
-        """Run the stage.
+        """tokens (B, T) int64, or (B, T, C) hidden states without ``tok_embeddings`` -> logits (B, T, V), or
+        hidden states (B, T, C) without ``output``.
 
-        Args:
-            tokens: (B, T) int64 token ids, or (B, T, C) hidden states when ``tok_embeddings`` is None.
-            positions: (T,) or (B, T) int64 RoPE positions (need not be contiguous, e.g. for context
-                parallel); default ``arange(T)``, offset by ``kv_cache.length`` when a cache is given.
-            kv_cache: optional cache (``ndtrain.inference.generate.KVCache``); keys / values of these tokens are
-                appended and the cache is advanced by T.
-
-        Returns: logits (B, T, V) in the parameter / autocast dtype, or hidden states (B, T, C) when
-        ``output`` is None. A training forward (``self.training``, grad enabled, no cache) of a model
-        with MTP modules also sets ``self.mtp_logits`` (depth k: (B, T-k, V)); MoE layers record
-        their auxiliary losses (``ndtrain.model.moe_balance.pop_aux_loss``).
-        Raises ValueError if a cached forward would run past ``max_seq_len``.
-        """
+        ``positions``: (T,) or (B, T) int64 (default ``arange(T)`` after ``kv_cache.length``); ``kv_cache``:
+        appended and advanced by T. A training forward with MTP also sets ``self.mtp_logits``
+        (depth k: (B, T-k, V)). Raises ValueError if a cached forward would pass ``max_seq_len``."""
         embed = self.tok_embeddings is not None and not tokens.is_floating_point()  # a pipeline stage's
         h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, C); head stage: MTP's embedding copy
         t = h.shape[1]
@@ -117,10 +95,8 @@ class Transformer(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0) -> nn.Module:
-    """Construct a ``Transformer`` on the meta device, materialise on ``device`` in ``dtype``, init.
-
-    Returns the model in train mode. Parameters are ``dtype``; the RoPE tables stay float32.
-    """
+    """A ``Transformer`` built on meta, materialised on ``device`` in ``dtype`` (RoPE tables float32),
+    initialised, in train mode."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=dtype)  # free on meta

@@ -1,13 +1,6 @@
-"""Sparse upcycling: build an MoE model from a dense checkpoint (Komatsuzaki et al. 2023, "Sparse
-Upcycling"; used for Qwen-MoE and MiniCPM-MoE).
-
-Every expert of an MoE layer starts as a copy of that layer's dense SwiGLU FFN; the router is new
-(drawn by ``init_weights`` from the MoE config's seed); everything else is copied unchanged. With
-routing weights that sum to 1 (``moe_renormalize=True``, ``moe_route_scale=1``), no shared
-experts and no token dropping, each token's MoE output is ``sum_j w_j FFN(x) = FFN(x)``: the
-upcycled model computes the dense model's function, so its step-0 loss equals the dense loss (up
-to float rounding). Training then lets the copies diverge.
-"""
+"""Sparse upcycling (Komatsuzaki et al. 2023): an MoE model from a dense checkpoint, every expert a
+copy of its layer's FFN, a new router. With weights summing to 1, no shared experts and no
+dropping, the MoE output is ``sum_j w_j FFN(x) = FFN(x)``: the step-0 loss equals the dense one."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,17 +15,9 @@ _MOE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.name.startsw
 
 
 def upcycle(dense: nn.Module, moe_cfg: ModelConfig, seed: int = 0) -> nn.Module:
-    """Return a new MoE ``Transformer`` initialised from ``dense`` (a full dense ``Transformer``).
-
-    Args:
-        dense: the source model; its config must equal ``moe_cfg`` apart from the ``moe_*`` fields.
-        moe_cfg: target config (``moe_experts > 0``); experts must be as wide as the dense FFN
-            (``moe_ffn_hidden`` 0 or ``ffn_dim``) and there must be no shared experts.
-        seed: init seed of the new parameters (routers).
-
-    Returns the MoE model on ``dense``'s device and dtype, in train mode.
-    Raises ValueError if the configs differ elsewhere or the expert shape does not match.
-    """
+    """A new MoE ``Transformer`` from ``dense`` on its device and dtype, in train mode. ``moe_cfg`` must
+    equal dense's config but for ``moe_*`` (experts as wide as the FFN, no shared experts); ``seed``
+    draws the routers. Raises ValueError otherwise."""
     dcfg: ModelConfig = dense.cfg
     if not moe_cfg.is_moe:
         raise ValueError("upcycle: moe_cfg.moe_experts must be > 0")

@@ -1,6 +1,5 @@
-"""The per-batch hooks of a layout: cutting a rank's batch (context parallel) and the loss
-(tensor parallel: vocab-parallel cross-entropy; ``fused_loss_sum``: fused with the output head,
-``training.fused_loss``, ``ndtrain.parallel.fused_head``). Built by ``ndtrain.parallel.parallelize``."""
+"""Per-batch hooks of a layout (cp's batch cut, tp's vocab-parallel loss, the fused loss), built by
+``parallelize``."""
 from __future__ import annotations
 
 import torch
@@ -17,14 +16,9 @@ class BatchPlan:
     """Per-batch hooks of the layout, used by the trainer.
 
     ``shard(inputs, labels)``: (B, T) -> this rank's (B, T_local) inputs, labels and (T_local,)
-    RoPE positions (None when the model's default ``arange(T)`` is right). Labels are already
-    shifted, so cutting after the shift keeps every (input, label) pair together.
-    ``loss_sum(logits, labels)``: sum of token cross-entropies over valid labels (0-d tensor);
-    logits (B, T, V), or (B, T, Vp / tp) under tensor parallel (vocab-parallel, never gathered).
-    ``fused_impl``: "chunk" (PyTorch, any device / dtype) or "triton" kernels of ``fused_loss_sum``.
-    ``head``: the model's ``FusedLossHead`` under ``training.fused_loss`` (set by ``parallelize``),
-    else None; ``labelled(labels)`` arms it around a forward and ``stage_loss`` reads its result.
-    """
+    positions (None: ``arange(T)``); labels are shifted before the cut. ``loss_sum(logits, labels)``:
+    0-d sum of valid token losses, logits (B, T, V) or (B, T, Vp / tp) (never gathered).
+    ``fused_impl``: "chunk" | "triton". ``head``: the ``FusedLossHead`` under ``training.fused_loss``."""
 
     def __init__(self, mesh: Mesh, cfg, ignore_index: int = -100, fused_impl: str = "chunk"):
         p = cfg.parallel
@@ -61,25 +55,20 @@ class BatchPlan:
         return head_labels(self.head, labels)
 
     def stage_loss(self, out: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The last stage's summed token loss: ``out`` is the armed fused head's 0-d loss sum, or
-        logits (B, T, V | Vp / tp) cast to ``dtype`` (the parameter dtype) for ``loss_sum``."""
+        """The last stage's summed token loss: the armed head's 0-d sum, or ``loss_sum`` of logits
+        (B, T, V | Vp / tp) cast to ``dtype``."""
         if self.head is not None and out.dim() == 0:
             return out.to(dtype)
         return self.loss_sum(out.to(dtype), labels)
 
     def fused_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                        region_entered: bool = False) -> torch.Tensor:
-        """``loss_sum`` of the logits ``hidden @ weight^T`` without materialising them (fused linear +
-        cross-entropy, ``ndtrain.ops.linear_cross_entropy``: its chunked PyTorch form, or the Triton
-        kernels with ``fused_impl="triton"``).
+        """``loss_sum`` of ``hidden @ weight^T`` without the logits (``ops.linear_cross_entropy``: chunked
+        PyTorch, or Triton with ``fused_impl="triton"``); returns the 0-d sum over valid labels.
 
-        hidden (B, T, C): the output head's whole input (under sequence parallel: already gathered);
-        weight (V, C), or this rank's (Vp / tp, C) rows under tensor parallel, where each rank's
-        partial max / sum-exp / target logit meet in two all-reduces over ``tp`` (MAX, then SUM of
-        2N values, as ``vocab_parallel_cross_entropy``) and hidden's gradient is summed over ``tp``
-        (Megatron's f operator: applied here unless ``region_entered``, i.e. the caller already
-        passed hidden through f, as ``FusedLossHead`` does). Returns the 0-d sum over valid labels.
-        """
+        hidden (B, T, C) (gathered under sp); weight (V, C), or (Vp / tp, C) under tp, where the partial
+        max / sum-exp / target logit meet in two all-reduces (MAX, then SUM of 2N values) and hidden's
+        gradient is summed over tp (Megatron's f, unless ``region_entered``)."""
         if self.fused_impl == "triton":
             from ndtrain.ops.linear_cross_entropy.triton import fused_linear_cross_entropy as fused
         else:

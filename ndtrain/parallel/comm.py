@@ -1,7 +1,7 @@
 """Every collective ndtrain issues, each taking an explicit ``AxisGroup`` and counting its bytes.
 
-Byte counts are the bytes *this rank sends* under the bandwidth-optimal ring algorithm, so logged
-traffic can be compared with the textbook costs (Patarasuk & Yuan 2009; ZeRO, Rajbhandari 2020):
+Counts are the bytes this rank sends under the ring algorithm (Patarasuk & Yuan 2009; ZeRO,
+Rajbhandari 2020):
 
 * all-reduce of S bytes over N ranks: 2 (N-1)/N * S
 * all-gather producing S bytes:        (N-1)/N * S
@@ -9,13 +9,9 @@ traffic can be compared with the textbook costs (Patarasuk & Yuan 2009; ZeRO, Ra
 * all-to-all of S bytes (even split):  (N-1)/N * S
 * send of S bytes:                      S
 
-A size-1 group (``pg is None``) makes every function a no-op that counts nothing. Every call runs
-under ``parallel.collective_timeout_s`` and is recorded by the flight recorder
-(``ndtrain.parallel.flight_recorder``): a wait past the deadline raises ``CollectiveTimeoutError``
-naming this rank, the peers that never arrived, the axis and the op. Functions that
-take part in autograd are classes named for their forward effect with "fwd: X, bwd: Y" docstrings
-(Megatron-LM's f / g operators, Shoeybi et al. 2019); they are added by the axes that need them.
-"""
+A size-1 group makes every function a no-op counting nothing. Every call runs under the flight
+recorder's deadline (``CollectiveTimeoutError``). Autograd functions are named for their forward
+effect with "fwd: X, bwd: Y" docstrings (Megatron-LM's f / g, Shoeybi et al. 2019)."""
 from __future__ import annotations
 
 import threading
@@ -124,9 +120,8 @@ def split_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
 
 
 def all_gather_object(obj, group: AxisGroup) -> list:
-    """Every rank's picklable ``obj``, in group-rank order (for timelines and diagnostics, not for
-    tensors on the training path). Counted as an all-gather of the pickled size times N. Recorded,
-    but bounded only by the process-group timeout (``all_gather_object`` has no async form)."""
+    """Every rank's picklable ``obj`` in group-rank order (diagnostics, not the training path); counted as
+    N x the pickled size. Bounded only by the process-group timeout (no async form)."""
     if group.pg is None:
         return [obj]
     import pickle

@@ -1,21 +1,14 @@
-"""``training.compile`` and ``training.fp8``: compiled transformer blocks and float8 linear layers.
+"""``training.compile`` and ``training.fp8``: compiled transformer blocks and float8 linears.
 
-Compile (torchtitan's per-block regional compilation): ``torch.compile`` each block's ``forward``,
-not the module call, so the module keeps its name, parameters and state dict (no ``_orig_mod``
-prefix), and everything registered as module hooks stays eager around the compiled code: ZeRO-3's
-gather / free, activation checkpointing's region enter / exit, tensor parallel's f at a region's
-input, the zero-bubble output capture. The blocks share one code object, and with inlined
-``nn.Module`` parameters (PyTorch's default) one compiled graph serves every block of the same
-shapes, so a model compiles once, not once per layer. What runs inside a block (tensor parallel's
-all-reduces, context parallel's ring exchange) is traced by Dynamo like any other op; a construct
-it cannot trace becomes a graph break, which costs speed, not correctness.
+Compile (torchtitan's regional compilation): ``torch.compile`` each block's ``forward``, not the
+module, so names and state dicts keep no ``_orig_mod`` prefix and module hooks (ZeRO-3 gather /
+free, checkpoint regions, tp's f, zero-bubble capture) stay eager. The blocks share one code object,
+so one graph serves every block of the same shapes. Untraceable constructs become graph breaks
+(speed, not correctness).
 
-FP8 (torchao float8 training; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"): every
-``nn.Linear`` inside the blocks whose in / out features are multiples of 16 becomes torchao's
-``Float8Linear`` (dynamic tensorwise scaling: e4m3 forward, e5m2 gradients), the output head and
-embedding stay in the compute dtype (as torchtitan does). Needs the optional ``torchao`` package
-and a CUDA GPU of compute capability >= 8.9; ``ndtrain.config.validate`` rejects the rest before launch.
-"""
+FP8 (torchao float8 training; Micikevicius et al. 2022): the blocks' ``nn.Linear``s with features
+divisible by 16 become ``Float8Linear`` (dynamic tensorwise scaling, e4m3 forward, e5m2 gradients);
+head and embedding stay in the compute dtype. Needs ``torchao`` and compute capability >= 8.9."""
 from __future__ import annotations
 
 import torch
@@ -23,11 +16,8 @@ from torch import nn
 
 
 def apply_compile(model: nn.Module) -> int:
-    """Compile the ``forward`` of every block in ``model.layers`` in place; returns how many.
-
-    Call after activation checkpointing and tensor / context parallel (their hooks and core swaps
-    must exist when the block is first traced) and before data parallel. Compilation itself
-    happens at the first forward."""
+    """Compile every block's ``forward`` in place; returns how many. Call after activation checkpointing
+    and tp / cp (their hooks must exist at the first trace) and before dp."""
     n = 0
     for block in getattr(model, "layers", {}).values():
         block.forward = torch.compile(block.forward)
@@ -36,17 +26,15 @@ def apply_compile(model: nn.Module) -> int:
 
 
 def fp8_filter(module: nn.Module, fqn: str) -> bool:
-    """torchao's ``module_filter_fn``: the blocks' linears with in / out features divisible by 16
-    (the fp8 matmul's alignment), not the output head."""
+    """torchao's ``module_filter_fn``: the blocks' linears with features divisible by 16, not the head."""
     if not isinstance(module, nn.Linear):
         return False
     return fqn.startswith("layers.") and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def apply_fp8(model: nn.Module) -> int:
-    """Swap the blocks' ``nn.Linear`` s for torchao ``Float8Linear`` in place (parameter names
-    unchanged); returns how many. Raises ImportError without torchao (``ndtrain.config.validate``
-    rejects ``training.fp8`` first)."""
+    """Swap the blocks' ``nn.Linear``s for ``Float8Linear`` in place (names unchanged); returns how many.
+    Raises ImportError without torchao."""
     from torchao.float8 import convert_to_float8_training
 
     before = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and fp8_filter(m, n)}

@@ -1,26 +1,13 @@
-"""Collective timeouts and the flight recorder: every collective of ``parallel/comm.py`` and every
-message of ``parallel/pp/p2p.py`` is recorded here and waited for under a deadline.
+"""Collective timeouts and the flight recorder: every collective of ``comm`` and message of ``pp.p2p``
+is recorded and waited for under a deadline (docs/fault_tolerance.md).
 
-Why: a dead or hung peer otherwise leaves every other rank blocked in a collective until the
-process-group timeout (or forever), with nothing saying who stopped. Like PyTorch's NCCL flight
-recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``), each rank keeps its last N collectives -- op, mesh
-axis, bytes, per-rank sequence number, start / end time -- in a ring buffer. When a wait passes
-``parallel.collective_timeout_s`` the rank
-
-1. posts ``{"rank", "axis", "op", "seq"}`` to the process group's key-value store and waits a short
-   grace period for the peers of that group to post theirs (they time out too, at about the same
-   moment, when one peer is missing);
-2. names the peers that did not post -- the ranks that never reached (or never finished) the
-   collective: hung in compute, stuck elsewhere, or dead;
-3. writes its ring buffer to ``RUN_DIR/flight_recorder/rank{r}.json``, logs a ``collective_timeout``
-   event, and raises ``CollectiveTimeoutError`` naming this rank, the suspects, the axis and the op.
-
-The deadline is applied with ``Work.wait(timeout)``, which gloo honours on CPU. With NCCL a CPU wait
-with a timeout would serialise the host with every kernel, so on CUDA the recorder only records and
-the process group's own timeout (``init_process_group(timeout=...)``, the NCCL watchdog) is the
-deadline. The settings are per process (one recorder per rank, like NCCL's), set by
-``configure`` from ``ndtrain.train.loop``; until then the timeout is 600 s and nothing is written.
-"""
+Otherwise a dead or hung peer blocks every rank with nothing saying who stopped. Like PyTorch's
+NCCL flight recorder, each rank keeps its last N collectives in a ring buffer. Past
+``parallel.collective_timeout_s`` a rank posts its state to the store, waits a grace period for
+its peers', names those that did not post, writes ``RUN_DIR/flight_recorder/rank{r}.json``, logs a
+``collective_timeout`` event and raises ``CollectiveTimeoutError``. The deadline is
+``Work.wait(timeout)`` (gloo); on CUDA a timed CPU wait would serialise the host with every kernel,
+so there the NCCL watchdog is the deadline. ``configure`` sets it per process; 600 s until then."""
 from __future__ import annotations
 
 import collections
@@ -34,15 +21,13 @@ import torch.distributed as dist
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """A collective or p2p did not finish within ``parallel.collective_timeout_s``; the message
-    names this rank, the ranks suspected of hanging, the mesh axis, the op and its sequence number."""
+    """A collective or p2p missed ``parallel.collective_timeout_s``; names this rank, the suspects, the
+    axis, the op and its sequence number."""
 
 
 class FlightRecorder:
-    """Ring buffer of this rank's last ``capacity`` collectives (0 keeps none), with the deadline.
-
-    Entries: ``seq`` (per-rank counter of collectives issued), ``op``, ``axis``, ``bytes``,
-    ``t_start`` / ``t_end`` (Unix seconds; ``t_end`` None while in flight)."""
+    """Ring buffer of the last ``capacity`` collectives (0 keeps none): ``seq``, ``op``, ``axis``,
+    ``bytes``, ``t_start`` / ``t_end`` (Unix seconds; ``t_end`` None while in flight)."""
 
     def __init__(self, capacity: int = 256, timeout_s: float = 600.0, run_dir: str | Path | None = None,
                  grace_s: float | None = None):
@@ -55,8 +40,7 @@ class FlightRecorder:
         self._lock = threading.Lock()  # pipeline receiver threads record too
 
     def start(self, op: str, axis: str, nbytes: float, peer: int | None = None) -> dict:
-        """Record a collective being issued (``peer``: the group-local rank of a p2p's other end);
-        returns its entry (pass it to ``wait``)."""
+        """Record a collective being issued (``peer``: a p2p's group-local other end); returns its entry."""
         with self._lock:
             self.seq += 1
             entry = {"seq": self.seq, "op": op, "axis": axis, "bytes": int(nbytes),
@@ -66,8 +50,7 @@ class FlightRecorder:
         return entry
 
     def wait(self, work, entry: dict, group) -> None:
-        """``work.wait()`` under the deadline (gloo); on timeout report and raise
-        ``CollectiveTimeoutError``. Other errors of the wait propagate unchanged."""
+        """``work.wait()`` under the deadline; raises ``CollectiveTimeoutError`` on timeout."""
         if work is None:
             return
         t0 = time.perf_counter()
@@ -84,10 +67,8 @@ class FlightRecorder:
         self.add_wait(time.perf_counter() - t0)
 
     def add_wait(self, seconds: float) -> None:
-        """Count ``seconds`` of blocking in ``wait_s`` when the calling thread is the main thread
-        (the one that runs the step): the pipeline's receiver threads and an overlapped pair's
-        backward thread wait beside the step, not in it, so their waits are not the step's idle
-        time (the straggler report subtracts ``wait_s`` from the step's wall time)."""
+        """Add ``seconds`` to ``wait_s`` only on the main thread: receiver and overlap threads wait beside
+        the step, not in it (the straggler report subtracts ``wait_s`` from wall time)."""
         if threading.current_thread() is threading.main_thread():
             with self._lock:
                 self.wait_s += seconds
@@ -134,8 +115,7 @@ def _uses_timeout(group) -> bool:
 
 
 def _suspects(group, rank: int, entry: dict, grace_s: float) -> list[int] | None:
-    """Global ranks of ``group`` that posted no timeout of their own within ``grace_s``; None when
-    the store cannot tell (no default store, or its host -- rank 0 -- is gone)."""
+    """Ranks of ``group`` that posted no timeout within ``grace_s``; None when the store cannot tell."""
     try:
         store = dist.distributed_c10d._get_default_store()
         peers = (dist.get_process_group_ranks(group.pg) if entry.get("peer") is None
@@ -156,8 +136,7 @@ RECORDER = FlightRecorder()
 
 
 def configure(timeout_s: float, capacity: int, run_dir: str | Path | None) -> FlightRecorder:
-    """Set this process's deadline, buffer size and run directory (``ndtrain.train.loop`` calls it from
-    ``parallel.collective_timeout_s`` / ``flight_recorder_entries``); returns the recorder."""
+    """Set this process's deadline, buffer size and run directory; returns the recorder."""
     global RECORDER
     RECORDER = FlightRecorder(capacity, timeout_s, run_dir)
     return RECORDER
@@ -183,8 +162,7 @@ class _WorkList:
 
 
 def run_batch_p2p(op: str, group, nbytes: float, launch, peer: int | None = None) -> TimedWork:
-    """``run_collective`` for ``launch()`` returning a list of Works (``dist.batch_isend_irecv``):
-    one recorded entry, one ``TimedWork`` whose ``wait()`` waits for all under the deadline."""
+    """``run_collective`` for a ``batch_isend_irecv`` (list of Works): one entry, one deadline."""
     rec = RECORDER
     entry = rec.start(op, group.name, nbytes, peer)
     return TimedWork(rec, _WorkList(launch()), entry, group)
@@ -205,9 +183,8 @@ class TimedWork:
 
 
 def run_collective(op: str, group, nbytes: float, launch, async_op: bool, peer: int | None = None):
-    """Issue ``launch()`` (which must start the collective with ``async_op=True``) under the
-    recorder; return a ``TimedWork`` when ``async_op``, else wait here under the deadline.
-    ``peer``: the other end of a p2p (group-local rank), the only rank a timeout can blame."""
+    """Issue ``launch()`` (an ``async_op=True`` collective) under the recorder: a ``TimedWork`` when
+    ``async_op``, else wait here. ``peer``: a p2p's other end, the only rank a timeout can blame."""
     rec = RECORDER
     entry = rec.start(op, group.name, nbytes, peer)
     work = launch()

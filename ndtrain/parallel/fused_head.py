@@ -1,18 +1,11 @@
 """``training.fused_loss``: the output head computes the loss itself, never the (B, T, V) logits.
 
-``apply_fused_loss(model, batch)`` replaces ``model.output`` (an ``nn.Linear``, or tensor parallel's
-vocab-parallel ``ColumnParallelLinear``) with a ``FusedLossHead`` that owns the same ``weight``
-Parameter under the same name, so state dicts, tied embeddings, checkpoints, Hugging Face export and
-the ZeRO-3 unit of the head are unchanged. Whoever knows a microbatch's labels arms the head
-(``head_labels``) around the forward: the pipeline's last stage (``pp.pipeline``) and the trainer's
-eval forward. Armed, the head returns ``BatchPlan.fused_loss_sum(h, weight, labels)`` (a 0-d sum of
-token losses; Wijmans et al. 2024's fused linear + cross-entropy, chunked over tokens and vocabulary)
-and the stage loss passes it through; unarmed (generation, MTP heads) it returns logits as before.
-
-Computing the loss *inside* the head's forward matters for ZeRO-3: the head unit's weights are
-gathered by hooks around that forward (and around its backward), so the fused loss sees them
-gathered exactly when the logits matmul would have.
-"""
+``apply_fused_loss`` replaces ``model.output`` (``nn.Linear`` or tp's vocab-parallel head) with a
+``FusedLossHead`` owning the same ``weight`` under the same name (state dicts, ties, checkpoints,
+HF export, ZeRO-3 units unchanged). Armed with a microbatch's labels (``head_labels``: the last pp
+stage, the eval forward) it returns ``BatchPlan.fused_loss_sum`` (fused linear + cross-entropy,
+Wijmans et al. 2024); unarmed (generation, MTP) it returns logits. The loss runs inside the head's
+forward so ZeRO-3's hooks have the weight gathered exactly then."""
 from __future__ import annotations
 
 import contextlib
@@ -23,16 +16,9 @@ from torch import nn
 
 
 class FusedLossHead(nn.Module):
-    """The output projection (V, C), or this rank's (Vp / tp, C) rows, with the loss fused in.
-
-    Args:
-        weight: the replaced head's Parameter (kept as is: tied or tp-split).
-        loss: ``(h (B, T, C), weight, labels (B, T), region_entered) -> 0-d sum of token losses``
-            (``BatchPlan.fused_loss_sum``).
-        tp: tensor parallel's AxisGroup when the head is vocab-parallel, else None; sp: sequence
-            parallel (the input arrives split along T and is gathered first).
-    Shapes: h (B, T, C) (under SP (B, T / tp, C)) -> logits (B, T, V | Vp / tp) unarmed, 0-d armed.
-    """
+    """Output projection (V, C), or (Vp / tp, C) rows, with the loss fused in: h (B, T, C) (sp:
+    (B, T / tp, C), gathered first) -> logits (B, T, V | Vp / tp) unarmed, a 0-d loss sum armed.
+    ``loss``: ``(h, weight, labels, region_entered) -> 0-d``; ``tp``: the AxisGroup if vocab-parallel."""
 
     def __init__(self, weight: nn.Parameter, loss, tp=None, sp: bool = False):
         super().__init__()
@@ -59,10 +45,9 @@ class FusedLossHead(nn.Module):
 
 
 def apply_fused_loss(model: nn.Module, batch) -> FusedLossHead | None:
-    """Replace ``model.output`` by a ``FusedLossHead`` computing ``batch.fused_loss_sum``; returns
-    it (None for a pipeline stage without the head). Call after tensor parallel (which installs
-    the vocab-parallel head) and before data parallel (ZeRO-3 builds its units from the modules).
-    Raises TypeError for a head that is neither ``nn.Linear`` without bias nor vocab-parallel."""
+    """Install a ``FusedLossHead`` computing ``batch.fused_loss_sum``; returns it (None on a stage without
+    the head). Call after tp and before dp. Raises TypeError for a head that is neither a bias-free
+    ``nn.Linear`` nor vocab-parallel."""
     old = getattr(model, "output", None)
     if old is None:
         return None

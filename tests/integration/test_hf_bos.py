@@ -11,7 +11,6 @@ tokenizers ndtrain writes; ``tests/unit/test_after_training_units.py``)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -16,12 +16,6 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want||_rms / ||want||_rms in fp64: the issue's tolerance measure (<= 1e-5 in fp32)."""
-    got, want = got.double(), want.double()
-    return ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 def grads(fn, inputs: list[torch.Tensor], dout: torch.Tensor | None = None):
     """Output of ``fn(*inputs)`` and the gradients of <out, dout> wrt every input."""
     out = fn(*inputs)

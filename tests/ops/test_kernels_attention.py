@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.kernel_utils import DEVICE, grads, rel_rms
+from tests.ops.kernel_utils import DEVICE, grads
 
 pytest.importorskip("triton")
 
 from ndtrain.model.attention import causal_attention
 from ndtrain.ops.flash_attention.naive import naive_attention
 from ndtrain.ops.flash_attention.triton import flash_attention, flash_attention_bhtd
+from tests.utils import rel_err
 
 
 def _qkv(n, h, g, d, dtype=torch.float32, seed=0):
@@ -31,7 +32,7 @@ def test_varlen_gqa_matches_naive(causal):
     qkv = _qkv(33, 4, 2, 16)
     y, g, dy = grads(lambda q, k, v: flash_attention(q, k, v, cu, causal=causal, blocks=(16, 16)), qkv)
     y_ref, g_ref, _ = grads(lambda q, k, v: naive_attention(q, k, v, cu, causal=causal), qkv, dy)
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-5, errs
 
 
@@ -52,7 +53,7 @@ def test_model_layout_matches_sdpa():
     qkv = [torch.randn(2, h, 32, 16, device=DEVICE, requires_grad=True) for h in (4, 2, 2)]
     y, g, dy = grads(lambda q, k, v: flash_attention_bhtd(q, k, v, (16, 16)), qkv)
     y_ref, g_ref, _ = grads(causal_attention, qkv, dy)
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-5, errs
 
 
@@ -63,7 +64,7 @@ def test_model_layout_bf16():
     y, g, dy = grads(lambda q, k, v: flash_attention_bhtd(q, k, v, (16, 16)), qkv)
     y_ref, g_ref, _ = grads(causal_attention, qkv, dy)
     assert y.dtype == torch.bfloat16
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-2, errs
 
 
@@ -86,5 +87,5 @@ def test_flash_attention_gpu_bf16_big():
         qkv = _qkv(int(cu[-1]), 16, 4, 128, dtype)
         y, g, dy = grads(lambda q, k, v: flash_attention(q, k, v, cu), qkv)
         y_ref, g_ref, _ = grads(lambda q, k, v: naive_attention(q, k, v, cu), qkv, dy)
-        errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+        errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
         assert max(errs) <= tol, (dtype, errs)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.kernel_utils import DEVICE, grads, rel_rms
+from tests.ops.kernel_utils import DEVICE, grads
 
 pytest.importorskip("triton")
 
 from ndtrain.ops.linear_cross_entropy.naive import naive_linear_cross_entropy
 from ndtrain.ops.linear_cross_entropy.triton import _chunk_stats, fused_linear_cross_entropy
+from tests.utils import rel_err
 
 
 def _data(n=37, c=32, v=300, seed=0):
@@ -31,7 +32,7 @@ def test_matches_full_logits():
     y, g, dy = grads(lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_tokens=16, chunk_vocab=64), [h, w])
     y_ref, g_ref, _ = grads(lambda h, w: naive_linear_cross_entropy(h, w, labels), [h, w], dy)
     assert y[3] == 0 and y_ref[3] == 0
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-5, errs
 
 
@@ -44,7 +45,7 @@ def test_bf16_weights():
                      [hb, wb])
     y_ref, g_ref, _ = grads(lambda h, w: naive_linear_cross_entropy(h, w, labels), [hb, wb], dy)
     assert g[0].dtype == torch.bfloat16 and g[1].dtype == torch.bfloat16
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-2, errs
 
 
@@ -55,7 +56,7 @@ def test_label_of_a_later_block_never_reads_a_padded_lane():
     labels[:] = torch.arange(48, 64)
     y, g, dy = grads(lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_tokens=16, chunk_vocab=48), [h, w])
     y_ref, g_ref, _ = grads(lambda h, w: naive_linear_cross_entropy(h, w, labels), [h, w], dy)
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= 1e-5, errs
 
 
@@ -76,9 +77,9 @@ def test_vocab_parallel_shards_combine_to_the_whole():
         y, (gh, gw), _ = grads(lambda a, b, v0=v0: fused_linear_cross_entropy(
             a, b, labels, vocab_start=v0, combine=lambda *_: (m, s, t), chunk_tokens=16, chunk_vocab=64),
             [hh, wl], dy)
-        assert rel_rms(y, y_ref) <= 1e-5
+        assert rel_err(y, y_ref, "rms") <= 1e-5
         dh, dws = dh + gh, dws + [gw]
-    assert rel_rms(dh, g_ref[0]) <= 1e-5 and rel_rms(torch.cat(dws), g_ref[1]) <= 1e-5
+    assert rel_err(dh, g_ref[0], "rms") <= 1e-5 and rel_err(torch.cat(dws), g_ref[1], "rms") <= 1e-5
 
 
 @pytest.mark.gpu
@@ -90,5 +91,5 @@ def test_fused_ce_gpu_bf16_big():
         hc, wc = h.detach().to(dtype).requires_grad_(True), w.detach().to(dtype).requires_grad_(True)
         y, g, dy = grads(lambda a, b: fused_linear_cross_entropy(a, b, labels), [hc, wc])
         y_ref, g_ref, _ = grads(lambda a, b: naive_linear_cross_entropy(a, b, labels), [hc, wc], dy)
-        errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+        errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
         assert max(errs) <= tol, (dtype, errs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.kernel_utils import DEVICE, grads, rel_rms
+from tests.ops.kernel_utils import DEVICE, grads
 
 pytest.importorskip("triton")
 
@@ -26,6 +26,7 @@ from ndtrain.ops.softmax.naive import naive_softmax
 from ndtrain.ops.softmax.triton import fused_softmax
 from ndtrain.ops.swiglu.naive import naive_swiglu
 from ndtrain.ops.swiglu.triton import fused_swiglu
+from tests.utils import rel_err
 
 
 def _pin(fast, slow, shapes, tol=1e-5, dtype=torch.float32, seed=0):
@@ -34,7 +35,7 @@ def _pin(fast, slow, shapes, tol=1e-5, dtype=torch.float32, seed=0):
     y, g, dy = grads(fast, xs)
     y_ref, g_ref, _ = grads(slow, xs, dy)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
-    errs = [rel_rms(y, y_ref)] + [rel_rms(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
     assert max(errs) <= tol, errs
     return errs
 
@@ -42,9 +43,9 @@ def _pin(fast, slow, shapes, tol=1e-5, dtype=torch.float32, seed=0):
 def test_naive_twins_match_pytorch():
     """The twins themselves are the textbook formulas: pin them to PyTorch's ops."""
     x, w = torch.randn(4, 24), torch.randn(24)
-    assert rel_rms(naive_gelu(x), F.gelu(x, approximate="tanh")) < 1e-6
-    assert rel_rms(naive_softmax(x), x.softmax(-1)) < 1e-6
-    assert rel_rms(naive_rmsnorm(x, w, 1e-5), F.rms_norm(x, (24,), w, 1e-5)) < 1e-6
+    assert rel_err(naive_gelu(x), F.gelu(x, approximate="tanh"), "rms") < 1e-6
+    assert rel_err(naive_softmax(x), x.softmax(-1), "rms") < 1e-6
+    assert rel_err(naive_rmsnorm(x, w, 1e-5), F.rms_norm(x, (24,), w, 1e-5), "rms") < 1e-6
 
 
 def test_gelu_and_swiglu():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import ConfigError, load_config
+from ndtrain.config import ConfigError
 from ndtrain.mesh import ParallelDims
 from ndtrain.ops.linear_cross_entropy.chunk import (
     ChunkedLinearCrossEntropyFunction,
@@ -24,17 +24,14 @@ from ndtrain.ops.linear_cross_entropy.chunk import (
 from ndtrain.parallel.fused_head import FusedLossHead
 from ndtrain.train.trainer import Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 STEPS, B, T, V = 10, 4, 16, 61  # V odd: tp pads the vocabulary
 
 
 def tiny_cfg(world: int = 1, **over):
-    base = {"model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.vocab_size": V,
-            "model.ffn_hidden": 48, "model.max_seq_len": 64, "data.seq_len": T, "training.global_batch_size": B,
-            "training.steps": STEPS, "training.device": "cpu", "training.warmup_steps": 2, "training.lr": 1e-2,
-            "training.dtype": "float64", "training.micro_batch_size": 0, "parallel.bucket_size_bytes": 4096}
-    base.update(over)
-    return load_config("debug", base, world_size=world)
+    return tiny_config({"model.vocab_size": V, "data.seq_len": T, "training.global_batch_size": B,
+                        "training.device": "cpu", "training.grad_clip": 1.0, **over}, world=world)
 
 
 def batches():

@@ -15,10 +15,7 @@ import torch.nn.functional as F
 
 from ndtrain.config import ModelConfig
 from ndtrain.model import build_model, mixers
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+from tests.utils import rel_err
 
 
 def test_grouped_mamba2_chunk_equals_naive_with_all_gradients():
@@ -40,7 +37,7 @@ def test_grouped_mamba2_chunk_equals_naive_with_all_gradients():
             mixers.LINEAR_IMPL["impl"] = "chunk"
         results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (la, ga), (lb, gb) = results
-    assert rel_rms(la, lb) <= 1e-10
+    assert rel_err(la, lb, "rms") <= 1e-10
     assert "layers.0.attention.in_proj.weight" in ga and not any("feed_forward" in n for n in ga)
     for n in ga:
-        assert rel_rms(ga[n], gb[n]) <= 1e-8, n
+        assert rel_err(ga[n], gb[n], "rms") <= 1e-8, n

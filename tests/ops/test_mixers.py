@@ -20,11 +20,7 @@ from ndtrain.model.rope import apply_rope, rope_tables
 from ndtrain.model.sliding_window import dense_window_attention, window_attention
 from ndtrain.ops.gated_delta import chunk_gated_delta, naive_gated_delta, recurrent_gated_delta_step
 from ndtrain.ops.linear_attn import chunk_linear_attn, naive_linear_attn, recurrent_linear_attn_step
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+from tests.utils import rel_err
 
 
 def _inputs(t: int, dtype, seed: int = 0, b: int = 2, h: int = 3, dk: int = 8, dv: int = 6):
@@ -78,15 +74,15 @@ def test_chunk_recurrent_naive_agree_float64(op, t, c):
     ref = _run(op, "naive", xs, c, weights)
     for form in ("chunk", "recurrent"):
         o, s, grads = _run(op, form, xs, c, weights)
-        assert rel_rms(o, ref[0]) <= 1e-5 and rel_rms(s, ref[1]) <= 1e-5, form
+        assert rel_err(o, ref[0], "rms") <= 1e-5 and rel_err(s, ref[1], "rms") <= 1e-5, form
         for name, g, rg in zip(("q", "k", "v", "log_decay", "beta", "s0"), grads, ref[2]):
             if op is _linear and name == "beta":
                 assert g is None  # linear attention has no beta
                 continue
-            assert rel_rms(g, rg) <= 1e-5, (form, name)
+            assert rel_err(g, rg, "rms") <= 1e-5, (form, name)
     # the state carries information: a different initial state changes the output
     o2, _ = op("chunk", *xs[:5], torch.zeros_like(xs[5]), c)
-    assert rel_rms(o2, ref[0]) > 1e-2
+    assert rel_err(o2, ref[0], "rms") > 1e-2
 
 
 @pytest.mark.parametrize("op", [_linear, _delta], ids=["linear_attn", "gated_delta"])
@@ -98,10 +94,10 @@ def test_chunk_bf16_matches_float64_reference(op):
     ref = _run(op, "naive", ref_in, 8, weights)
     o, s, grads = _run(op, "chunk", xs, 8, (weights[0].bfloat16(), weights[1].float()))
     assert o.dtype == torch.bfloat16
-    assert rel_rms(o, ref[0]) <= 2e-2 and rel_rms(s, ref[1]) <= 2e-2
+    assert rel_err(o, ref[0], "rms") <= 2e-2 and rel_err(s, ref[1], "rms") <= 2e-2
     for g, rg in zip(grads, ref[2]):
         if rg is not None:
-            assert rel_rms(g, rg) <= 2e-2
+            assert rel_err(g, rg, "rms") <= 2e-2
 
 
 def test_delta_rule_reads_back_what_it_wrote():
@@ -130,11 +126,11 @@ def test_window_attention_equals_dense_band(t, w):
         (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum().backward()
         outs.append(o.detach())
         grads.append([x.grad for x in xs])
-    assert rel_rms(outs[0], outs[1]) <= 1e-12
+    assert rel_err(outs[0], outs[1], "rms") <= 1e-12
     for a, b in zip(*grads):  # absolute floor: with one visible key the q gradient is exactly 0
         assert (a - b).pow(2).mean().sqrt() <= 1e-12 * max(1.0, b.pow(2).mean().sqrt().item())
     if w >= t:  # a window covering the sequence is plain causal attention
-        assert rel_rms(outs[0], causal_attention(q, k, v)) <= 1e-12
+        assert rel_err(outs[0], causal_attention(q, k, v), "rms") <= 1e-12
     if w == 1:  # each query sees only itself: output is its own value (GQA: head h uses kv h // 2)
         assert torch.allclose(outs[0], v.repeat_interleave(2, dim=1), atol=1e-12)
 
@@ -155,11 +151,11 @@ def test_topk_attention_equals_dense_masked(t, top_k):
         (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum().backward()
         outs.append(o.detach())
         grads.append([x.grad for x in xs])
-    assert rel_rms(outs[0], outs[1]) <= 1e-12
+    assert rel_err(outs[0], outs[1], "rms") <= 1e-12
     for a, b in zip(*grads):  # absolute floor: with one visible key the q gradient is exactly 0
         assert (a - b).pow(2).mean().sqrt() <= 1e-12 * max(1.0, b.pow(2).mean().sqrt().item())
     if top_k >= t:  # every earlier key selected: plain causal attention
-        assert rel_rms(outs[0], causal_attention(q, k, v)) <= 1e-12
+        assert rel_err(outs[0], causal_attention(q, k, v), "rms") <= 1e-12
 
 
 @pytest.mark.parametrize("pattern", ["L", "M", "G"])
@@ -182,10 +178,10 @@ def test_mixer_modules_chunk_equals_naive_with_all_gradients(pattern):
             mixers.LINEAR_IMPL["impl"] = "chunk"
         results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (la, ga), (lb, gb) = results
-    assert rel_rms(la, lb) <= 1e-10
+    assert rel_err(la, lb, "rms") <= 1e-10
     assert ga.keys() == gb.keys() and any("attention." in n for n in ga)
     for n in ga:
-        assert rel_rms(ga[n], gb[n]) <= 1e-8, n
+        assert rel_err(ga[n], gb[n], "rms") <= 1e-8, n
 
 
 def test_dsa_indexer_loss_trains_only_the_indexer():
@@ -228,7 +224,7 @@ def test_dsa_indexer_loss_trains_only_the_indexer():
     for n, prm in layer.named_parameters():
         if "index" in n:
             assert grads["train"][n].abs().max() > 0
-            assert rel_rms(grads["train"][n], prm.grad) <= 1e-10, n
+            assert rel_err(grads["train"][n], prm.grad, "rms") <= 1e-10, n
 
 
 def test_gdn_and_mamba2_match_the_transformers_modules():
@@ -265,10 +261,10 @@ def test_gdn_and_mamba2_match_the_transformers_modules():
         ours.load_state_dict(sd)
         with torch.no_grad():
             ref = hf(x)
-            assert rel_rms(ours(x), ref) <= 1e-5
+            assert rel_err(ours(x), ref, "rms") <= 1e-5
             # and the naive twin of our op gives the same module output
             mixers.LINEAR_IMPL["impl"] = "naive"
             try:
-                assert rel_rms(ours(x), ref) <= 1e-5
+                assert rel_err(ours(x), ref, "rms") <= 1e-5
             finally:
                 mixers.LINEAR_IMPL["impl"] = "chunk"

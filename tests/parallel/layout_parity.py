@@ -14,25 +14,20 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.cp.context_parallel import local_positions, resolve_layout
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
+from tests.utils import rel_err, tiny_config
 
 V, T, G = 61, 16, 4  # vocab (not a multiple of 2 or 4: padding), sequence, global batch
 STEPS = 10
 
 
 def tiny_cfg(world: int = 1, micro: int = 0, n_kv_heads: int = 2, tie: bool = False, **par) -> Config:
-    cfg = Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
-                                   ffn_hidden=48, max_seq_len=64, rope_theta=10000.0, tie_embeddings=tie),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G,
-                                         micro_batch_size=micro, lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(**{"dp_shard": -1, "bucket_size_bytes": 4096, **par}))
-    cfg.data.seq_len = T
-    validate(cfg, world)
-    return cfg
+    return tiny_config({"training.micro_batch_size": micro, "model.n_kv_heads": n_kv_heads,
+                        "model.tie_embeddings": tie}, world=world, parallel={"dp_shard": -1, **par})
 
 
 def global_batch(step: int, hole: tuple[int, str, int] | None = None):
@@ -103,10 +98,6 @@ def _record_grads(trainer: Trainer, sink: list) -> None:
     trainer.optimizer.step = wrapped
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
 _REF_CACHE: dict = {}
 
 
@@ -157,9 +148,9 @@ def run_layout(rank: int, world: int, causal: bool = True, hole: bool = False, m
         out["grad_norm"] = max(out["grad_norm"], abs(r["grad_norm"] - d["grad_norm"]) / r["grad_norm"])
         assert tr_g[step].keys() == ref["grads"][step].keys()
         for name, g in ref["grads"][step].items():
-            out["grad"] = max(out["grad"], _rel(tr_g[step][name], _expected_local(tr, name, g, tp)))
+            out["grad"] = max(out["grad"], rel_err(tr_g[step][name], _expected_local(tr, name, g, tp)))
     for name, value in tr.dp.model_state_dict().items():
-        out["param"] = max(out["param"], _rel(_full_param(tr, name, value, tp), ref["params"][name]))
+        out["param"] = max(out["param"], rel_err(_full_param(tr, name, value, tp), ref["params"][name]))
     out["ref_gn"] = [s["grad_norm"] for s in ref["steps"]]
     specs = tp_specs(tr.model)
     out["local_shapes"] = {n: tuple(p.shape) for n, p in tr.model.named_parameters()}

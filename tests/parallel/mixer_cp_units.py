@@ -20,20 +20,17 @@ from ndtrain.model.rope import rope_tables
 from ndtrain.parallel.cp.context_parallel import _install_core, local_positions
 from ndtrain.parallel.cp.state_passing import StatePasser
 from ndtrain.parallel.cp.window import WindowContextParallel
+from tests.utils import rel_err, tiny_config
 
 B, T, C = 2, 16, 32
 KINDS = ("linear", "mamba2", "gated_deltanet", "sliding_window")
 
 
 def _mcfg() -> ModelConfig:
-    return ModelConfig(vocab_size=61, dim=C, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                       max_seq_len=64, linear_chunk_size=3, linear_heads=2, linear_key_head_dim=8,
-                       linear_value_heads=4, linear_value_head_dim=8, linear_conv_kernel=4,
-                       mamba_state_dim=8, mamba_head_dim=8, swa_window=4)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+    return tiny_config({"model.dim": C, "model.n_layers": 1, "model.rope_theta": 500000.0},
+                       model={"linear_chunk_size": 3, "linear_heads": 2, "linear_key_head_dim": 8,
+                              "linear_value_heads": 4, "linear_value_head_dim": 8, "linear_conv_kernel": 4,
+                              "mamba_state_dim": 8, "mamba_head_dim": 8, "swa_window": 4}).model
 
 
 def theory_bytes(kind: str, n: int, rank: int) -> float:
@@ -77,11 +74,11 @@ def _one(kind: str, group) -> tuple[float, float]:
     yl = cp(xl, cos[pos], sin[pos])
     (yl * gout[:, pos]).sum().backward()
     sent = group.stats.get("cp", 0.0) - sent
-    errs = [_rel(yl, y[:, pos]), _rel(xl.grad, x.grad[:, pos])]
+    errs = [rel_err(yl, y[:, pos]), rel_err(xl.grad, x.grad[:, pos])]
     for (name, p), (_, q) in zip(ref.named_parameters(), cp.named_parameters()):
         g = q.grad.clone()
         dist.all_reduce(g, group=group.pg)
-        errs.append(_rel(g, p.grad))
+        errs.append(rel_err(g, p.grad))
     return max(errs), sent
 
 

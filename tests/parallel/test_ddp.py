@@ -14,23 +14,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, G = 64, 8, 8
 
 
 def tiny_cfg(micro: int, world: int, clip: float = 0.05) -> Config:
-    cfg = Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                   ffn_hidden=48, max_seq_len=64, rope_theta=10000.0),
-                 training=TrainingConfig(steps=10, dtype="float64", global_batch_size=G,
-                                         micro_batch_size=micro, lr=1e-2, warmup_steps=2,
-                                         grad_clip=clip),
-                 parallel=ParallelConfig(dp_shard=world, bucket_size_bytes=4096))
-    return cfg
+    return tiny_config({"model.vocab_size": V, "data.seq_len": 256, "training.global_batch_size": G,
+                        "training.micro_batch_size": micro, "training.grad_clip": clip}, parallel={"dp_shard": world})
 
 
 def global_batch(step: int, skew: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,28 +16,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_tp import FakeMesh
+from tests.utils import tiny_config
 
 V, T, G, E, STEPS = 64, 8, 8, 8, 10
 
 
+# the MoE model of the ep tests: sigmoid scores, grouped routing, shared expert, every auxiliary loss
+MOE = {"model.vocab_size": V, "model.max_seq_len": 32, "model.init_std": 0.1, "model.moe_experts": E,
+       "model.moe_top_k": 2, "model.moe_ffn_hidden": 16, "model.moe_shared_experts": 1, "model.moe_score": "sigmoid",
+       "model.moe_n_groups": 2, "model.moe_topk_groups": 2, "model.moe_route_scale": 1.5,
+       "model.moe_aux_loss_coef": 0.01, "model.moe_seq_aux_loss_coef": 0.01, "model.moe_z_loss_coef": 0.001,
+       "model.moe_bias_update_rate": 0.01, "data.seq_len": T, "training.global_batch_size": G}
+
+
 def moe_cfg(world: int, ep: int, micro: int, cp: int = 1, **kw) -> Config:
-    m = dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-             rope_theta=10000.0, init_std=0.1, moe_experts=E, moe_top_k=2, moe_ffn_hidden=16,
-             moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2, moe_topk_groups=2, moe_route_scale=1.5,
-             moe_aux_loss_coef=0.01, moe_seq_aux_loss_coef=0.01, moe_z_loss_coef=0.001, moe_bias_update_rate=0.01)
-    cfg = Config(model=ModelConfig(**{**m, **kw}),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, micro_batch_size=micro,
-                                         lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(dp_shard=world // cp, cp=cp, ep=ep, bucket_size_bytes=4096))
-    cfg.data.seq_len = T
-    validate(cfg, world)
-    return cfg
+    return tiny_config({**MOE, "training.micro_batch_size": micro}, world=world, model=kw,
+                       parallel={"dp_shard": world // cp, "cp": cp, "ep": ep})
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
-from tests.parallel.test_ep import STEPS, E, G, global_batch
+from tests.parallel.test_ep import MOE, STEPS, E, G, global_batch
+from tests.utils import rel_err, tiny_config
 
 SAVE_AT = 5  # the reshard test saves after this many steps and resumes for the rest
 
@@ -44,18 +45,7 @@ LAYOUTS = {
 
 def moe_cfg(world: int, micro: int, **par) -> Config:
     """``test_ep.moe_cfg``'s model on the layout ``par`` (world 1: the reference)."""
-    cfg = Config(model=ModelConfig(
-                     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-                     rope_theta=10000.0, init_std=0.1, moe_experts=E, moe_top_k=2, moe_ffn_hidden=16,
-                     moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2, moe_topk_groups=2,
-                     moe_route_scale=1.5, moe_aux_loss_coef=0.01, moe_seq_aux_loss_coef=0.01,
-                     moe_z_loss_coef=0.001, moe_bias_update_rate=0.01),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, micro_batch_size=micro,
-                                         lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(**{"bucket_size_bytes": 4096, **par}))
-    cfg.data.seq_len = 8
-    validate(cfg, world)
-    return cfg
+    return tiny_config({**MOE, "training.micro_batch_size": micro}, world=world, parallel=par)
 
 
 def build(world: int, micro: int = 0, **par) -> Trainer:
@@ -107,10 +97,6 @@ def expected_grad(tr: Trainer, name: str, full: torch.Tensor) -> torch.Tensor:
     return tr.dp._local_rows(full, e)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
 def compare(tr: Trainer, rec: dict, ref: dict, ref_tr: Trainer) -> dict:
     """Worst relative differences: per-step scalars, step-0 gradients, final parameters / buffers."""
     worst = {"scalars": 0.0, "grads": 0.0, "params": 0.0}
@@ -118,14 +104,14 @@ def compare(tr: Trainer, rec: dict, ref: dict, ref_tr: Trainer) -> dict:
         for a, b in zip(rec[key], ref[key]):
             worst["scalars"] = max(worst["scalars"], abs(a - b) / abs(b))
     for n, g in rec["grads"].items():
-        worst["grads"] = max(worst["grads"], rel(g, expected_grad(tr, n, ref["grads"][n])))
+        worst["grads"] = max(worst["grads"], rel_err(g, expected_grad(tr, n, ref["grads"][n])))
     got, want = full_state(tr), full_state(ref_tr)
     assert got.keys() == want.keys()
     for n, t in want.items():
         if ".expert_bias" in n:  # sign updates of identical global loads: bitwise
             assert torch.equal(got[n], t), n
         else:
-            worst["params"] = max(worst["params"], rel(got[n], t))
+            worst["params"] = max(worst["params"], rel_err(got[n], t))
     return worst
 
 

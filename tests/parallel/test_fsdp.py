@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.optim import build_optimizer, build_scheduler
 from ndtrain.parallel.zero.observe import GatherCounter
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.test_zero import V, global_batch, tiny_cfg
+from tests.utils import tiny_config
 
 
 def _vs_fully_shard(rank: int, world: int) -> tuple[list[float], list[float]]:
@@ -83,10 +84,11 @@ def test_zero3_matches_torch_fully_shard():
 
 
 def _mem_cfg(stage: int) -> Config:
-    return Config(model=ModelConfig(vocab_size=256, dim=64, n_layers=8, n_heads=4, n_kv_heads=4,
-                                    ffn_hidden=128, max_seq_len=32, rope_theta=1e4),
-                  training=TrainingConfig(dtype="bfloat16", global_batch_size=8, micro_batch_size=1, lr=1e-3),
-                  parallel=ParallelConfig(zero_stage=stage, bucket_size_bytes=16384))
+    return tiny_config({"model.vocab_size": 256, "model.dim": 64, "model.n_layers": 8, "model.n_kv_heads": 4,
+                        "model.ffn_hidden": 128, "model.max_seq_len": 32, "data.seq_len": 256,
+                        "training.dtype": "bfloat16", "training.global_batch_size": 8, "training.micro_batch_size": 1,
+                        "training.lr": 1e-3, "training.steps": 100, "training.warmup_steps": 10,
+                        "training.grad_clip": 1.0}, parallel={"zero_stage": stage, "bucket_size_bytes": 16384})
 
 
 def _measure(rank: int, world: int) -> dict:

@@ -29,42 +29,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import apply_overrides, load_config, validate
 from ndtrain.errors import ConfigError
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.tp.tensor_parallel import tp_specs
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import _expected_local, _full_param, _record_grads
+from tests.utils import rel_err, tiny_config
 
 V, T, G, STEPS, WORLD = 61, 16, 4, 10, 8
 LAYOUT = {"dp_shard": 2, "cp": 2, "tp": 2}
 CASES = {"dense": {}, "dense_zero3": {"zero_stage": 3}, "moe": {}}  # extra parallel keys
 
 
+MODEL = {"model.layer_pattern": "GGGA", "model.n_layers": 4, "model.linear_chunk_size": 3, "model.linear_heads": 2,
+         "model.linear_key_head_dim": 8, "model.linear_value_heads": 4, "model.linear_value_head_dim": 8,
+         "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global"}
+
+
 def _cfg(world: int, moe: bool, **par):
-    cfg = load_config("hybrid_debug")
-    apply_overrides(cfg, {
-        "model.vocab_size": V, "model.dim": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 48,
-        "model.max_seq_len": 64, "model.layer_pattern": "GGGA", "model.n_layers": 4, "model.linear_chunk_size": 3,
-        "model.linear_heads": 2, "model.linear_key_head_dim": 8, "model.linear_value_heads": 4,
-        "model.linear_value_head_dim": 8, "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global",
-        "model.moe_experts": 4 if moe else 0})
-    t = cfg.training
-    t.steps, t.dtype, t.global_batch_size, t.micro_batch_size = STEPS, "float64", G, 0
-    t.lr, t.warmup_steps, t.grad_clip = 1e-2, 2, 0.05
-    cfg.data.seq_len = T
-    for k, v in {"bucket_size_bytes": 4096, **par}.items():
-        setattr(cfg.parallel, k, v)
-    validate(cfg, world)
-    return cfg
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max-norm relative difference; 0 for an empty ZeRO shard (a rank owning no rows of a tensor)."""
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+    return tiny_config({**MODEL, "model.moe_experts": 4 if moe else 0}, world=world, preset="hybrid_debug",
+                       parallel=par)
 
 
 def _batch(step: int):
@@ -104,9 +89,9 @@ def _run(rank: int, world: int, case: str, ref: dict) -> dict:
         out["grad_norm"] = max(out["grad_norm"], abs(d["grad_norm"] - r["grad_norm"]) / r["grad_norm"])
         assert grads[step].keys() == ref["grads"][step].keys()
         for name, g in ref["grads"][step].items():
-            out["grad"] = max(out["grad"], _rel(grads[step][name], _expected_local(tr, name, g, tp)))
+            out["grad"] = max(out["grad"], rel_err(grads[step][name], _expected_local(tr, name, g, tp)))
     for name, value in tr.dp.model_state_dict().items():
-        out["param"] = max(out["param"], _rel(_full_param(tr, name, value, tp), ref["params"][name]))
+        out["param"] = max(out["param"], rel_err(_full_param(tr, name, value, tp), ref["params"][name]))
     out["ref_gn"] = ref["steps"][0]["grad_norm"]
     out["repr"] = repr(tr.model)
     out["split"] = sorted(tp_specs(tr.model))  # recorded by apply_tp, survives ZeRO-3's re-created params
@@ -139,7 +124,7 @@ def _ulysses_errors(world: int) -> dict[str, float]:
         o = ulysses_scan(op, cp, *local)[0]
         grads = torch.autograd.grad(o.pow(2).sum(), local)
         pairs = [(o, o_ref[:, :, sl])] + [(a, b[:, :, sl]) for a, b in zip(grads, ref_grads)]
-        out[kind] = max(_rel(a, b) for a, b in pairs)
+        out[kind] = max(rel_err(a, b) for a, b in pairs)
     return out
 
 

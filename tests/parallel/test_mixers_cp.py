@@ -20,34 +20,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import ConfigError, apply_overrides, load_config, validate
+from ndtrain.config import ConfigError, apply_overrides, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, G, STEPS = 61, 16, 4, 10
 
 
 def _model_cfg(pattern: str):
-    cfg = load_config("hybrid_debug")
-    over = {"model.vocab_size": V, "model.dim": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
-            "model.ffn_hidden": 48, "model.max_seq_len": 64, "model.layer_pattern": pattern,
-            "model.n_layers": len(pattern), "model.linear_chunk_size": 3, "model.linear_heads": 2,
-            "model.linear_key_head_dim": 8, "model.linear_value_heads": 4, "model.linear_value_head_dim": 8,
-            "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global", "model.swa_window": 3,
-            "model.mamba_state_dim": 8, "model.mamba_head_dim": 8}
-    apply_overrides(cfg, over)
-    return cfg
+    return tiny_config({"model.layer_pattern": pattern, "model.n_layers": len(pattern), "model.linear_chunk_size": 3,
+                        "model.linear_heads": 2, "model.linear_key_head_dim": 8, "model.linear_value_heads": 4,
+                        "model.linear_value_head_dim": 8, "model.moe_ffn_hidden": 32, "model.moe_aux_scope": "global",
+                        "model.swa_window": 3, "model.mamba_state_dim": 8, "model.mamba_head_dim": 8},
+                       preset="hybrid_debug")
 
 
 def _cfg(world: int, pattern: str = "GGGA", **par):
     cfg = _model_cfg(pattern)
-    t = cfg.training
-    t.steps, t.dtype, t.global_batch_size, t.micro_batch_size = STEPS, "float64", G, 0
-    t.lr, t.warmup_steps, t.grad_clip = 1e-2, 2, 0.05
-    t.activation_checkpoint = par.pop("ac", "none")
-    cfg.data.seq_len = T
-    for k, v in {"dp_shard": -1, "bucket_size_bytes": 4096, **par}.items():
+    cfg.training.activation_checkpoint = par.pop("ac", "none")
+    for k, v in {"dp_shard": -1, **par}.items():
         setattr(cfg.parallel, k, v)
     validate(cfg, world)
     return cfg

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config, ModelConfig, ParallelConfig, validate
 from ndtrain.errors import ConfigError
 from ndtrain.mesh import ParallelDims
 from tests.dist_utils import run_ranks
-from tests.parallel.layout_parity import _expected_local, _full_param, _record_grads, _rel, global_batch
+from tests.parallel.layout_parity import _expected_local, _full_param, _record_grads, global_batch
+from tests.utils import rel_err, tiny_config
 
 STEPS = 10
 MODEL = {"vocab_size": 61, "dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48,
@@ -35,13 +36,9 @@ GATED = dict(MODEL, n_layers=2, layer_pattern="MA", block_ffn=False, qk_norm=Tru
 
 def _cfg(world: int, model: dict = MODEL, **par) -> Config:
     micro = 2 if par.get("pp", 1) > 1 else 0  # two microbatches through the pipeline
-    cfg = Config(model=ModelConfig(**model),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=4, micro_batch_size=micro,
-                                         lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(**{"dp_shard": -1, **par}))
-    cfg.data.seq_len = 16
-    validate(cfg, world)
-    return cfg
+    return tiny_config({"model.rope_theta": 500000.0, "training.micro_batch_size": micro,
+                        "parallel.bucket_size_bytes": 25 * 2**20}, world=world, model=model,
+                       parallel={"dp_shard": -1, **par})
 
 
 def _trainer(cfg: Config, world: int):
@@ -68,12 +65,12 @@ def _gather_checks(tr, cfg: Config, mesh, ref: dict, rank: int) -> dict:
 
     local = {n: v.detach().clone() for n, v in tr.dp.model_state_dict().items()}
     back = scatter_tp_state(gather_tp_state({"model": dict(local)}, tr.model, mesh), tr.model, mesh)["model"]
-    out = {"roundtrip": max(_rel(back[n], v) for n, v in local.items())}
+    out = {"roundtrip": max(rel_err(back[n], v) for n, v in local.items())}
     model = gather_model(tr, cfg)
     if rank == 0:
         full = model.state_dict()
         assert full.keys() == ref["params"].keys()
-        out["gathered"] = max(_rel(full[n], p) for n, p in ref["params"].items())
+        out["gathered"] = max(rel_err(full[n], p) for n, p in ref["params"].items())
         out["shapes_equal"] = all(full[n].shape == p.shape for n, p in ref["params"].items())
     return out
 
@@ -90,11 +87,11 @@ def _run(par: dict, world: int, rank: int, ref: dict, model: dict = MODEL) -> di
         out["loss"] = max(out["loss"], abs(d["loss"] - r["loss"]) / abs(r["loss"]))
         out["grad_norm"] = max(out["grad_norm"], abs(d["grad_norm"] - r["grad_norm"]) / r["grad_norm"])
         for name, g in grads[step].items():
-            out["grad"] = max(out["grad"], _rel(g, _expected_local(tr, name, ref["grads"][step][name], tp)))
+            out["grad"] = max(out["grad"], rel_err(g, _expected_local(tr, name, ref["grads"][step][name], tp)))
     state = tr.dp.model_state_dict()
     out["stage_share"] = len(state) / len(ref["params"])
     for name, value in state.items():
-        out["param"] = max(out["param"], _rel(_full_param(tr, name, value, tp), ref["params"][name]))
+        out["param"] = max(out["param"], rel_err(_full_param(tr, name, value, tp), ref["params"][name]))
     out["split"] = sorted(n for n, p in tr.model.named_parameters() if hasattr(p, "ndtrain_tp_shard"))
     if par.get("tp", 1) > 1 and not par.get("sequence_parallel"):
         out.update(_gather_checks(tr, cfg, mesh, ref, rank))

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, G, STEPS = 61, 16, 4, 6
 
 
+MODEL = {"model.n_layers": 6, "model.layer_pattern": "LMGSDA", "model.linear_chunk_size": 4, "model.swa_window": 5,
+         "model.dsa_top_k": 6, "model.dsa_index_heads": 2, "model.mamba_state_dim": 8, "model.mamba_head_dim": 8,
+         "model.linear_heads": 2, "model.linear_value_heads": 4, "model.rope_theta": 500000.0,
+         "training.steps": STEPS}
+
+
 def _cfg(world: int, **par) -> Config:
     ac = par.pop("ac", "none")
-    cfg = Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                                   max_seq_len=64, layer_pattern="LMGSDA", linear_chunk_size=4, swa_window=5,
-                                   dsa_top_k=6, dsa_index_heads=2, mamba_state_dim=8, mamba_head_dim=8,
-                                   linear_heads=2, linear_value_heads=4),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, lr=1e-2,
-                                         warmup_steps=2, grad_clip=0.05, activation_checkpoint=ac),
-                 parallel=ParallelConfig(**{"dp_shard": -1, "bucket_size_bytes": 4096, **par}))
-    cfg.data.seq_len = T
-    validate(cfg, world)
-    return cfg
+    return tiny_config({**MODEL, "training.activation_checkpoint": ac}, world=world, parallel={"dp_shard": -1, **par})
 
 
 def _batch(step: int):

@@ -26,21 +26,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import (
     STEPS,
     G,
-    T,
-    V,
     _expected_local,
     _full_param,
     _record_grads,
-    _rel,
     global_batch,
 )
+from tests.utils import rel_err, tiny_config
 
 MLA = {"attention": "mla", "mla_q_rank": 16, "mla_kv_rank": 12, "mla_rope_dim": 4, "mla_nope_dim": 8,
        "mla_v_dim": 6}
@@ -68,15 +66,9 @@ MOE_KEYS = ("aux_loss", "aux_switch", "aux_seq", "aux_z", "moe_load_max_mean", "
 
 
 def mla_mtp_cfg(world: int = 1, moe: bool = False, **par) -> Config:
-    cfg = Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48,
-                                   max_seq_len=64, rope_theta=10000.0, mtp_depth=2, mtp_loss_weight=0.3, **MLA,
-                                   **(MOE if moe else {})),
-                 training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, lr=1e-2,
-                                         warmup_steps=2, grad_clip=0.05, micro_batch_size=2 if moe else 0),
-                 parallel=ParallelConfig(**{"dp_shard": -1, "bucket_size_bytes": 4096, **par}))
-    cfg.data.seq_len = T
-    validate(cfg, world)
-    return cfg
+    return tiny_config({"model.n_kv_heads": 4, "model.mtp_depth": 2, "model.mtp_loss_weight": 0.3,
+                        "training.micro_batch_size": 2 if moe else 0}, world=world,
+                       model={**MLA, **(MOE if moe else {})}, parallel={"dp_shard": -1, **par})
 
 
 def _reference(moe: bool = False) -> dict:
@@ -108,9 +100,9 @@ def _run_layout(rank: int, world: int, ref: dict, par: dict, moe: bool = False) 
             out["moe"] = max([out.get("moe", 0.0)] + [abs(d[k] - r[k]) / max(abs(r[k]), 1e-30) for k in MOE_KEYS])
         assert got[step].keys() == ref["grads"][step].keys()
         for name, g in ref["grads"][step].items():
-            out["grad"] = max(out["grad"], _rel(got[step][name], _expected_local(tr, name, g, tp)))
+            out["grad"] = max(out["grad"], rel_err(got[step][name], _expected_local(tr, name, g, tp)))
     for name, value in tr.dp.model_state_dict().items():
-        out["param"] = max(out["param"], _rel(_full_param(tr, name, value, tp), ref["params"][name]))
+        out["param"] = max(out["param"], rel_err(_full_param(tr, name, value, tp), ref["params"][name]))
     out["local_shapes"] = {n: tuple(p.shape) for n, p in tr.model.named_parameters()}
     out["units"] = [u.name for u in getattr(tr.dp, "units", [])]
     out["has_shift"] = getattr(tr.model, "mtp_shift", None) is not None

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.model.moe_capacity import SequenceShards, capacity_keep
@@ -35,6 +35,7 @@ from ndtrain.parallel.cp.context_parallel import chunk_ids, local_positions, res
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from ndtrain.train.metrics import format_line
 from tests.dist_utils import run_ranks
+from tests.utils import rel_err, tiny_config
 
 V, T, G, E, K, C, MICRO, STEPS = 64, 16, 8, 8, 2, 32, 2, 10
 STATS = ("aux_loss", "aux_switch", "aux_seq", "aux_z", "moe_load_max_mean", "moe_load_max_mean_worst",
@@ -43,17 +44,13 @@ LAYOUTS = {"cp2xdp2": (2, 2, 1, "ring"), "dp4xep2": (4, 1, 2, "ring"), "dp2xcp2x
 
 
 def make_cfg(world: int, dp_shard: int, cp: int, ep: int, impl: str) -> Config:
-    m = ModelConfig(vocab_size=V, dim=C, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-                    rope_theta=10000.0, init_std=0.1, moe_experts=E, moe_top_k=K, moe_ffn_hidden=16,
-                    moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2, moe_topk_groups=2,
-                    moe_aux_loss_coef=0.01, moe_seq_aux_loss_coef=0.01, moe_z_loss_coef=0.001,
-                    moe_bias_update_rate=0.01, moe_capacity_factor=1.0)
-    cfg = Config(model=m, training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G,
-                                                  micro_batch_size=MICRO, lr=1e-2, warmup_steps=2, grad_clip=0.05),
-                 parallel=ParallelConfig(dp_shard=dp_shard, cp=cp, ep=ep, cp_impl=impl, bucket_size_bytes=4096))
-    cfg.data.seq_len = T
-    validate(cfg, world)
-    return cfg
+    return tiny_config({"model.vocab_size": V, "model.dim": C, "model.max_seq_len": 32, "model.init_std": 0.1,
+                        "training.global_batch_size": G, "training.micro_batch_size": MICRO}, world=world,
+                       model={"moe_experts": E, "moe_top_k": K, "moe_ffn_hidden": 16, "moe_shared_experts": 1,
+                              "moe_score": "sigmoid", "moe_n_groups": 2, "moe_topk_groups": 2,
+                              "moe_aux_loss_coef": 0.01, "moe_seq_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001,
+                              "moe_bias_update_rate": 0.01, "moe_capacity_factor": 1.0},
+                       parallel={"dp_shard": dp_shard, "cp": cp, "ep": ep, "cp_impl": impl})
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +121,6 @@ def _ranks(rank: int, world: int) -> dict:
     return res
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def test_moe_statistics_and_dropping_match_single_process_on_every_layout():
     res = run_ranks(_ranks, 4, timeout_s=300)
     ref = res[0]["ref"]
@@ -138,7 +131,7 @@ def test_moe_statistics_and_dropping_match_single_process_on_every_layout():
             for r in res:
                 o, want = r[name]["out"][step], ref["out"][step]
                 for key in ("loss", "grad_norm") + STATS:
-                    assert _rel(o[key], want[key]) < 1e-6, (name, step, key, o[key], want[key])
+                    assert rel_err(o[key], want[key]) < 1e-6, (name, step, key, o[key], want[key])
                 assert o["moe_dropped_frac"] == want["moe_dropped_frac"]
             for layer, want in enumerate(ref["keep"][step]):
                 got = torch.full_like(want, -1)

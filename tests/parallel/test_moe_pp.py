@@ -25,7 +25,8 @@ from ndtrain.config.load import _flatten
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import IGNORE_INDEX
 from tests.dist_utils import run_ranks
-from tests.parallel.layout_parity import _record_grads, _rel
+from tests.parallel.layout_parity import _record_grads
+from tests.utils import rel_err
 
 STEPS, G, T = 10, 8, 16
 TINY = {"model.vocab_size": 61, "model.dim": 32, "model.n_layers": 4, "model.max_seq_len": 64,
@@ -137,12 +138,12 @@ def _run(preset: str, over: dict, world: int) -> dict:
                 err = abs(d[key] - r[key]) / max(abs(r[key]), 1e-30)
                 out["metrics"][key] = max(out["metrics"].get(key, 0.0), err)
         for name, g in grads[step].items():
-            out["grad"] = max(out["grad"], _rel(g, _expected(tr, name, ref["grads"][step][name])))
+            out["grad"] = max(out["grad"], rel_err(g, _expected(tr, name, ref["grads"][step][name])))
     state = _full_state(tr)
     for name, value in state.items():
-        out["param"] = max(out["param"], _rel(value, ref["params"][name]))
+        out["param"] = max(out["param"], rel_err(value, ref["params"][name]))
     biases = _biases(tr)
-    out["bias"] = max((_rel(b, ref["biases"][n]) for n, b in biases.items()), default=0.0)
+    out["bias"] = max((rel_err(b, ref["biases"][n]) for n, b in biases.items()), default=0.0)
     out["bias_moved"] = max((float(b.abs().max()) for b in biases.values()), default=0.0)
     out["n_biases"], out["n_params"] = len(biases), len(state)
     out["mtp_here"] = any(n.startswith("mtp.") for n in state)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import ConfigError, apply_overrides, load_config, validate
+from ndtrain.config import ConfigError, apply_overrides, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.model.moe import moe_layers
 from ndtrain.parallel.tp.tensor_parallel import tp_local_slice, tp_specs
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
-from tests.parallel.layout_parity import STEPS, G, T, V, _rel, global_batch
+from tests.parallel.layout_parity import STEPS, G, V, global_batch
+from tests.utils import rel_err, tiny_config
 
 MOE = {"model.vocab_size": V, "model.dim": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden": 48,
        "model.max_seq_len": 64, "model.moe_ffn_hidden": 16, "model.moe_shared_experts": 1,
@@ -53,16 +54,8 @@ METRICS = ("loss", "aux_loss", "grad_norm", "moe_load_max_mean", "moe_dropped_fr
 
 
 def _cfg(preset: str, world: int, micro: int = 0, **par):
-    cfg = load_config(preset)
-    apply_overrides(cfg, MOE if preset == "moe_debug" else HYBRID)
-    t = cfg.training
-    t.steps, t.dtype, t.global_batch_size, t.micro_batch_size = STEPS, "float64", G, micro
-    t.lr, t.warmup_steps, t.grad_clip = 1e-2, 2, 0.05
-    cfg.data.seq_len = T
-    for k, v in {"dp_shard": -1, "bucket_size_bytes": 4096, **par}.items():
-        setattr(cfg.parallel, k, v)
-    validate(cfg, world)
-    return cfg
+    return tiny_config(MOE if preset == "moe_debug" else HYBRID, world=world, preset=preset,
+                       training={"micro_batch_size": micro}, parallel={"dp_shard": -1, **par})
 
 
 def _train(cfg, world: int) -> dict:
@@ -103,8 +96,8 @@ def _checkpoint_view(tr, mesh, ref_params: dict) -> dict:
     loc = (lambda v: v.to_local() if hasattr(v, "to_local") else v)
     return {"names": sorted(whole) == sorted(ref_params),
             "shapes": all(whole[n].shape == p.shape for n, p in ref_params.items()),
-            "ckpt": max(_rel(whole[n], p) for n, p in ref_params.items()),
-            "roundtrip": max(_rel(loc(back[n]), loc(v)) for n, v in local.items())}
+            "ckpt": max(rel_err(whole[n], p) for n, p in ref_params.items()),
+            "roundtrip": max(rel_err(loc(back[n]), loc(v)) for n, v in local.items())}
 
 
 def _compare(run: dict, ref: dict) -> dict:
@@ -116,9 +109,9 @@ def _compare(run: dict, ref: dict) -> dict:
     for g, rg in zip(run["grads"], ref["grads"]):
         assert g.keys() == rg.keys()
         for n, t in g.items():
-            out["grad"] = max(out["grad"], _rel(t, _expected(tr, mesh, n, rg[n])))
+            out["grad"] = max(out["grad"], rel_err(t, _expected(tr, mesh, n, rg[n])))
     for n, p in tr.model.named_parameters():
-        out["param"] = max(out["param"], _rel(p.detach(), _expected(tr, mesh, n, ref["params"][n])))
+        out["param"] = max(out["param"], rel_err(p.detach(), _expected(tr, mesh, n, ref["params"][n])))
     out["bias_equal"] = all(torch.equal(a, b) for a, b in zip(run["bias"], ref["bias"]))
     out["dropped"] = ref["steps"][-1]["moe_dropped_frac"]
     out["split"] = sorted(n for n in tp_specs(tr.model) if ".experts." in n or ".shared." in n)
@@ -149,7 +142,7 @@ def _rank(rank: int, world: int) -> dict:
             model = gather_model(run["tr"], cfg)
             if rank == 0:
                 sd = model.state_dict()
-                out["gathered"] = max(_rel(sd[n], p) for n, p in refs[preset]["params"].items())
+                out["gathered"] = max(rel_err(sd[n], p) for n, p in refs[preset]["params"].items())
     return out
 
 

@@ -20,25 +20,22 @@ import pytest
 import torch
 from torch import nn
 
-from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, validate
+from ndtrain.config import Config, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel.pp.observe import ActionTimer, Jitter
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, G, C, STEPS = 64, 8, 8, 32, 10
 SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 
 
 def pp_cfg(pp: int, sched: str = "1f1b", m: int = 0, v: int = 1, tie: bool = False, **par) -> Config:
-    return Config(model=ModelConfig(vocab_size=V, dim=C, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                                    max_seq_len=64, rope_theta=10000.0, tie_embeddings=tie),
-                  data=DataConfig(seq_len=T),
-                  training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G, lr=1e-3,
-                                          warmup_steps=2, grad_clip=0.05),
-                  parallel=ParallelConfig(**{"pp": pp, "dp_shard": -1, "pp_schedule": sched,
-                                             "pp_microbatches": m, "pp_virtual_stages": v,
-                                             "bucket_size_bytes": 4096, **par}))
+    return tiny_config({"model.vocab_size": V, "model.dim": C, "model.n_layers": 8, "model.tie_embeddings": tie,
+                        "data.seq_len": T, "training.global_batch_size": G, "training.lr": 1e-3},
+                       parallel={"pp": pp, "dp_shard": -1, "pp_schedule": sched, "pp_microbatches": m,
+                                 "pp_virtual_stages": v, **par})
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 from ndtrain.errors import ConfigError
 from ndtrain.parallel.pp.observe import RuntimeObserver
 from tests.dist_utils import run_ranks
-from tests.parallel.layout_parity import _record_grads, _rel
+from tests.parallel.layout_parity import _record_grads
 from tests.parallel.test_moe_pp import (
     STEPS,
     _biases,
@@ -50,6 +50,7 @@ from tests.parallel.test_moe_pp import (
 from tests.parallel.test_moe_pp import (
     _rank as _layouts_rank,
 )
+from tests.utils import rel_err
 
 PRESET = "deepseek_v3_debug"
 BASE = {"parallel.pp": 2, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev"}
@@ -145,9 +146,9 @@ def _ref_err(run: dict, ref: dict) -> float:
             full = _expected(run["tr"], n, ref["grads"][step][n])
             if g.shape != full.shape:  # an expert weight: this ep rank's block of experts
                 full = full.chunk(ep.size)[ep.rank]
-            err = max(err, _rel(g, full))
+            err = max(err, rel_err(g, full))
     for n, v in run["state"].items():
-        err = max(err, _rel(v, ref["params"][n]))
+        err = max(err, rel_err(v, ref["params"][n]))
     return err
 
 

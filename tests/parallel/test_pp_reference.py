@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, B = 48, 6, 8
 MS = (1, 3, 6)
@@ -30,12 +31,12 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _cfg(pp: int):
-    from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
-
-    return Config(model=ModelConfig(vocab_size=V, dim=16, n_layers=4, n_heads=2, n_kv_heads=1, ffn_hidden=24,
-                                    max_seq_len=16, rope_theta=10000.0),
-                  data=DataConfig(seq_len=T), training=TrainingConfig(dtype="float64", global_batch_size=B),
-                  parallel=ParallelConfig(pp=pp))
+    """The schema's trainer defaults (lr, warmup, clipping) on a 4-layer model: pp cuts it in 2 or 4."""
+    return tiny_config({"model.vocab_size": V, "model.dim": 16, "model.n_layers": 4, "model.n_heads": 2,
+                        "model.n_kv_heads": 1, "model.ffn_hidden": 24, "model.max_seq_len": 16, "data.seq_len": T,
+                        "training.global_batch_size": B, "training.steps": 100, "training.lr": 3e-4,
+                        "training.warmup_steps": 10, "training.grad_clip": 1.0,
+                        "parallel.bucket_size_bytes": 25 * 2**20}, parallel={"pp": pp})
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, float]:

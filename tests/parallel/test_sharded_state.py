@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ndtrain.checkpoint import dcp as ckpt
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.config import Config, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.optim import build_optimizer, clip_grad_norm
 from ndtrain.parallel.api import GradSync
@@ -31,17 +31,18 @@ from ndtrain.parallel.zero.fsdp import FullyShardedDataParallel
 from ndtrain.parallel.zero.zero12 import ZeroDataParallel
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, G, STEPS = 61, 8, 8, 6
 
 
 def moe_cfg(zero_stage: int = 0, ep: int = 1) -> Config:
-    return Config(model=ModelConfig(vocab_size=V, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                                    ffn_hidden=24, max_seq_len=32, rope_theta=1e4, moe_experts=4,
-                                    moe_top_k=2, moe_ffn_hidden=16, moe_bias_update_rate=1e-2),
-                  training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=G,
-                                          micro_batch_size=2, lr=1e-2, warmup_steps=1, grad_clip=0.05),
-                  parallel=ParallelConfig(zero_stage=zero_stage, ep=ep, bucket_size_bytes=2048))
+    return tiny_config({"model.dim": 16, "model.n_heads": 2, "model.n_kv_heads": 1, "model.ffn_hidden": 24,
+                        "model.max_seq_len": 32, "model.moe_experts": 4, "model.moe_top_k": 2,
+                        "model.moe_ffn_hidden": 16, "model.moe_bias_update_rate": 1e-2, "data.seq_len": 256,
+                        "training.steps": STEPS, "training.global_batch_size": G, "training.micro_batch_size": 2,
+                        "training.warmup_steps": 1}, parallel={"zero_stage": zero_stage, "ep": ep,
+                                                               "bucket_size_bytes": 2048})
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,21 +18,20 @@ import math
 
 import torch
 
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.config import Config
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 V, T, STEPS, MICRO = 61, 8, 10, 4
 
 
 def tiny_cfg(global_batch: int, micro: int, ac: str = "none", tie: bool = False, **parallel) -> Config:
-    return Config(model=ModelConfig(vocab_size=V, dim=30, n_layers=2, n_heads=3, n_kv_heads=1,
-                                    ffn_hidden=45, max_seq_len=64, rope_theta=10000.0, tie_embeddings=tie),
-                  training=TrainingConfig(steps=STEPS, dtype="float64", global_batch_size=global_batch,
-                                          micro_batch_size=micro, lr=1e-2, warmup_steps=2, grad_clip=0.05,
-                                          activation_checkpoint=ac),
-                  parallel=ParallelConfig(bucket_size_bytes=4096, **parallel))
+    """Not validated; ``data.seq_len`` keeps the schema default (the pp stage split reads it)."""
+    return tiny_config({"model.dim": 30, "model.n_heads": 3, "model.n_kv_heads": 1, "model.ffn_hidden": 45,
+                        "model.tie_embeddings": tie, "data.seq_len": 256, "training.global_batch_size": global_batch,
+                        "training.micro_batch_size": micro, "training.activation_checkpoint": ac}, parallel=parallel)
 
 
 def global_batch(step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:

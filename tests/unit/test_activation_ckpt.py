@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.config import Config, ModelConfig, TrainingConfig
+from ndtrain.config import Config, ModelConfig
 from ndtrain.mem_account import ActivationMeter, StateMemory, storage_bytes
 from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.parallel.activation_ckpt import apply_activation_checkpoint, parse_policy
 from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 from ndtrain.train.loop import Trainer
+from tests.utils import tiny_config
 
 
 def test_parse_policy():
@@ -50,10 +51,10 @@ def test_one_policy_parser_for_validation_and_planner():
 
 
 def _cfg(ac: str) -> Config:
-    return Config(model=ModelConfig(vocab_size=61, dim=30, n_layers=4, n_heads=3, n_kv_heads=1,
-                                    ffn_hidden=45, max_seq_len=64, rope_theta=10000.0),
-                  training=TrainingConfig(dtype="float64", global_batch_size=4, micro_batch_size=2,
-                                          lr=1e-2, warmup_steps=1, activation_checkpoint=ac))
+    return tiny_config({"model.dim": 30, "model.n_layers": 4, "model.n_heads": 3, "model.n_kv_heads": 1,
+                        "model.ffn_hidden": 45, "data.seq_len": 256, "training.micro_batch_size": 2,
+                        "training.warmup_steps": 1, "training.activation_checkpoint": ac, "training.steps": 100,
+                        "training.grad_clip": 1.0, "parallel.bucket_size_bytes": 25 * 2**20})
 
 
 def test_every_policy_gives_identical_losses_and_weights():

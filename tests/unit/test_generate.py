@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndtrain.config import ModelConfig
 from ndtrain.inference.generate import KVCache, generate, sample_next
 from ndtrain.model import build_model
+from tests.utils import tiny_config
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                      max_seq_len=32, init_std=0.3, rope_scaling=True, rope_original_max_seq_len=16)
+    cfg = tiny_config({"model.vocab_size": 64, "model.max_seq_len": 32, "model.rope_theta": 500000.0,
+                       "model.init_std": 0.3, "model.rope_scaling": True,
+                       "model.rope_original_max_seq_len": 16}).model
     return build_model(cfg, seed=0).eval()
 
 

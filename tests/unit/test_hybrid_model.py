@@ -22,6 +22,7 @@ from ndtrain.planner.model_spec import from_model_config
 from ndtrain.train.metrics import flops_per_token
 from tests.corpus import source_text
 from tests.flops_reference import config_flops_per_token
+from tests.utils import tiny_config
 
 
 def test_pattern_letters_names_and_repetition():
@@ -104,11 +105,12 @@ def test_decoding_window_linear_and_sparse_layers():
 
 
 def _tiny_hybrid(**over) -> ModelConfig:
-    base = {"vocab_size": 100, "dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48,
-            "max_seq_len": 256, "layer_pattern": "ALMGSD", "linear_heads": 2, "linear_key_head_dim": 8,
-            "linear_value_heads": 4, "linear_value_head_dim": 8, "linear_conv_kernel": 4, "mamba_state_dim": 8,
-            "mamba_head_dim": 8, "mamba_expand": 2, "swa_window": 16, "dsa_top_k": 8, "dsa_index_heads": 2}
-    return ModelConfig(**{**base, **over})
+    return tiny_config({"model.vocab_size": 100, "model.n_layers": 6, "model.max_seq_len": 256,
+                        "model.rope_theta": 500000.0, "model.layer_pattern": "ALMGSD"},
+                       model={"linear_heads": 2, "linear_key_head_dim": 8, "linear_value_heads": 4,
+                              "linear_value_head_dim": 8, "linear_conv_kernel": 4, "mamba_state_dim": 8,
+                              "mamba_head_dim": 8, "mamba_expand": 2, "swa_window": 16, "dsa_top_k": 8,
+                              "dsa_index_heads": 2, **over}).model
 
 
 def test_flops_per_token_against_a_hand_count():

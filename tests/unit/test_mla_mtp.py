@@ -12,14 +12,14 @@ from ndtrain.mesh import ParallelDims
 from ndtrain.model import build_model
 from ndtrain.model.mla import MLAttention
 from ndtrain.train.loop import Trainer
+from tests.utils import tiny_config
 
 MLA = dict(attention="mla", mla_q_rank=16, mla_kv_rank=12, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=6)
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_seq_len=32,
-                init_std=0.2)
-    return ModelConfig(**{**base, **kw})
+    return tiny_config({"model.vocab_size": 64, "model.max_seq_len": 32, "model.rope_theta": 500000.0,
+                        "model.n_kv_heads": 4, "model.init_std": 0.2}, model=kw).model
 
 
 def cache_bytes_per_token(model, cfg: ModelConfig, dtype: torch.dtype) -> float:

@@ -8,11 +8,12 @@ import torch
 
 from ndtrain.config import ModelConfig
 from ndtrain.model import Transformer, build_model, count_params, rope_inv_freq
+from tests.utils import tiny_config
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
+    return tiny_config({"model.vocab_size": 64, "model.max_seq_len": 32, "model.rope_theta": 500000.0},
+                       model=kw).model
 
 
 def tokens(b=2, t=8, v=64, seed=0):

@@ -16,12 +16,14 @@ from ndtrain.model.moe_balance import end_step, pop_aux_loss
 from ndtrain.model.upcycle import upcycle
 from ndtrain.train.loop import Trainer
 from ndtrain.train.metrics import flops_per_token
+from tests.utils import tiny_config
+
+MOE = {"model.vocab_size": 64, "model.max_seq_len": 32, "model.rope_theta": 500000.0, "model.moe_experts": 8,
+       "model.moe_top_k": 2, "model.moe_ffn_hidden": 16, "model.init_std": 0.3}
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-                moe_experts=8, moe_top_k=2, moe_ffn_hidden=16, init_std=0.3)
-    return ModelConfig(**{**base, **kw})
+    return tiny_config(MOE, model=kw).model
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not available")
@@ -162,9 +164,11 @@ def test_aux_loss_token_sums_match_definitions():
 
 
 def _skewed_run(rate: float, steps: int = 25) -> list[float]:
-    cfg = Config(model=tiny(moe_experts=16, moe_score="sigmoid", moe_bias_update_rate=rate, init_std=0.1),
-                 data=DataConfig(seq_len=16), training=TrainingConfig(steps=steps, dtype="float32",
-                                                                      global_batch_size=8, lr=1e-3, warmup_steps=0))
+    cfg = tiny_config({**MOE, "model.moe_experts": 16, "model.moe_score": "sigmoid",
+                       "model.moe_bias_update_rate": rate, "model.init_std": 0.1, "data.seq_len": 16,
+                       "training.steps": steps, "training.dtype": "float32", "training.global_batch_size": 8,
+                       "training.lr": 1e-3, "training.warmup_steps": 0, "training.grad_clip": 1.0,
+                       "parallel.bucket_size_bytes": 25 * 2**20})
     tr = Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     loads = []

@@ -23,7 +23,7 @@ import torch
 
 from ndtrain.calibration.calibrate import compare_with_runs, predict_memory
 from ndtrain.calibration.eager_time import eager_comm_seconds, eager_gemm_flops, estimate_eager_step_time
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.config import ParallelConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.parallel import flight_recorder
 from ndtrain.planner.eager import (
@@ -35,19 +35,17 @@ from ndtrain.planner.eager import (
 from ndtrain.planner.model_spec import from_model_config
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
+from tests.utils import tiny_config
 
 
 def _cfg(dtype="float32", ac="none", tie=False, zero=0, mb=2, world=1, bucket=25 * 2**20, rep=1, **model):
-    m = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 80, "max_seq_len": 16,
-             "rope_theta": 1e4, "tie_embeddings": tie}
-    m.update(model)
-    cfg = Config(model=ModelConfig(**m),
-                 training=TrainingConfig(dtype=dtype, global_batch_size=2 * mb * world, micro_batch_size=mb,
-                                         lr=1e-3, activation_checkpoint=ac),
-                 parallel=ParallelConfig(zero_stage=zero, bucket_size_bytes=bucket, dp_replicate=rep,
-                                         dp_shard=world // rep))
-    cfg.data.seq_len = m["max_seq_len"]
-    return cfg
+    m = {"vocab_size": 96, "ffn_hidden": 80, "max_seq_len": 16, "tie_embeddings": tie, **model}
+    return tiny_config({"data.seq_len": m["max_seq_len"], "training.dtype": dtype,
+                        "training.global_batch_size": 2 * mb * world, "training.micro_batch_size": mb,
+                        "training.activation_checkpoint": ac, "training.steps": 100, "training.lr": 1e-3,
+                        "training.warmup_steps": 10, "training.grad_clip": 1.0}, model=m,
+                       parallel={"zero_stage": zero, "bucket_size_bytes": bucket, "dp_replicate": rep,
+                                 "dp_shard": world // rep})
 
 
 def _metered(cfg, rank=0, world=1) -> dict:

@@ -11,17 +11,18 @@ import torch
 
 from ndtrain.calibration.eager_axes_time import collectives_per_microbatch, estimate_axes_step_time
 from ndtrain.calibration.measure_ep import ep_moe_seconds, measure_ep_imbalance, rank_imbalance
-from ndtrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.planner.model_spec import from_model_config
+from tests.utils import tiny_config
 
 
 def _ep_cfg(ep=2, layers=4):
-    m = ModelConfig(vocab_size=260, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=80,
-                    max_seq_len=16, moe_experts=4, moe_top_k=2, moe_ffn_hidden=24)
-    cfg = Config(model=m, training=TrainingConfig(global_batch_size=8, micro_batch_size=2, lr=1e-3),
-                 parallel=ParallelConfig(ep=ep, dp_shard=2))
-    cfg.data.seq_len = 16
-    return cfg
+    return tiny_config({"model.vocab_size": 260, "model.n_layers": layers, "model.ffn_hidden": 80,
+                        "model.max_seq_len": 16, "model.rope_theta": 500000.0, "model.moe_experts": 4,
+                        "model.moe_top_k": 2, "model.moe_ffn_hidden": 24, "data.seq_len": 16,
+                        "training.dtype": "float32", "training.global_batch_size": 8, "training.micro_batch_size": 2,
+                        "training.steps": 100, "training.lr": 1e-3, "training.warmup_steps": 10,
+                        "training.grad_clip": 1.0, "parallel.bucket_size_bytes": 25 * 2**20},
+                       parallel={"ep": ep, "dp_shard": 2})
 
 
 def test_rank_imbalance_by_hand():

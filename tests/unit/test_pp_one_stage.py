@@ -15,15 +15,16 @@ import contextlib
 import pytest
 import torch
 
-from ndtrain.config import Config, DataConfig, ModelConfig, TrainingConfig
+from ndtrain import mem_account
+from ndtrain.config import Config
 from ndtrain.mesh import AxisGroup, ParallelDims
 from ndtrain.parallel import comm
 from ndtrain.parallel.pp import observe
 from ndtrain.parallel.pp.pipeline import StagePipeline
 from ndtrain.parallel.pp.runtime import PipelineRuntime
 from ndtrain.parallel.pp.schedules import Action
-from ndtrain import mem_account
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
+from tests.utils import tiny_config
 
 V, T, G = 64, 8, 8
 
@@ -31,11 +32,10 @@ V, T, G = 64, 8, 8
 def _cfg(dtype: str, moe: bool) -> Config:
     extra = {"moe_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001,
              "mtp_depth": 1} if moe else {}
-    return Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                                    max_seq_len=32, rope_theta=10000.0, **extra),
-                  data=DataConfig(seq_len=T),
-                  training=TrainingConfig(steps=3, dtype=dtype, global_batch_size=G, micro_batch_size=2,
-                                          lr=1e-3, warmup_steps=1, grad_clip=0.05))
+    return tiny_config({"model.vocab_size": V, "model.max_seq_len": 32, "data.seq_len": T, "training.steps": 3,
+                        "training.dtype": dtype, "training.global_batch_size": G, "training.micro_batch_size": 2,
+                        "training.lr": 1e-3, "training.warmup_steps": 1,
+                        "parallel.bucket_size_bytes": 25 * 2**20}, model=extra)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

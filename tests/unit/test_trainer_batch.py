@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import IGNORE_INDEX, Trainer
+from tests.utils import tiny_config
 
 V, T = 64, 8
 
 
 def _trainer(micro: int) -> Trainer:
-    cfg = Config(model=ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                                   max_seq_len=16, rope_theta=10000.0),
-                 data=DataConfig(seq_len=T),
-                 training=TrainingConfig(dtype="float64", global_batch_size=4, micro_batch_size=micro,
-                                         grad_clip=0.0),
-                 parallel=ParallelConfig(dp_shard=1))
+    cfg = tiny_config({"model.vocab_size": V, "model.max_seq_len": 16, "data.seq_len": T,
+                       "training.micro_batch_size": micro, "training.steps": 100, "training.lr": 3e-4,
+                       "training.warmup_steps": 10, "training.grad_clip": 0.0,
+                       "parallel.bucket_size_bytes": 25 * 2**20, "parallel.dp_shard": 1})
     return Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
 
 

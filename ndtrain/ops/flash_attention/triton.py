@@ -1,23 +1,12 @@
-"""FlashAttention-2 forward and backward in Triton (Dao 2023, "FlashAttention-2: Faster Attention
-with Better Parallelism and Work Partitioning"), causal, GQA, packed variable-length documents.
+"""FlashAttention-2 forward and backward in Triton (Dao 2023), causal, GQA, packed documents.
 
-Forward (``_flash_attn_fwd_kernel``): one program per (query block, document, query head). It walks
-the key blocks of its document keeping, per query row, the running max ``m``, the running sum ``l``
-of ``exp(s - m)`` and an unnormalised output accumulator, rescaled by ``exp(m_old - m_new)`` when the
-max grows (online softmax); the output is divided by ``l`` once at the end (FA2's change from FA1)
-and only the log-sum-exp ``lse = m + log l`` (H, N) is written for the backward, never the (T, T)
-scores. Causal programs stop at the diagonal block.
-
-Backward: ``delta = rowsum(dO * O)`` (H, N); ``_flash_attn_bwd_dkdv_kernel`` has one program per
-(key block, document, query head) and walks the query blocks, recomputing ``P = exp(S - lse)`` to
-accumulate ``dV = P^T dO`` and ``dK = scale dS^T Q`` with ``dS = P (dP - delta)``, ``dP = dO V^T``;
-``_flash_attn_bwd_dq_kernel`` walks key blocks per query block for ``dQ = scale dS K``. Splitting dQ
-from dK / dV avoids atomics (FA2 uses atomics for dQ; this trades one more recompute of P for
-determinism). Under GQA each query head writes its own dK / dV slice, summed over the H / G heads
-that share a kv head on the host.
-
-Twin: ``ndtrain.ops.flash_attention.naive.naive_attention``.
-"""
+Forward: one program per (query block, document, head) walks its document's key blocks with the
+online softmax (running max m, sum l, unnormalised accumulator; one division by l at the end) and
+writes only ``lse = m + log l`` (H, N), never (T, T) scores. Backward: ``delta = rowsum(dO * O)``;
+``_flash_attn_bwd_dkdv_kernel`` walks query blocks per key block recomputing ``P = exp(S - lse)``
+(``dV = P^T dO``, ``dK = scale dS^T Q``, ``dS = P (dP - delta)``); a separate dQ kernel avoids FA2's
+atomics (one more recompute for determinism). GQA dK / dV are summed over the H / G heads on the
+host. Twin: ``naive.naive_attention``."""
 from __future__ import annotations
 
 import math
@@ -199,12 +188,9 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     max_seqlen: int | None = None, causal: bool = True, scale: float | None = None,
                     blocks: tuple[int, int] = (64, 64)) -> torch.Tensor:
-    """FlashAttention-2 over packed documents. q (N, H, D), k / v (N, G, D), H % G == 0; cu_seqlens
-    (S+1,) int32 cumulative document lengths (0 .. N); max_seqlen the longest document (computed
-    when None). D must be a power of two >= 16; ``blocks`` = (BLOCK_M, BLOCK_N), powers of two >= 16.
-    Returns (N, H, D) in q's dtype (fp32 softmax statistics and accumulators).
-    Raises ValueError for H % G != 0 or an unsupported D.
-    """
+    """q (N, H, D), k / v (N, G, D), cu_seqlens (S+1,) int32 document bounds, max_seqlen (computed when
+    None) -> (N, H, D) in q's dtype (fp32 statistics). D a power of two >= 16; ``blocks`` (BLOCK_M,
+    BLOCK_N) powers of two >= 16. Raises ValueError for H % G != 0 or an unsupported D."""
     h, d = q.shape[1:]
     if h % k.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")

@@ -25,13 +25,8 @@ from ndtrain.ops.linear_attn.chunk import chunk_pad, chunk_view, decay_matrix
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                       beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``naive_gated_delta`` (q, k (B, H, T, K), v (B, H, T, V), log_decay, beta
-    (B, H, T), initial_state (B, H, K, V) | None -> o (B, H, T, V), state (B, H, K, V)), chunk by
-    chunk with ``chunk_size`` C >= 1 (T need not be a multiple of C; padded tokens have b = 0 and
-    g = 0, so they leave the state unchanged).
-
-    Raises ValueError for chunk_size < 1.
-    """
+    """``naive_gated_delta``'s contract chunk by chunk, ``chunk_size`` C >= 1 (padded tokens have b = 0,
+    g = 0). Raises ValueError for chunk_size < 1."""
     dt, c, n_pad, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
     b, h, t, dk = k.shape
     dv, n = v.shape[-1], qc.shape[2]

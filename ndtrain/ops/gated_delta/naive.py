@@ -15,17 +15,9 @@ from ndtrain.ops.linear_attn.naive import compute_dtype
 def naive_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                       beta: torch.Tensor, initial_state: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule.
-
-    Args:
-        q, k: (B, H, T, K) (normalisation and the 1/sqrt(K) query scale are the caller's).
-        v: (B, H, T, V).
-        log_decay: (B, H, T) g_t = log a_t <= 0.
-        beta: (B, H, T) writing strength b_t in (0, 1).
-        initial_state: (B, H, K, V) or None (zeros).
-
-    Returns: o (B, H, T, V) in v's dtype, final state (B, H, K, V) in fp32 (fp64 for fp64 inputs).
-    """
+    """Token-by-token gated delta rule. q, k (B, H, T, K) (normalised and scaled by the caller), v
+    (B, H, T, V), log_decay g_t = log a_t <= 0 and beta b_t in (0, 1) (B, H, T), initial_state
+    (B, H, K, V) or None -> o (B, H, T, V) in v's dtype, state (B, H, K, V) fp32 (fp64 for fp64)."""
     dt = compute_dtype(v)
     b, h, t, dk = k.shape
     dv = v.shape[-1]

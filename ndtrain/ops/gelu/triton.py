@@ -1,9 +1,5 @@
-"""Triton tanh-GeLU: one program per block of elements, forward and backward kernels.
-
-The elementwise op a fused kernel saves most on is memory traffic: one read and one write per element
-instead of the several intermediate tensors the naive formula allocates (the lecture's operator-fusion
-example). Twin: ``ndtrain.ops.gelu.naive.naive_gelu``.
-"""
+"""Triton tanh-GeLU, one program per block, forward and backward kernels: one read and one write per
+element instead of the naive formula's intermediates. Twin: ``naive.naive_gelu``."""
 from __future__ import annotations
 
 import torch

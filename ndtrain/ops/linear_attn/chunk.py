@@ -27,12 +27,9 @@ def chunk_pad(x: torch.Tensor, n_pad: int, dim: int = 2) -> torch.Tensor:
 
 def chunk_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None,
                chunk_size: int):
-    """The chunking both chunked mixers share: q, k (B, H, T, K), v (B, H, T, V), log_decay
-    (B, H, T) | None -> ``(dt, c, n_pad, qc, kc, vc, g)`` with qc / kc / vc (B, H, N, C, *) in the
-    compute dtype ``dt``, C = min(chunk_size, T), T padded by ``n_pad`` to N chunks, and g
-    (B, H, N, C) the cumulative log decay inside each chunk (zeros when ``log_decay`` is None).
-
-    Raises ValueError for chunk_size < 1."""
+    """q, k (B, H, T, K), v (B, H, T, V), log_decay (B, H, T) | None -> (dt, c, n_pad, qc, kc, vc, g):
+    (B, H, N, C, *) chunks in compute dtype ``dt``, C = min(chunk_size, T), ``n_pad`` tokens of
+    padding, g (B, H, N, C) cumulative log decay. Raises ValueError for chunk_size < 1."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size}) must be >= 1")
     dt = compute_dtype(v)
@@ -60,12 +57,8 @@ def decay_matrix(g: torch.Tensor) -> torch.Tensor:
 def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       log_decay: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``naive_linear_attn`` (q, k (B, H, T, K), v (B, H, T, V), log_decay
-    (B, H, T) | None, initial_state (B, H, K, V) | None -> o (B, H, T, V), state (B, H, K, V)),
-    computed chunk by chunk; ``chunk_size`` C >= 1 (T need not be a multiple of C).
-
-    Raises ValueError for chunk_size < 1.
-    """
+    """``naive_linear_attn``'s contract (o (B, H, T, V), state (B, H, K, V)) computed chunk by chunk,
+    ``chunk_size`` C >= 1 (any T). Raises ValueError for chunk_size < 1."""
     dt, c, _, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
     b, h, t, dk = k.shape
     dv, n = v.shape[-1], qc.shape[2]

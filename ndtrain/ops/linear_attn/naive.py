@@ -14,16 +14,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def naive_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       log_decay: torch.Tensor | None = None,
                       initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t``, token by token.
-
-    Args:
-        q, k: (B, H, T, K) queries / keys (already feature-mapped; no scaling is applied here).
-        v: (B, H, T, V) values.
-        log_decay: (B, H, T) g_t <= 0 (None = no decay, plain linear attention).
-        initial_state: (B, H, K, V) S_0 (None = zeros).
-
-    Returns: o (B, H, T, V) in v's dtype, final state S_T (B, H, K, V) in fp32 (fp64 for fp64 inputs).
-    """
+    """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t``, token by token. q, k (B, H, T, K)
+    (feature-mapped, unscaled), v (B, H, T, V), log_decay (B, H, T) g_t <= 0 or None, initial_state
+    (B, H, K, V) or None -> o (B, H, T, V) in v's dtype, S_T (B, H, K, V) fp32 (fp64 for fp64)."""
     dt = compute_dtype(v)
     b, h, t, dk = k.shape
     state = (torch.zeros(b, h, dk, v.shape[-1], dtype=dt, device=v.device) if initial_state is None

@@ -1,18 +1,8 @@
-"""Chunked linear + cross-entropy in plain PyTorch: the fused loss without Triton.
-
-Same algorithm as ``triton.py`` (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
-Models"; Liger-Kernel's fused linear cross-entropy): tokens are cut into chunks of ``chunk_tokens``,
-the vocabulary into chunks of ``chunk_vocab``; each (token, vocab) block of logits is a matmul whose
-per-row max, sum of exp and target logit are folded into running statistics (online softmax), then
-freed. Backward recomputes each block and turns it into ``(softmax - onehot) * dloss`` before the two
-gradient matmuls. Peak extra memory: a few (chunk_tokens, chunk_vocab) blocks instead of the (N, V)
-logits, their gradient and the softmax. It runs on any device and dtype (float64 included), so it is
-the fused loss of ``training.kernels=eager`` and the twin the Triton version is checked against.
-
-Precision: matmul operands in the autocast dtype when the forward runs under autocast (kept for the
-backward, which autograd runs outside autocast), else in h's dtype; statistics and block
-gradients in ``promote(h.dtype, float32)``, so float64 stays float64 and bf16 reduces in fp32.
-"""
+"""Chunked linear + cross-entropy in plain PyTorch: ``triton.py``'s algorithm (Wijmans et al. 2024)
+on any device and dtype (float64 included): the fused loss of ``training.kernels=eager`` and the
+Triton version's twin. Matmuls run in the autocast dtype when under autocast (kept for the
+backward, which runs outside it), else h's; statistics and block gradients in
+``promote(h.dtype, float32)``."""
 from __future__ import annotations
 
 import torch
@@ -100,14 +90,8 @@ def chunk_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: to
                                ignore_index: int = -100, vocab_start: int = 0, combine: Combine | None = None,
                                chunk_tokens: int = 1024, chunk_vocab: int = 8192,
                                vocab_size: int | None = None) -> torch.Tensor:
-    """Per-token cross-entropy of ``h @ weight^T`` without the full logits, in PyTorch.
-
-    The same contract as ``triton.fused_linear_cross_entropy``: h (N, C), weight (V_local, C) (rows
-    from ``vocab_start``), labels (N,) global ids -> (N,) losses in ``promote(h.dtype, fp32)``, 0 at
-    ``ignore_index``; ``combine`` merges vocab-parallel partials (the caller all-reduces dh);
-    ``vocab_size`` trims padded rows (they get a zero gradient). Raises ValueError for
-    mismatched shapes.
-    """
+    """``triton.fused_linear_cross_entropy``'s contract in PyTorch: (N,) losses in
+    ``promote(h.dtype, fp32)``. Raises ValueError for mismatched shapes."""
     check_shapes(h, weight, labels)
     weight = trim_padded_rows(weight, vocab_start, vocab_size)
     return ChunkedLinearCrossEntropyFunction.apply(h, weight, labels.contiguous(), ignore_index, vocab_start,

@@ -1,23 +1,13 @@
-"""Fused linear + cross-entropy that never materialises the (N, V) logits.
+"""Fused linear + cross-entropy that never materialises the (N, V) logits (Wijmans et al. 2024, "Cut
+Your Losses in Large-Vocabulary Language Models"; Liger-Kernel, Hsu et al. 2024).
 
-The idea (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"; Liger-Kernel's
-fused linear cross-entropy, Hsu et al. 2024): the loss of a token needs only the log-sum-exp of its
-logits and its target logit, both reducible block by block. Tokens are cut into chunks of
-``chunk_tokens`` and the vocabulary into chunks of ``chunk_vocab``; each (token, vocab) block of
-logits is computed by a matmul, reduced by ``_ce_block_stats_kernel`` to per-row (max, sum of
-exp(logit - max), target logit) and combined into running statistics (the online softmax), then
-freed. Peak extra memory is one (chunk_tokens, chunk_vocab) fp32 block instead of (N, V).
-
-Backward recomputes each block and turns it in place into ``(softmax - onehot) * dloss`` with
-``_ce_block_grad_kernel``, then accumulates ``dh += G W_blk`` and ``dW_blk += G^T h``.
-
-Vocab-parallel (tensor parallel): a rank holds rows ``[vocab_start, vocab_start + V_local)`` of W.
-Its per-token partial statistics are combined by the caller's ``combine(max, sumexp, target)``
-(an all-reduce MAX of the max, then SUM of the rescaled sumexp and of the target logit) into the
-global log-sum-exp; the backward needs only that global lse, so no logits cross ranks. The caller
-must all-reduce dh over the tensor-parallel group (Megatron's copy-to-region, as for any
-column-parallel head). Twin: ``ndtrain.ops.linear_cross_entropy.naive.naive_linear_cross_entropy``.
-"""
+Each (chunk_tokens, chunk_vocab) block of logits is a matmul reduced by ``_ce_block_stats_kernel``
+to per-row (max, sum exp(logit - max), target logit), folded into running statistics (online
+softmax) and freed: one fp32 block of extra memory instead of (N, V). Backward recomputes each
+block into ``(softmax - onehot) * dloss`` (``_ce_block_grad_kernel``), then ``dh += G W_blk``,
+``dW_blk += G^T h``. Vocab-parallel: the caller's ``combine`` all-reduces the partial statistics
+into the global lse (no logits cross ranks) and must all-reduce dh over tp. Twin:
+``naive.naive_linear_cross_entropy``."""
 from __future__ import annotations
 
 import os
@@ -72,8 +62,8 @@ def _ce_block_grad_kernel(z_ptr, lab_ptr, lse_ptr, g_ptr, n_rows, n_cols, v0,
 
 
 def _launch_shape(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
-    """Grid and (ROWS, BLOCK): on a GPU a few rows and a 2048-column sweep per program (registers);
-    in the CPU interpreter many rows and the whole block at once (its cost is per program step)."""
+    """Grid and (ROWS, BLOCK): a few rows and 2048-column sweeps on a GPU; many rows, whole block in the
+    interpreter."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         rows, block = 64, triton.next_power_of_2(n_cols)
     else:
@@ -144,14 +134,10 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: to
                                ignore_index: int = -100, vocab_start: int = 0, combine: Combine | None = None,
                                chunk_tokens: int = 1024, chunk_vocab: int = 8192,
                                vocab_size: int | None = None) -> torch.Tensor:
-    """Per-token cross-entropy of ``h @ weight^T`` without the full logits (see module docstring).
-
-    h (N, C), weight (V_local, C) (this rank's vocab rows starting at ``vocab_start``), labels (N,)
-    global vocab ids -> (N,) fp32 losses, 0 at ``ignore_index``. ``combine``: None for a whole
-    vocabulary; under vocab parallelism a callable all-reducing the (N,) partial max (MAX), then
-    returning the global (max, sumexp rescaled to it, target logit) (SUM). ``vocab_size``: the
-    real V when W is padded (rows with global id >= V get no probability and a zero gradient).
-    Raises ValueError for mismatched shapes.
+    """Per-token cross-entropy of ``h @ weight^T``: h (N, C), weight (V_local, C) (rows from
+    ``vocab_start``), labels (N,) global ids -> (N,) fp32, 0 at ``ignore_index``. ``combine``: None, or
+    the vocab-parallel all-reduce returning the global (max, sumexp, target). ``vocab_size``: the real V
+    of a padded W (padded rows get no probability, zero gradient). Raises ValueError for mismatched shapes.
     """
     check_shapes(h, weight, labels)
     weight = trim_padded_rows(weight, vocab_start, vocab_size)

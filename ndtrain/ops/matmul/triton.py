@@ -1,16 +1,10 @@
 """Triton tiled matmul with grouped tile ordering and a fused epilogue (bias + activation).
 
-Each program computes one (BLOCK_M, BLOCK_N) tile of ``C = act(A @ B + bias)`` by walking K in
-BLOCK_K steps with an fp32 accumulator. Programs are numbered so that ``GROUP_M`` consecutive
-tile-rows share each column of B tiles (the "grouped ordering" of the Triton matmul tutorial): tiles
-that run at the same time reuse the same A rows and B columns from L2 instead of streaming all of B
-for every row. The epilogue (bias add and activation) runs on the accumulator in registers, so the
-pre-activation never makes a round trip to memory (the lecture's fused-epilogue example).
-
-Backward (``MatmulFunction``): the pre-activation z is kept when an activation is fused;
-``dz = dC * act'(z)``, then ``dA = dz @ B^T`` and ``dB = A^T @ dz`` run on the same kernel (no
-epilogue), ``dbias = sum_rows dz``. Twin: ``ndtrain.ops.matmul.naive.naive_matmul``.
-"""
+Each program computes one (BLOCK_M, BLOCK_N) tile of ``C = act(A @ B + bias)`` with an fp32
+accumulator; ``GROUP_M`` consecutive tile-rows share B's columns (the Triton tutorial's grouped
+ordering: concurrent tiles hit L2). The epilogue runs in registers, so the pre-activation never
+goes to memory. Backward: ``dz = dC * act'(z)`` (z kept when an activation is fused), ``dA = dz B^T``
+and ``dB = A^T dz`` on the same kernel, ``dbias = sum_rows dz``. Twin: ``naive.naive_matmul``."""
 from __future__ import annotations
 
 import os
@@ -66,11 +60,8 @@ def _matmul_fwd_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, z_ptr, M, N, K,
 
 def matmul_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
                   save_z: bool = False, block: tuple[int, int, int] = (32, 32, 32), group_m: int = 8):
-    """Run the kernel: a (M, K) @ b (K, N) (+ bias (N,), activation) -> (c (M, N), z (M, N) or None).
-
-    Any strides (a transposed view costs nothing). ``block`` = (BLOCK_M, BLOCK_N, BLOCK_K), powers of
-    two >= 16 (tl.dot's minimum).
-    """
+    """a (M, K) @ b (K, N) (+ bias (N,), activation) -> (c (M, N), z (M, N) or None); any strides.
+    ``block`` (BLOCK_M, BLOCK_N, BLOCK_K): powers of two >= 16 (tl.dot's minimum)."""
     (m, k), n = a.shape, b.shape[1]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     z = torch.empty_like(c) if save_z else c
@@ -115,10 +106,8 @@ class MatmulFunction(torch.autograd.Function):
 
 def fused_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
                  block: tuple[int, int, int] = (32, 32, 32), group_m: int = 8) -> torch.Tensor:
-    """``act(a @ b + bias)`` through the tiled Triton kernel. a (M, K), b (K, N), bias (N,) | None ->
-    (M, N) in a's dtype, fp32 accumulation; ``block`` (BLOCK_M, BLOCK_N, BLOCK_K), ``group_m``
-    tile-rows per group of the launch order. Raises ValueError for mismatched shapes or an
-    activation outside ``ACTIVATIONS``."""
+    """``act(a @ b + bias)``: a (M, K), b (K, N), bias (N,) | None -> (M, N) in a's dtype, fp32
+    accumulation. Raises ValueError for mismatched shapes or an activation outside ``ACTIVATIONS``."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:

@@ -80,11 +80,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm through Triton. x (..., C), weight (C,) -> (..., C) in promote(x, weight) dtype.
-
-    Same arithmetic as ``naive_rmsnorm`` (fp32 statistics, rounding to x's dtype before the gain).
-    Raises ValueError when weight is not (C,).
-    """
+    """x (..., C), weight (C,) -> (..., C) in promote(x, weight), ``naive_rmsnorm``'s arithmetic. Raises
+    ValueError when weight is not (C,)."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rmsnorm weight {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
     return RMSNormFunction.apply(x, weight, eps)

@@ -1,14 +1,7 @@
-"""Triton row softmax, two schedules (the lecture's row-reduction example):
-
-* one row per program, the whole row in registers (``_softmax_row_fwd_kernel``): a single read
-  and write of each element; needs the row to fit one block (N <= ``MAX_ROW_BLOCK``).
-* a blocked reduction for long rows (``_softmax_blocked_fwd_kernel``): one pass over column
-  blocks keeping the running max and rescaled sum (the online softmax of Milakov & Gimelshein 2018,
-  which FlashAttention builds on), then a second pass that writes ``exp(x - max) / sum``.
-
-The backward ``dx = y * (dy - sum(y * dy))`` is one blocked kernel for both.
-Twin: ``ndtrain.ops.softmax.naive.naive_softmax``.
-"""
+"""Triton row softmax, two schedules: one row per program in registers (one read and write; N <=
+``MAX_ROW_BLOCK``), or for long rows a pass keeping the running max and rescaled sum (online
+softmax, Milakov & Gimelshein 2018) then a writing pass. Backward ``dx = y * (dy - sum(y * dy))``.
+Twin: ``naive.naive_softmax``."""
 from __future__ import annotations
 
 import torch
@@ -93,13 +86,9 @@ class SoftmaxFunction(torch.autograd.Function):
 
 
 def fused_softmax(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """Softmax over the last dim through Triton. x (..., N) -> (..., N), same dtype; math in fp32.
-
-    ``block``: None picks the schedule (one row per program when N <= ``MAX_ROW_BLOCK``, else the
-    blocked reduction with 1024-column blocks); 0 forces one row per program; a power of two forces
-    the blocked reduction with that block width. Raises ValueError for a block that is not a power
-    of two.
-    """
+    """Softmax over the last dim: x (..., N) -> (..., N), same dtype, fp32 math. ``block``: None picks the
+    schedule, 0 forces one row per program, a power of two the blocked one. Raises ValueError for a
+    block that is not a power of two."""
     n = x.shape[-1]
     if block is None:
         block = 0 if triton.next_power_of_2(n) <= MAX_ROW_BLOCK else 1024

@@ -1,7 +1,5 @@
-"""Triton fused SwiGLU gate: ``silu(a) * b`` in one pass (forward) and both input gradients in one
-pass (backward), instead of the three elementwise kernels and two saved intermediates of eager
-PyTorch (Shazeer 2020 for the GLU variant). Twin: ``ndtrain.ops.swiglu.naive.naive_swiglu``.
-"""
+"""Triton fused SwiGLU gate ``silu(a) * b`` (Shazeer 2020): one pass forward, one for both gradients,
+instead of eager's three kernels and two saved intermediates. Twin: ``naive.naive_swiglu``."""
 from __future__ import annotations
 
 import torch
@@ -55,10 +53,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def fused_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b`` through Triton. a, b (..., F), same shape and dtype -> (..., F); math in fp32.
-
-    Raises ValueError when the shapes or dtypes differ.
-    """
+    """a, b (..., F), same shape and dtype -> (..., F), fp32 math. Raises ValueError when shapes or dtypes
+    differ."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"swiglu needs equal shapes and dtypes, got {tuple(a.shape)} {a.dtype} and "
                          f"{tuple(b.shape)} {b.dtype}")

@@ -26,13 +26,8 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim:
 
 
 class AllToAll(torch.autograd.Function):
-    """Re-shard a tensor from ``gather_dim`` to ``scatter_dim`` (DeepSpeed-Ulysses, Jacobs 2023).
-
-    Each rank splits ``x`` into N chunks along ``scatter_dim``, sends chunk i to rank i, and
-    concatenates what it receives along ``gather_dim`` in rank order.
-    fwd: all-to-all (scatter ``scatter_dim``, gather ``gather_dim``), bwd: the inverse all-to-all.
-    Bytes: (N-1)/N * S per rank each way.
-    """
+    """Re-shard from ``gather_dim`` to ``scatter_dim`` (DeepSpeed-Ulysses, Jacobs 2023). fwd: all-to-all;
+    bwd: the inverse. Bytes: (N-1)/N * S per rank each way."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: AxisGroup, scatter_dim: int, gather_dim: int):
@@ -50,12 +45,8 @@ class AllToAll(torch.autograd.Function):
 
 
 def ring_exchange(send: torch.Tensor, group: AxisGroup, tag: int = 0):
-    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's.
-
-    Returns ``(recv, works)``: ``recv`` is valid after every handle in ``works`` has been waited
-    on, so the caller can compute while the transfer runs (ring attention, Liu et al. 2023).
-    Counted as ``send``'s bytes on ``group``. Raises ValueError on a size-1 group.
-    """
+    """Start sending ``send`` to the next ring rank and receiving the previous one's: (recv, works), recv
+    valid after every work is waited on. Counts ``send``'s bytes. Raises ValueError on a size-1 group."""
     if group.pg is None:
         raise ValueError("ring_exchange needs a group of size > 1")
     send = send.contiguous()

@@ -1,35 +1,10 @@
-"""Context parallel: the sequence of every sample split over the ``cp`` axis.
+"""Context parallel: every sample's sequence split over ``cp`` (docs/context_parallel.md).
 
-Layouts (``parallel.cp_layout``):
-
-* ``load_balanced`` (ring default): the sequence is cut into 2*cp equal chunks and rank i holds
-  chunks i and 2*cp-1-i, so under a causal mask every rank has the same amount of attention work
-  (Liu et al. 2023; Megatron-LM / Llama 3 practice);
-* ``contiguous``: rank i holds chunk i of cp (Ulysses always uses it, and so does every model
-  whose ``layer_pattern`` has linear-family or sliding-window mixers: ``auto`` resolves to it).
-
-Token mixers other than softmax attention (``model.layer_pattern``) are handled per layer: the
-linear family (linear, mamba2, gated_deltanet) gets a ``StatePasser`` in its ``state_passer`` hook
-(``state_passing``: chunk states all-gathered and composed, conv context from the previous rank),
-sliding-window attention a ``WindowContextParallel`` core (``window``: the previous rank's last
-w - 1 keys / values), and the softmax layers of the same model ring attention (or Ulysses) on the
-same contiguous shards. DeepSeek sparse attention under cp > 1 is not built (its indexer scores
-every earlier key: an all-gather of the indexer keys, rejected by ``check_mixer_layout``).
-
-MLA layers take the same cores (q / k of width d_n + d_r, v of width d_v). MTP depths run their
-blocks under the same cores on all local positions, with the tokens at i + k fetched from the
-rank holding them (``mtp_shift``).
-
-The data already gives shifted labels (``labels[t] = inputs[t+1]``), so the next-token shift
-happens before sharding; inputs, labels, RoPE positions (and, for packed data, document ids) are
-cut with the same layout (``shard_batch``). The attention core of every block is replaced
-(``apply_cp``) by a ``RingAttention`` (``ring``) or ``UlyssesAttention`` (``ulysses``) module,
-which ``print(model)`` shows; everything else in the model is per token and runs unchanged on the
-local tokens. The loss is summed over ``dp_cp`` and parameter gradients are summed over ``dp_cp``
-too (cp ranks see different tokens of the same samples) by the data-parallel wrapper, in
-``parallel.grad_reduce_dtype``; this axis's own collectives carry activations and activation
-gradients only.
-"""
+Layouts (``parallel.cp_layout``): ``load_balanced`` (2*cp chunks, rank i holds i and 2*cp-1-i:
+equal causal work; Liu et al. 2023, Llama 3) and ``contiguous`` (Ulysses and state / window
+mixers). ``apply_cp`` gives each mixer its cp form; labels are shifted before ``shard_batch`` cuts
+inputs, labels, positions and documents alike. Gradients are summed over ``dp_cp`` by the
+data-parallel wrapper; this axis carries activations and their gradients only."""
 from __future__ import annotations
 
 import torch
@@ -47,9 +22,8 @@ LAYOUTS = ("load_balanced", "contiguous")
 
 
 def resolve_layout(impl: str, layout: str, mixers: tuple[str, ...] = ()) -> str:
-    """``auto`` -> load_balanced for ring, contiguous for Ulysses or when ``mixers`` (the
-    non-softmax mixers of the pattern) pass state or a window to the next rank; those need
-    contiguous, as Ulysses does (ValueError otherwise)."""
+    """``auto`` -> load_balanced for ring, contiguous for Ulysses or when ``mixers`` pass state or a
+    window to the next rank (which need contiguous: ValueError otherwise)."""
     ordered = bool(set(mixers) & set(CONTIGUOUS_MIXERS))
     if layout == "auto":
         return "load_balanced" if impl == "ring" and not ordered else "contiguous"
@@ -96,31 +70,24 @@ def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> t
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, layout: str):
-    """(B, T) inputs / labels (labels already shifted) -> this cp rank's (B, T/cp) inputs, labels,
-    and their (T/cp,) positions for RoPE."""
+    """(B, T) inputs / shifted labels -> this rank's (B, T/cp) inputs, labels, and (T/cp,) RoPE positions."""
     pos = local_positions(inputs.shape[1], group.size, group.rank, layout, inputs.device)
     return inputs.index_select(1, pos), labels.index_select(1, pos), pos
 
 
 def _install_core(att: nn.Module, core: nn.Module) -> None:
-    """Make ``core`` the attention's ``core`` hook and show it in ``print(model)``.
-
-    ``Attention.core`` is a per-instance hook by the model's contract: ``self.core(q, k, v)`` finds
-    an entry in the instance ``__dict__`` before the class's method. ``nn.Module.__setattr__`` would
-    file a Module under ``_modules`` instead, where the method shadows it, so the core goes into
-    ``__dict__`` directly and is registered, once more, as the child ``context_parallel``: visible,
-    and without parameters or buffers, so state-dict keys do not change."""
+    """Make ``core`` the attention's per-instance ``core`` hook and show it in ``print(model)``.
+    ``nn.Module.__setattr__`` would file it under ``_modules``, where the class method shadows it, so it
+    goes into ``__dict__`` and is registered as the parameter-free child ``context_parallel`` (state-dict
+    keys unchanged)."""
     att.__dict__["core"] = core
     att.add_module("context_parallel", core)
 
 
 class RingAttention(nn.Module):
-    """Attention core (``Attention.core`` replacement) running ring attention over ``group``.
-
-    q (B, H, T/cp, D), k / v (B, G, T/cp, D) of this rank's tokens (in ``layout``) -> (B, H, T/cp, D).
-    ``documents``: optional (B, T) document ids of the full batch for packed sequences; set it
-    before the forward and every rank's block masks respect document boundaries. No parameters.
-    """
+    """``Attention.core`` replacement: ring attention over ``group``. q (B, H, T/cp, D), k / v
+    (B, G, T/cp, D) in ``layout`` -> (B, H, T/cp, D). ``documents``: optional (B, T) ids of the full
+    batch (packed sequences), set before the forward. No parameters."""
 
     def __init__(self, group: AxisGroup, layout: str, causal: bool = True):
         super().__init__()
@@ -150,11 +117,8 @@ class RingAttention(nn.Module):
 
 
 class UlyssesAttention(nn.Module):
-    """Attention core running ``inner`` (the model's own core) under Ulysses all-to-alls.
-
-    q (B, H, T/cp, D), k / v (B, G, T/cp, D) -> (B, H, T/cp, D); ``inner`` sees (B, H/cp, T, D).
-    No parameters.
-    """
+    """Runs ``inner`` (the model's own core) under Ulysses all-to-alls: q (B, H, T/cp, D), k / v
+    (B, G, T/cp, D) -> (B, H, T/cp, D); ``inner`` sees (B, H/cp, T, D). No parameters."""
 
     def __init__(self, group: AxisGroup, inner):
         super().__init__()
@@ -169,19 +133,12 @@ class UlyssesAttention(nn.Module):
 
 def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "auto",
              causal: bool = True) -> str:
-    """Context parallel over the ``cp`` axis, per block's token mixer: softmax attention gets a
-    ``RingAttention`` or ``UlyssesAttention`` core, sliding-window attention a
-    ``WindowContextParallel`` core, the linear family a ``StatePasser`` hook; each shown by
-    ``print(model)`` as the mixer's ``context_parallel`` child.
+    """Install each block's cp form (ring / Ulysses core, window core, ``StatePasser``), shown as the
+    mixer's ``context_parallel`` child; with MTP a ``ContextParallelShift`` ``mtp_shift`` hook.
 
-    ``causal`` applies to ring attention (Ulysses wraps whatever core the block has). Returns the
-    resolved layout (contiguous when ``model.cfg.layer_pattern`` has linear / window mixers), which
-    the batch must be sharded with (``shard_batch``). MLA layers take the same cores (their v head
-    dim may differ from q / k's); with MTP the model gets a ``ContextParallelShift`` as its
-    ``mtp_shift`` hook (``mtp_shift.py``) and the MTP blocks get cores like the layers. Raises
-    ValueError for an unknown impl / layout, a layout the mixers cannot use, a DSA layer, or (at
-    forward time) heads not divisible by cp under Ulysses.
-    """
+    ``causal`` applies to ring attention. Returns the resolved layout, which ``shard_batch`` must use.
+    Raises ValueError for an unknown impl / layout, a layout the mixers cannot use, a DSA layer, or
+    (at forward time) heads not divisible by cp under Ulysses."""
     from ndtrain.model.dsa import SparseAttention
     from ndtrain.model.sliding_window import SlidingWindowAttention
 

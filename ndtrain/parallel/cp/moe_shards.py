@@ -1,7 +1,5 @@
-"""MoE statistics under context parallel: the ``SequenceShards`` every MoE layer gets, so the
-sequence-wise balance loss and the capacity decision see whole sequences (DeepSeek-V3's per-sequence
-loads; GShard capacity), exactly as in the single process (``ndtrain.model.moe_capacity``).
-"""
+"""MoE statistics under cp: every MoE layer's ``SequenceShards``, so the sequence-wise loss and the
+capacity see whole sequences as in one process (``ndtrain.model.moe_capacity``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,9 +18,8 @@ if TYPE_CHECKING:  # annotations only: the config package validates with paralle
 
 
 def sequence_shards(mesh: Mesh, cfg: Config) -> SequenceShards | None:
-    """The cp group's sharding of each sequence (chunks per rank of the resolved cp layout, the one
-    the batch plan cuts tokens with, ``ndtrain.parallel.batch``) with its counted sum and gather;
-    None when cp = 1."""
+    """The cp group's sharding of each sequence (the batch plan's layout) with its sum and gather; None
+    when cp = 1."""
     group = mesh.group("cp")
     if group.size == 1:
         return None

@@ -1,14 +1,7 @@
-"""Multi-token prediction under context parallel: the shifted tokens and labels cross cp ranks.
-
-MTP depth k (DeepSeek-V3, section 2.2) embeds token t_{i+k} at position i and scores it against
-``labels[i + k]``. A cp rank holds only its chunks of each sequence (``context_parallel``'s layout),
-so position i + k may live on another rank (always, for the last k positions of a chunk). The hook
-below (the model's ``mtp_shift``, ``ndtrain.model.mtp``) all-gathers the rank's (B, T / cp) integer
-ids over cp, rebuilds the (B, T) sequence, shifts it by k and cuts this rank's chunks again. It is
-int64 ids only, (cp - 1) / cp * B * T * 8 bytes per call, no gradient; every depth then runs on all
-local positions (the last k of the sequence get a padding id and an ignored label), so the MTP
-blocks' ring / Ulysses attention keeps its equal-size blocks.
-"""
+"""MTP under context parallel: position i + k may be on another cp rank, so the model's ``mtp_shift``
+hook all-gathers the (B, T / cp) int ids, shifts the whole sequence by k and cuts this rank's
+chunks again: (cp - 1) / cp * B * T * 8 bytes, no gradient. Every depth then runs on all local
+positions (padding id and ignored label past the end), keeping ring / Ulysses blocks equal."""
 from __future__ import annotations
 
 import torch
@@ -20,11 +13,8 @@ from ndtrain.parallel import comm
 
 
 class ContextParallelShift(nn.Module):
-    """``mtp_shift`` hook over ``group``: ``(x (B, T/cp) int ids, k, fill) -> (B, T/cp)`` with
-    ``out[:, j] = x_global[:, pos_j + k]`` (``fill`` past the end), ``pos_j`` this rank's global
-    positions. ``positions(seq_len, cp, rank, layout, device) -> (T/cp,)`` is the layout's cut
-    (``context_parallel.local_positions``). A collective over ``group``: every cp rank must call
-    it. No parameters."""
+    """``mtp_shift`` over ``group``: (x (B, T/cp) ids, k, fill) -> (B, T/cp), ``out[:, j] =
+    x_global[:, pos_j + k]`` (``fill`` past the end). Collective: every cp rank calls it."""
 
     def __init__(self, group: AxisGroup, layout: str, positions):
         super().__init__()

@@ -1,30 +1,16 @@
-"""Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers"): exact
-attention over a sequence split across the ``cp`` ranks, with K/V blocks passed around the ring.
+"""Ring attention (Liu, Zaharia & Abbeel 2023): exact attention over a sequence split across ``cp``,
+K/V blocks passed around the ring (docs/context_parallel.md, "Ring attention").
 
-Each rank holds queries, keys and values of its own tokens (any layout: the caller passes every
-rank's token positions, e.g. the load-balanced causal layout of ``ndtrain.parallel.cp.context_parallel``). Forward,
-for s = 0 .. cp-1 the rank holds the K/V block of rank ``(r - s) mod cp``; it starts the
-asynchronous send of that block to rank r+1 and receive from rank r-1 (``batch_isend_irecv``),
-computes the block's attention while the transfer runs, and merges the partial result into its
-running output with the online-softmax (log-sum-exp) rule, kept in fp32 (fp64 for fp64 inputs):
+Each step sends the held K/V block on (``batch_isend_irecv``) while computing it, and merges in fp32
+(fp64 for fp64 inputs):
 
     lse' = logaddexp(lse, lse_b);   out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
 
-Blocks that the mask hides entirely (causal: keys after every query; other documents) are
-skipped but still forwarded. Backward is exact (FlashAttention-2 style, Dao 2023): with the final
-``lse`` and ``delta = rowsum(dO * O)`` each block's ``P`` is recomputed; dQ accumulates locally,
-while K/V go around the ring again together with their dK/dV accumulators, which arrive back at
-their owner after cp hops.
-
-Masks come from positions and optional document ids (packed sequences): key t is visible to query
-s iff (not causal or pos_k[t] <= pos_q[s]) and doc_k[t] == doc_q[s].
-
-K and V travel as one (B, G, T_l, D + Dv) message per hop (Dv != D for MLA).
-
-Communication per call (bytes sent per rank, b = element size, K/V block = B G T_l (D + Dv) b):
-forward (cp-1) K/V blocks; backward (cp-1) K/V blocks + cp dK/dV blocks (in the accumulation dtype).
-The slow twin is full attention on the gathered sequence (``tests/ops/test_ring_attention.py``).
-"""
+Fully masked blocks are skipped but forwarded. Backward (FlashAttention-2 style, Dao 2023)
+recomputes P from the final lse and ``delta = rowsum(dO * O)``; dK/dV travel with K/V back home.
+Visibility: (not causal or pos_k <= pos_q) and equal document ids. K and V travel as one
+(B, G, T_l, D + Dv) message. Bytes per rank: forward (cp-1) blocks, backward (cp-1) blocks + cp
+dK/dV blocks. Slow twin: full attention on the gathered sequence."""
 from __future__ import annotations
 
 import math
@@ -44,10 +30,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, q_doc: torch.Tensor | None = None,
                k_doc: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Visibility of keys to queries: q_pos (Tq,), k_pos (Tk,), docs (B, Tq) / (B, Tk) or None.
-
-    Returns bool (1 or B, 1, Tq, Tk), True = attend, or None when everything is visible.
-    """
+    """q_pos (Tq,), k_pos (Tk,), docs (B, Tq) / (B, Tk) or None -> bool (1 or B, 1, Tq, Tk), True =
+    attend, or None when everything is visible."""
     mask = None
     if causal:
         mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
@@ -67,12 +51,8 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def block_forward(q, k, v, mask, scale):
-    """Attention of queries q (B, H, Tq, D) to one key block k (B, G, Tk, D), v (B, G, Tk, Dv) in
-    q's dtype.
-
-    Returns ``(out (B, H, Tq, Dv), lse (B, H, Tq))``; rows with no visible key have lse = -inf and
-    out = 0.
-    """
+    """q (B, H, Tq, D) against one block k (B, G, Tk, D), v (B, G, Tk, Dv) -> (out (B, H, Tq, Dv),
+    lse (B, H, Tq)); rows with no visible key get lse = -inf, out = 0."""
     h = q.shape[1]
     s = torch.matmul(q, _expand(k, h).transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
     if mask is not None:
@@ -90,10 +70,8 @@ def merge(out, lse, blk_out, blk_lse):
 
 
 def block_backward(dout, q, k, v, lse, delta, mask, scale):
-    """Gradients of one block given the *final* lse and delta = rowsum(dO * O) (B, H, Tq).
-
-    Returns ``(dq (B, H, Tq, D), dk (B, G, Tk, D), dv (B, G, Tk, D))``.
-    """
+    """One block's gradients from the final lse and delta (B, H, Tq) -> dq (B, H, Tq, D), dk
+    (B, G, Tk, D), dv (B, G, Tk, D)."""
     b, h, _, d = q.shape
     g, tk = k.shape[1], k.shape[2]
     ke, ve = _expand(k, h), _expand(v, h)
@@ -121,10 +99,7 @@ def _visible(mask) -> bool:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Ring attention over ``group``; see the module docstring.
-
-    fwd: (cp-1) K/V send/recv around the ring, bwd: (cp-1) K/V + cp dK/dV send/recv.
-    """
+    """Ring attention over ``group``. fwd: (cp-1) K/V send/recv; bwd: (cp-1) K/V + cp dK/dV."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: AxisGroup, q_pos, kv_pos, q_doc, kv_doc, causal: bool, scale: float):
@@ -202,16 +177,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     """Exact attention of this rank's queries to every rank's keys.
 
     Args:
-        q: (B, H, Tq, D) this rank's queries; k: (B, G, Tk, D), v: (B, G, Tk, Dv) its keys / values
-            (H % G == 0; Dv may differ from D, as in MLA, whose keys carry the decoupled RoPE dims).
+        q: (B, H, Tq, D); k: (B, G, Tk, D), v: (B, G, Tk, Dv) (H % G == 0; Dv may differ, as in MLA).
         group: the ``cp`` AxisGroup (size 1 = plain blockwise attention).
-        q_pos: (Tq,) int64 sequence positions of this rank's tokens.
-        kv_pos: (cp, Tk) positions of every rank's tokens (row i = rank i).
-        causal: mask keys at later positions.
-        q_doc, kv_doc: optional document ids (B, Tq) and (cp, B, Tk) for packed sequences.
+        q_pos: (Tq,) int64 positions; kv_pos: (cp, Tk) every rank's positions (row i = rank i).
+        causal: mask later keys. q_doc, kv_doc: optional (B, Tq), (cp, B, Tk) document ids.
         scale: softmax scale, default 1 / sqrt(D).
-    Returns: (B, H, Tq, Dv) in q's dtype. Raises ValueError on inconsistent shapes.
-    """
+    Returns (B, H, Tq, Dv) in q's dtype. Raises ValueError on inconsistent shapes."""
     if kv_pos.shape[0] != group.size or q.shape[1] % k.shape[1]:
         raise ValueError(f"kv_pos rows ({kv_pos.shape[0]}) must equal cp ({group.size}) and query heads "
                          f"({q.shape[1]}) be a multiple of kv heads ({k.shape[1]})")
@@ -220,14 +191,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
 
 
 def simulate_ring_attention(q, k, v, q_pos, kv_pos, causal=True, q_doc=None, kv_doc=None, scale=None):
-    """Single-process simulation of the ring: the same block / merge / backward steps each rank
-    runs, in ring order, on per-rank lists ``q[i]`` (B, H, Tq, D), ``k[i]``, ``v[i]`` (B, G, Tk, D);
-    ``q_pos`` (cp, Tq), ``kv_pos`` (cp, Tk), docs (cp, B, T) or None.
-
-    Returns ``(outs, backward)``: per-rank outputs and a function ``backward(douts)`` giving the
-    per-rank ``(dqs, dks, dvs)`` (dK/dV summed over every rank that used the block, as the ring's
-    travelling accumulators do). Used by the single-process tests to pin the ring's arithmetic.
-    """
+    """Single-process ring: the same block / merge / backward steps per rank, in ring order, on per-rank
+    lists q[i] (B, H, Tq, D), k[i], v[i] (B, G, Tk, D); q_pos (cp, Tq), kv_pos (cp, Tk), docs
+    (cp, B, T) or None. Returns (outs, backward) with ``backward(douts) -> (dqs, dks, dvs)``, dK/dV
+    summed over every rank that used the block (as the travelling accumulators)."""
     n = len(q)
     scale = 1.0 / math.sqrt(q[0].shape[-1]) if scale is None else scale
     cdt = compute_dtype(q[0].dtype)

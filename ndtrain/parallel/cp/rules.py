@@ -1,8 +1,5 @@
-"""Layout rules of context parallel: ring attention (Liu 2023) and Ulysses (Jacobs 2023).
-
-Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
-naming the rule. Pure Python.
-"""
+"""Layout rules of context parallel (ring: Liu 2023; Ulysses: Jacobs 2023); raise ``ConfigError``
+naming the rule. Pure Python (``config.validate`` and the planner call them)."""
 from __future__ import annotations
 
 from ndtrain.errors import require
@@ -15,8 +12,7 @@ CONTIGUOUS_MIXERS = ("linear", "mamba2", "gated_deltanet", "sliding_window")
 
 
 def resolve_layout(impl: str, layout: str, mixers: tuple[str, ...] = ()) -> str:
-    """``auto`` -> load_balanced for ring (balances the causal mask), contiguous for Ulysses or
-    when ``mixers`` (the pattern's non-softmax mixers) include one of ``CONTIGUOUS_MIXERS``."""
+    """``auto`` -> load_balanced for ring, contiguous for Ulysses or any of ``CONTIGUOUS_MIXERS``."""
     if layout != "auto":
         return layout
     if set(mixers) & set(CONTIGUOUS_MIXERS):
@@ -28,17 +24,10 @@ def check(cp: int, seq_len: int, impl: str = "ring", layout: str = "auto", n_hea
           sequence_parallel: bool = False, mla: bool = False, mtp: bool = False,
           seq_aux_loss: bool = False, capacity: bool = False, mixers: tuple[str, ...] = (),
           halo: int = 0, moe: bool = False) -> None:
-    """``seq_len`` (T) cuts into the layout's chunks (2 cp load-balanced, cp contiguous); Ulysses
-    splits the heads of a tp rank over cp; under sequence parallel the T / cp tokens of a cp rank
-    split over tp; features not implemented under cp > 1 are rejected. ``seq_aux_loss`` and
-    ``capacity`` (MoE) are accepted: their per-sequence loads and capacity counts are reduced over
-    the cp ranks (``ndtrain.parallel.cp.moe_shards``), so they equal the single process's.
-    ``mixers`` (the pattern's non-softmax mixers) in ``CONTIGUOUS_MIXERS`` need the contiguous
-    layout and a rank's T / cp tokens to cover ``halo``, the left context they take from the
-    previous rank only (max of swa_window - 1 and linear_conv_kernel - 1). ``mla`` and ``mtp``
-    run under ring and Ulysses, ``mtp`` with ``moe`` too: the MTP depths run padded to the full
-    sequence and their MoE layers mask the padded tail out of routing and statistics
-    (``MoE.token_mask``)."""
+    """T cuts into the layout's chunks (2 cp or cp); Ulysses splits a tp rank's heads over cp; under sp a
+    cp rank's T / cp tokens split over tp; ``CONTIGUOUS_MIXERS`` need the contiguous layout and T / cp
+    >= ``halo``; unimplemented features are rejected. MoE seq-aux loss and capacity, MLA and MTP
+    (with MoE too) are accepted: their counts are reduced over the cp ranks."""
     require(cp >= 1, f"parallel.cp ({cp}) must be >= 1")
     require(impl in IMPLS, f"parallel.cp_impl ({impl}) must be ring|ulysses")
     require(layout in LAYOUTS, f"parallel.cp_layout ({layout}) must be auto|load_balanced|contiguous")
@@ -68,9 +57,8 @@ def check(cp: int, seq_len: int, impl: str = "ring", layout: str = "auto", n_hea
 
 
 def left_context(m) -> int:
-    """Tokens a cp rank takes from its predecessor for the model ``m`` (a ``ModelConfig`` or the
-    planner's ``MixerFields``): swa_window - 1 for sliding-window layers, linear_conv_kernel - 1
-    for the short convolutions of mamba2 / gated_deltanet; 0 when none."""
+    """Tokens a cp rank takes from its predecessor for ``m``: swa_window - 1 (sliding window),
+    linear_conv_kernel - 1 (mamba2 / gated_deltanet convolutions); 0 when none."""
     kinds = set(non_softmax_mixers(m))
     need = [m.swa_window - 1] if "sliding_window" in kinds else []
     if kinds & {"mamba2", "gated_deltanet"}:

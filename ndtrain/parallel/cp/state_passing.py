@@ -1,33 +1,13 @@
-"""Context parallel for the linear-family token mixers by state passing (contiguous layout).
+"""Context parallel for the linear-family mixers by state passing (contiguous layout;
+docs/context_parallel.md, "Hybrid models").
 
-Linear attention (Katharopoulos 2020), Mamba-2 / SSD (Dao & Gu 2024) and Gated DeltaNet (Yang,
-Kautz & Hatamizadeh 2024) carry a fixed-size state S (K x V per head) through the sequence. Over
-one cp rank's T/cp contiguous tokens the state update is an affine map of the state it starts from,
-
-    S_out = A_r S_in + B_r,   o_t = o0_t + (A_t^T q_t)^T S_in    (A_t: the map up to token t)
-
-with A_r = exp(sum_t g_t) I for the scalar-decay mixers (linear attention: g = 0, A = I) and
-A_r = prod_t exp(g_t) (I - beta_t k_t k_t^T) for the delta rule. Every rank runs its chunked form
-from a zero state (giving o0, B_r), all ranks all-gather (A_j, B_j), and each composes its true
-initial state locally,
-
-    S_in(r) = P_r,   P_0 = 0,   P_{j+1} = A_j P_j + B_j,
-
-then adds the correction (A_t^T q_t)^T S_in to its outputs: exact (a reordering of the same
-sums), fully parallel (no rank waits for its predecessor's run), one all-gather per layer forward
-and one reduce-scatter of the state gradients backward (``GatherStates``).
-
-Scalar decay: A_t^T q_t = exp(G_t) q_t with G the cumulative log decay, so only B_r (B, H, K, V) and
-log A_r (B, H) travel. Delta rule: one run with the value dim augmented by K identity columns,
-v' = [0 | v], S' = [I | 0], returns [A_t^T q_t | o0_t] and [A_r | B_r] together ((K + V) / V times
-the work of the plain run); (B, H, K, K + V) travels.
-
-Bytes per layer and microbatch, per rank (all-gather (cp-1)/cp of the cp-stacked states, forward;
-the same again as a reduce-scatter backward): (cp - 1) * B * H * (K V + 1) * s for the scalar-decay
-mixers and (cp - 1) * B * H * K (K + V) * s for Gated DeltaNet (s bytes per element: 4, or 8 in
-float64); independent of T, against Ulysses' 4 (cp-1)/cp * B * (T/cp) * H * D * s each way.
-The short causal convolutions take the previous rank's last W-1 inputs (``window.shift_from_prev``).
-"""
+Linear attention (Katharopoulos 2020), Mamba-2 (Dao & Gu 2024), Gated DeltaNet (Yang et al. 2024)
+carry a state S (K x V per head); over a rank's tokens ``S_out = A_r S_in + B_r``, ``o_t = o0_t +
+(A_t^T q_t)^T S_in``. Each rank runs from a zero state, all-gathers (A_j, B_j), composes
+``S_in(r) = P_r`` with ``P_0 = 0, P_{j+1} = A_j P_j + B_j`` and corrects its outputs: exact, no
+rank waits (``GatherStates``). The delta rule gets [A_t^T q_t | o0] and [A_r | B_r] from one run
+with values [0 | v] from S' = [I | 0]. Bytes per layer and rank each way: (cp-1) B H (K V + 1) s
+or (cp-1) B H K (K + V) s, independent of T."""
 from __future__ import annotations
 
 import torch
@@ -39,11 +19,8 @@ from ndtrain.parallel.cp.window import shift_from_prev
 
 
 class GatherStates(torch.autograd.Function):
-    """Stack every cp rank's ``x`` along a new leading dim: (...) -> (cp, ...), rank order.
-
-    fwd: all-gather, bwd: reduce-scatter (the sum over ranks of the stack's gradient, this rank's
-    slice: every later rank's composition used this rank's state). Bytes: (N-1)/N * the stack, each way.
-    """
+    """(...) -> (cp, ...), rank order. fwd: all-gather; bwd: reduce-scatter (every later rank's
+    composition used this rank's state). Bytes: (N-1)/N of the stack each way."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -56,12 +33,9 @@ class GatherStates(torch.autograd.Function):
 
 
 def compose_prefix(a_all: torch.Tensor, b_all: torch.Tensor, rank: int, scalar: bool) -> torch.Tensor:
-    """The initial state of cp rank ``rank``: P_rank with P_0 = 0, P_{j+1} = A_j P_j + B_j.
-
-    a_all: (cp, B, H) log decays (``scalar``) or (cp, B, H, K, K) transition matrices; b_all
-    (cp, B, H, K, V). Returns (B, H, K, V). Every rank computes all cp prefixes and picks its own,
-    so each rank's graph reaches every gathered state (the reduce-scatter backward then runs on all).
-    """
+    """P_rank (B, H, K, V) from a_all (cp, B, H) log decays (``scalar``) or (cp, B, H, K, K) maps and
+    b_all (cp, B, H, K, V). All prefixes are computed so every rank's graph reaches every gathered
+    state (the reduce-scatter backward runs on all)."""
     prefixes = [torch.zeros_like(b_all[0])]
     for j in range(b_all.shape[0] - 1):
         p = prefixes[-1]
@@ -71,14 +45,11 @@ def compose_prefix(a_all: torch.Tensor, b_all: torch.Tensor, rank: int, scalar: 
 
 
 class StatePasser(nn.Module):
-    """The ``state_passer`` hook a linear mixer calls under context parallel (contiguous layout);
-    the protocol is ``ndtrain.model.mixer_common.StatePasser``. No parameters.
+    """The ``state_passer`` hook (protocol: ``ndtrain.model.mixer_common.StatePasser``). No parameters.
 
-    ``conv_state(x (B, T, Ch), width)`` -> (B, width-1, Ch): the previous rank's last width-1 inputs
-    (zeros on rank 0), or None for width 1. Raises ValueError when T < width - 1.
-    ``scan(run, q, k, v, log_decay, delta)`` -> (o (B, H, T, V), final state (B, H, K, V)) with
-    ``run(q, k, v, initial_state) -> (o, state)`` the mixer's own sequence op on the local tokens.
-    """
+    ``conv_state(x (B, T, Ch), width)`` -> (B, width-1, Ch), the previous rank's last inputs (zeros on
+    rank 0; None for width 1); raises ValueError when T < width - 1. ``scan(run, q, k, v, log_decay,
+    delta)`` -> (o (B, H, T, V), final state (B, H, K, V)), ``run`` the mixer's own sequence op."""
 
     def __init__(self, group: AxisGroup):
         super().__init__()
@@ -117,8 +88,8 @@ class StatePasser(nn.Module):
 
 
 def _delta_run(run, q, k, v):
-    """One run of the delta-rule op from S' = [I | 0] with values [0 | v]: returns A_t^T q_t
-    (B, H, T, K), o0 (B, H, T, V), A_r (B, H, K, K), B_r (B, H, K, V)."""
+    """From S' = [I | 0] with values [0 | v]: A_t^T q_t (B, H, T, K), o0 (B, H, T, V), A_r (B, H, K, K),
+    B_r (B, H, K, V)."""
     b, h, t, dk = k.shape
     eye = torch.eye(dk, dtype=v.dtype, device=v.device).expand(b, h, dk, dk)
     s0 = torch.cat([eye, v.new_zeros(b, h, dk, v.shape[-1])], dim=-1)  # (B, H, K, K + V)

@@ -1,15 +1,7 @@
-"""DeepSpeed-Ulysses context parallel (Jacobs et al. 2023): trade the sequence split for a head
-split around the attention core with two all-to-alls.
-
-Each rank holds q (B, H, T/cp, D) and k, v (B, G, T/cp, D) for its contiguous slice of the
-sequence. An all-to-all turns them into (B, H/cp, T, D): every rank then runs ordinary
-full-sequence attention (any core, causal or not) for H/cp heads, and a second all-to-all turns the
-output back into (B, H, T/cp, D). With G not divisible by cp the kv heads are first repeated to H
-(GQA broadcast), so every rank gets the kv heads its query heads use.
-
-Communication per layer (bytes sent per rank, S = bytes of one of q / k / v / out on this rank):
-forward (cp-1)/cp * (S_q + S_k + S_v + S_out); backward the same (the inverse all-to-alls).
-"""
+"""DeepSpeed-Ulysses context parallel (Jacobs et al. 2023): two all-to-alls turn the sequence split
+(B, H, T/cp, D) into a head split (B, H/cp, T, D) around any attention core and back. With G not
+divisible by cp the kv heads are repeated to H first. Bytes per layer and rank: (cp-1)/cp *
+(S_q + S_k + S_v + S_out) forward, the same backward."""
 from __future__ import annotations
 
 from collections.abc import Callable

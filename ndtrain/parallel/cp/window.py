@@ -1,17 +1,10 @@
-"""Context parallel for what needs only a bounded left context (contiguous layout): the neighbour
-exchange of the previous rank's last tokens.
+"""Context parallel for a bounded left context (contiguous layout): the previous rank's last tokens.
 
-* Sliding-window attention (window w; Beltagy 2020, as in Mistral / Gemma 3): a query of rank r
-  sees keys up to w - 1 positions back, all of which lie on rank r or its predecessor when
-  T/cp >= w - 1, so rank r receives only the previous rank's last w - 1 keys and values instead of
-  a ring over every rank: 2 (w - 1) * B * G * D * s bytes per layer forward (s bytes per element),
-  the same backward for their gradients.
-* The linear mixers' short causal convolutions (width W): the previous rank's last W - 1 inputs
-  (``state_passing.StatePasser.conv_state``), (W - 1) * B * Ch * s bytes each way.
+* Sliding-window attention (window w; Beltagy 2020, Mistral / Gemma 3): with T/cp >= w - 1 every
+  visible key is on this rank or its predecessor: 2 (w - 1) B G D s bytes per layer each way.
+* The linear mixers' short convolutions (width W): (W - 1) B Ch s bytes each way.
 
-The last rank sends nothing forward, rank 0 receives zeros (the sequence start) and sends nothing
-backward.
-"""
+Rank 0 receives zeros (the sequence start)."""
 from __future__ import annotations
 
 import torch
@@ -27,8 +20,7 @@ _TAG = 29  # p2p tag of the neighbour exchange (ring attention uses its own)
 
 
 def _shift(x: torch.Tensor, group: AxisGroup, step: int) -> torch.Tensor:
-    """Send ``x`` to group rank ``rank + step`` and receive the same-shaped tensor from
-    ``rank - step`` (zeros where that rank does not exist). Counted as the bytes sent."""
+    """Send ``x`` to rank + step, receive from rank - step (zeros where none); bytes sent are counted."""
     r, n = group.rank, group.size
     dst, src = r + step, r - step
     x = x.contiguous()
@@ -46,11 +38,8 @@ def _shift(x: torch.Tensor, group: AxisGroup, step: int) -> torch.Tensor:
 
 
 class ShiftFromPrev(torch.autograd.Function):
-    """The previous cp rank's ``x`` (zeros on rank 0): x (...) -> (...) same shape.
-
-    fwd: send to rank + 1, receive from rank - 1; bwd: send the gradient to rank - 1, receive
-    rank + 1's gradient of what this rank sent. Bytes: |x| per rank except the last (fwd) / first (bwd).
-    """
+    """The previous cp rank's ``x`` (zeros on rank 0), same shape. bwd sends the gradient back. Bytes:
+    |x| per rank except the last (fwd) / first (bwd)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -70,12 +59,9 @@ def shift_from_prev(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 
 class WindowContextParallel(nn.Module):
-    """Sliding-window attention core (``SlidingWindowAttention.core`` replacement) over ``group``.
-
-    q (B, H, T/cp, D), k / v (B, G, T/cp, D) of this rank's contiguous tokens -> (B, H, T/cp, D),
-    attending to the previous rank's last ``window - 1`` keys too. Raises ValueError when a rank
-    holds fewer than ``window - 1`` tokens (the window would reach past the neighbour). No parameters.
-    """
+    """``SlidingWindowAttention.core`` replacement: q (B, H, T/cp, D), k / v (B, G, T/cp, D) ->
+    (B, H, T/cp, D), also attending to the previous rank's last ``window - 1`` keys. Raises
+    ValueError when a rank holds fewer than ``window - 1`` tokens. No parameters."""
 
     def __init__(self, group: AxisGroup, window: int):
         super().__init__()

@@ -1,12 +1,6 @@
-"""Expert parallel collectives: the variable-size all-to-all of MoE token dispatch and combine
-(GShard, Lepikhin et al. 2020), counted as the bytes a rank sends to other ranks.
-
-Backward all-to-alls run on the ``ep`` group's twin (``backward_group``: same ranks, its own
-process group, ``ndtrain.mesh``), always, so DualPipeV's overlapped pairs (``parallel.pp_overlap``,
-``ndtrain.parallel.pp.runtime``) can run one microbatch's backward in a worker thread while the main
-thread runs another's forward: each process group then sees its collectives in the schedule's
-order on every ep rank (ep peers share the pp rank, hence the action sequence).
-"""
+"""Expert parallel collectives: the variable-size all-to-all of MoE dispatch and combine (GShard,
+Lepikhin et al. 2020), counted as bytes sent to other ranks. Backward all-to-alls always run on the
+``ep`` twin (``backward_group``), so DualPipeV's threaded pairs never share a process group."""
 from __future__ import annotations
 
 import math
@@ -23,8 +17,7 @@ _TALLY_LOCK = threading.Lock()  # a pair's forward and backward threads may both
 
 
 def backward_group(group: AxisGroup) -> AxisGroup:
-    """The group a backward collective of ``group`` runs on: its twin ``group.bwd`` when the mesh
-    built one (``ep`` with ep > 1), else ``group`` itself."""
+    """``group.bwd`` when the mesh built a twin (``ep`` with ep > 1), else ``group``."""
     return group.bwd if group.bwd is not None else group
 
 
@@ -36,8 +29,7 @@ def add_tally(tally, nbytes: float) -> None:
 
 
 class PendingAllToAll:
-    """An all-to-all in flight: the recorder's ``TimedWork`` (None for a size-1 group, already
-    done) and the send buffer, kept alive until ``wait``."""
+    """An all-to-all in flight: its ``TimedWork`` (None for a size-1 group) and the send buffer kept alive."""
 
     def __init__(self):
         self.work = None
@@ -52,8 +44,7 @@ class PendingAllToAll:
 
 def start_all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                        group: AxisGroup, tally=None) -> PendingAllToAll:
-    """Start ``all_to_all_v`` asynchronously: ``out`` is valid after the returned handle's
-    ``wait()``. The bytes are counted at the start (axis, flight recorder, ``tally``)."""
+    """Start ``all_to_all_v``; ``out`` is valid after ``wait()``. Bytes are counted at the start."""
     pending = PendingAllToAll()
     if group.pg is None:
         out.copy_(inp)
@@ -70,25 +61,16 @@ def start_all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[in
 
 def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                  group: AxisGroup, tally=None) -> None:
-    """``out`` <- rows from every rank: rank r sends ``inp`` rows ``in_splits`` (one count per
-    destination, in rank order) and receives ``out_splits[s]`` rows from rank s, stacked in rank order.
-
-    Counted as the bytes this rank actually sends to *other* ranks (its own chunk stays local),
-    which for an even split is the ring-cost ``(N-1)/N * S``. Size-1 group: ``out.copy_(inp)``.
-    ``tally``: optional object whose ``a2a_bytes`` also receives those bytes (an MoE layer's
-    ``LoadStats``, for the per-step ``moe_a2a_bytes`` metric).
-    """
+    """``out`` <- rows from every rank: send ``inp`` rows by ``in_splits`` (per destination, rank order),
+    receive ``out_splits[s]`` from rank s, stacked in rank order. Counts the bytes sent to other ranks
+    ((N-1)/N * S for an even split), also into ``tally.a2a_bytes`` when given. Size-1 group: a copy."""
     start_all_to_all_v(out, inp, out_splits, in_splits, group, tally).wait()
 
 
 class AllToAllV(torch.autograd.Function):
-    """Send variable numbers of rows to every rank of ``group`` (MoE dispatch and combine).
-
-    fwd: variable all-to-all with (out_splits, in_splits), bwd: the reverse all-to-all
-    (in_splits, out_splits) of the gradient, on ``backward_group(group)`` (the ``ep`` twin).
-    x (sum(in_splits), ...) -> (sum(out_splits), ...). Both directions add their bytes to
-    ``tally`` (see ``all_to_all_v``) when given, and count them on the group's axis.
-    """
+    """Variable rows to every rank of ``group`` (MoE dispatch and combine): x (sum(in_splits), ...) ->
+    (sum(out_splits), ...). fwd: all-to-all; bwd: the reverse one on ``backward_group(group)``. Both
+    count on the axis and into ``tally``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: AxisGroup,

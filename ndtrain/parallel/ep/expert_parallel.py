@@ -1,46 +1,17 @@
-"""Expert parallel (GShard, Lepikhin 2020; the layout of torchtitan / Megatron-Core MoE).
+"""Expert parallel (GShard, Lepikhin 2020; the layout of torchtitan / Megatron-Core MoE; docs/moe.md).
 
-Layout: the ``ep`` ranks (a chunk of ``dp_shard x cp``, see ``ndtrain.mesh``) split each MoE
-layer's E experts into E/ep consecutive blocks; rank r keeps experts [r E/ep, (r+1) E/ep). Router,
-shared experts and everything else stay replicated. Each rank still routes its own tokens.
+The ``ep`` ranks (a chunk of dp_shard x cp) split each MoE layer's E experts into E/ep consecutive
+blocks; everything else stays replicated and each rank routes its own tokens.
+``ExpertParallelExperts`` (``ep.layers``) replaces ``GroupedExperts``: a count all-to-all, the
+variable-size dispatch (``AllToAllV``), one grouped matmul over the local experts, the reverse
+combine; the backward of each all-to-all is the reverse one. Bytes per layer and direction with
+uniform routing: ``N k C b (ep-1)/ep`` (``bench/moe_all_to_all.py``). Capacity dropping happens
+before dispatch, so it does not depend on ep.
 
-Forward of one MoE layer on one rank (``ExpertParallelExperts``, ``ndtrain.parallel.ep.layers``,
-replaces the layer's ``GroupedExperts``; ``MoE.run_experts`` hands it the tokens of all experts):
-
-1. the (E,) per-expert counts of the tokens this rank sorted by expert are exchanged with an
-   all-to-all (ep x E/ep int64), so every rank knows how many rows it will receive;
-2. **dispatch**: a variable-size all-to-all (``AllToAllV``) sends each destination the rows
-   for its experts; received rows arrive grouped (source rank, local expert) and are permuted to
-   (local expert, source rank) so each local expert's rows are contiguous;
-3. the local experts run as one grouped matmul (``ndtrain.model.moe.grouped_mm``);
-4. **combine**: the inverse permutation and the reverse all-to-all return every row to its source.
-
-With ``parallel.moe_shared_overlap`` the dispatch of step 2 is started asynchronously and the
-shared experts run while it is in flight (``ndtrain.parallel.ep.overlap``; bitwise the same result).
-
-Backward mirrors it: each all-to-all's gradient is the reverse all-to-all. Bytes per layer per
-direction, for N routed tokens per rank, top-k, width C and b bytes per element, with uniform
-routing: ``N k C b (ep-1)/ep`` (``bench/moe_all_to_all.py`` measures it). Capacity dropping
-happens before dispatch, on the source rank, so it does not depend on ep.
-
-Gradients: an expert's weight gradient on its rank already sums over the tokens of the whole ep
-group (they were sent to it). Ranks holding the same experts form the ``edp`` group
-(dp_replicate x dp_shard x cp / ep); expert gradients are all-reduced over ``edp`` only, with a
-plain SUM and no rescaling -- ndtrain's loss is normalised by the global token count, so summing
-per-rank gradients gives the single-process gradient, for dense parameters over ``dp`` and for
-expert parameters over ``edp`` alike. Expert parameters are tagged ``("ep",)`` so the global
-grad norm sums them over ``ep`` once. A rank whose experts receive no tokens still runs every
-collective (with zero rows) and still produces zero -- not None -- gradients, so AdamW keeps
-stepping every expert's state identically on every replica.
-
-Checkpoints store expert weights (and their AdamW moments) as DTensors ``Shard(0)`` over the ``ep``
-mesh, so torch.distributed.checkpoint can reload them under another ep degree.
-
-With ``parallel.zero_stage`` > 0 the ZeRO-1/2/3 wrappers replace ``ExpertDataParallel``: they shard
-the expert parameters over ``edp_shard`` (the part of ``edp`` inside dp_shard x cp) and replicate
-them over ``dp_replicate``, the dense ones over ``dp_shard_cp`` as usual
-(``ndtrain.parallel.zero.domains``); the reduction is the same SUM over edp.
-"""
+Expert gradients already sum the whole ep group's tokens and are all-reduced over ``edp`` with a
+plain SUM (the loss is normalised by the global token count). They are tagged ``("ep",)`` for the
+grad norm. A rank whose experts get no tokens still runs every collective and produces zero, not
+None, gradients. With ZeRO the sharded wrappers take over (``zero.domains``)."""
 from __future__ import annotations
 
 import functools
@@ -68,13 +39,9 @@ def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor
 
 
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
-    """Shard every MoE layer's experts over ``ep`` (in place) and install the load reducer of the
-    Switch loss's statistics scope (dp x cp for "global", cp for "microbatch") and, under cp, the
-    ``SequenceShards`` of the sequence-wise loss and the capacity. Returns the names of the expert
-    parameters.
-
-    Raises ValueError if E is not divisible by ep.
-    """
+    """Shard every MoE layer's experts over ``ep`` in place, and install the Switch loss's load reducer
+    (dp x cp for "global", cp for "microbatch") and, under cp, the ``SequenceShards``. Returns the
+    expert parameters' names. Raises ValueError if E is not divisible by ep."""
     ep = mesh.group("ep")
     # The Switch loss counts expert loads over its scope's tokens: "global" sums them over every
     # dp x cp rank; "microbatch" over the cp ranks, which hold the shards of one microbatch's
@@ -111,11 +78,8 @@ class _Params:
 
 
 class ExpertDataParallel(ReplicatedGradSync):  # build_optimizer, clip_grad_norm: dp.grad_sync
-    """Data parallel for an expert-parallel model: the trainer's DP interface (``no_sync``,
-    ``finish_grad_sync``, ``build_optimizer``, ``clip_grad_norm``, state dicts), with dense
-    parameters all-reduced over ``dense_group`` (dp, or dp_cp under cp) and expert parameters over
-    ``edp``, both as sums (see module docstring).
-    """
+    """The trainer's DP interface for an ep model: dense parameters summed over ``dense_group`` (dp, or
+    dp_cp under cp), expert parameters over ``edp``."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, expert_names: list[str],
                  reduce_dtype: torch.dtype | None = None):
@@ -140,7 +104,7 @@ class ExpertDataParallel(ReplicatedGradSync):  # build_optimizer, clip_grad_norm
         return stack
 
     def finish_grad_sync(self) -> None:
-        """Reduce both groups; an expert gradient that is still None becomes zeros (never skipped)."""
+        """Reduce both groups; an expert gradient still None becomes zeros."""
         self.dense.finish_grad_sync()
         self.expert.finish_grad_sync()
         for q in self.expert_params:

@@ -1,19 +1,10 @@
-"""Shared-expert overlap of the expert-parallel dispatch (Megatron-Core's ``moe_shared_expert_overlap``).
+"""Shared-expert overlap of the ep dispatch (Megatron-Core's ``moe_shared_expert_overlap``).
 
-Under expert parallel the dispatch all-to-all of an MoE layer's routed tokens and the layer's
-shared expert(s) are independent: the shared expert reads the layer input, the all-to-all moves
-the routed copies of it. ``parallel.moe_shared_overlap`` starts the dispatch asynchronously
-(``DispatchStart``), runs the shared expert (and the Qwen3-Next shared gate) while it is in
-flight, then waits (``Wait``) before the local experts read the received rows.
-
-The work done is the same -- the same ops on the same tensors -- only the order of independent
-work changes, so the results are bitwise those of the synchronous path, gradients included (the
-gradient of the layer input is still summed in the same order, see ``MoE.forward_tokens``).
-
-Backward stays synchronous: ``DispatchStart``'s backward is ``AllToAllV``'s (the reverse
-all-to-all, on the ``ep`` group's backward twin), issued when autograd reaches it; ``Wait``'s
-backward is the identity.
-"""
+The dispatch moves routed copies of the layer input while the shared expert reads the input
+itself, so ``parallel.moe_shared_overlap`` starts the dispatch (``DispatchStart``), runs the shared
+expert (and Qwen3-Next's gate), then waits (``Wait``). Same ops on the same tensors: bitwise the
+synchronous path, gradients included. Backward stays synchronous (``AllToAllV``'s reverse
+all-to-all on the ep twin; ``Wait``'s backward is the identity)."""
 from __future__ import annotations
 
 import torch
@@ -23,14 +14,9 @@ from ndtrain.parallel.ep.collectives import AllToAllV, PendingAllToAll, start_al
 
 
 class DispatchStart(torch.autograd.Function):
-    """Start the dispatch all-to-all: x (sum(in_splits), C) -> a (sum(out_splits), C) buffer that
-    the all-to-all is still filling; ``handle`` (a fresh ``PendingAllToAll``) receives the work.
-    Read the buffer only through ``Wait.apply(buf, handle)``.
-
-    Backward: the synchronous reverse all-to-all of the gradient, by ``AllToAllV.backward`` itself
-    (same ``ctx`` fields), so it runs on the same group (the ``ep`` backward twin) and counts the
-    same bytes.
-    """
+    """x (sum(in_splits), C) -> a (sum(out_splits), C) buffer still being filled; ``handle`` receives the
+    work. Read it only through ``Wait.apply(buf, handle)``. bwd: ``AllToAllV.backward`` (same group,
+    same bytes)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: AxisGroup,
@@ -61,8 +47,8 @@ class Wait(torch.autograd.Function):
 
 def dispatch_overlapped(xs: torch.Tensor, out_splits: list[int], in_splits: list[int], group: AxisGroup,
                         tally, side_fn) -> tuple[torch.Tensor, object]:
-    """The dispatch all-to-all of ``xs`` (M, C) with ``side_fn()`` run while it is in flight.
-    Returns (received rows (R, C) in (source, expert) order, ``side_fn()``'s result)."""
+    """Dispatch ``xs`` (M, C) with ``side_fn()`` run meanwhile -> (rows (R, C) in (source, expert) order,
+    its result)."""
     handle = PendingAllToAll()
     buf = DispatchStart.apply(xs, out_splits, in_splits, group, tally, handle)
     try:

@@ -1,8 +1,4 @@
-"""Layout rules of expert parallel (GShard / Switch; ranks borrowed from dp_shard x cp).
-
-Called by ``ndtrain.config.validate`` and the planner's feasibility
-check; raises ``ConfigError`` naming the rule. Pure Python.
-"""
+"""Layout rules of expert parallel (GShard / Switch); raise ``ConfigError`` naming the rule. Pure Python."""
 from __future__ import annotations
 
 from ndtrain.errors import require
@@ -11,12 +7,9 @@ from ndtrain.mesh import check_ep_borrow
 
 def check(ep: int, moe_experts: int, dp_shard: int | None = None, cp: int = 1, zero_stage: int = 0,
           shared_overlap: bool = False, shared_ffn: int = 0) -> None:
-    """``ep`` divides the experts (E) and the dp_shard x cp block it borrows its ranks from
-    (``dp_shard`` None = not known yet, e.g. -1 before the world size is); needs an MoE model.
-    Every ZeRO stage composes (experts sharded over edp_shard, ``ndtrain.parallel.zero.domains``):
-    ``zero_stage`` is accepted for the callers' sake and checked by the ZeRO rules.
-    ``shared_overlap`` (``parallel.moe_shared_overlap``) needs ep > 1 and shared experts
-    (``shared_ffn``: their hidden size, 0 = none): it overlaps them with the ep dispatch."""
+    """``ep`` divides E and the dp_shard x cp block it borrows (``dp_shard`` None: not known yet); needs an
+    MoE model. Every ZeRO stage composes (``zero_stage`` is checked by the ZeRO rules).
+    ``shared_overlap`` needs ep > 1 and shared experts (``shared_ffn`` > 0)."""
     require(ep >= 1, f"parallel.ep ({ep}) must be >= 1")
     require(not shared_overlap or (ep > 1 and shared_ffn > 0),
             f"parallel.moe_shared_overlap=true needs ep > 1 and model.moe_shared_experts > 0 (ep={ep}, "

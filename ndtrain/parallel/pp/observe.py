@@ -1,23 +1,9 @@
-"""Instrumentation of the pipeline runtime, kept out of its hot path: observers with hooks.
+"""Observers of the pipeline runtime, kept out of its hot path (none attached: no timing at all).
 
-``PipelineRuntime.run`` calls, for each attached observer (``runtime.observers``; none by default,
-and then it does no timing, metering or sleeping at all):
-
-* ``on_step_start(runtime, schedule, train)`` and ``on_step_end()`` (the latter also on error),
-* per action of the rank's schedule: ``on_wait(action)`` before its input is awaited,
-  ``on_action_start(action)`` once the input is there (compute starts), ``on_action_end(action)``.
-
-Observers here:
-
-* ``ActionTimer``: wall-clock start / end of every action (``time.time()``, comparable across local
-  processes) and the time spent waiting for inputs; ``viz.gather_measured_timeline`` turns the
-  ranks' events into a measured ``Timeline`` (bubble per rank, as in Narayanan et al. 2021).
-* ``Jitter``: sleeps uniform(0, max_s) before each action's wait (deadlock tests: any timing must
-  give the same results).
-* ``ActivationMemory``: ``ndtrain.mem_account.ActivationMeter`` over a whole training step, i.e.
-  the peak bytes of live activation storages (saved activations, activation gradients, buffers
-  in flight); ``peak_bytes`` after the step.
-"""
+Hooks: ``on_step_start`` / ``on_step_end`` (also on error), and per action ``on_wait``,
+``on_action_start``, ``on_action_end``. ``ActionTimer``: wall-clock events and input waits
+(``viz.gather_measured_timeline``); ``Jitter``: random sleeps for the deadlock tests;
+``ActivationMemory``: ``mem_account.ActivationMeter`` over a training step."""
 from __future__ import annotations
 
 import random
@@ -48,9 +34,8 @@ class RuntimeObserver:
 
 
 class ActionTimer(RuntimeObserver):
-    """Times every action of the last step. ``events``: ``Event``s (start / end in seconds since the
-    epoch); ``wait_s``: total seconds spent waiting for inputs; ``name``, ``m``, ``v``: the step's
-    schedule."""
+    """Times every action of the last step: ``events`` (seconds since the epoch), ``wait_s`` (input
+    waits), ``name``, ``m``, ``v``."""
 
     def __init__(self):
         self.events: list[Event] = []
@@ -77,8 +62,7 @@ class ActionTimer(RuntimeObserver):
 
 
 class Jitter(RuntimeObserver):
-    """Sleeps uniform(0, ``max_s``) seconds before each action (seeded per rank: ``seed * 1000 +
-    rank``), so ranks run with different, reproducible random timings."""
+    """Sleeps uniform(0, ``max_s``) before each action, seeded ``seed * 1000 + rank`` (reproducible)."""
 
     def __init__(self, max_s: float, seed: int = 0, rank: int = 0):
         self.max_s = max_s
@@ -89,8 +73,7 @@ class Jitter(RuntimeObserver):
 
 
 class ActivationMemory(RuntimeObserver):
-    """Peak live activation bytes of each training step (``peak_bytes``; forward-only steps are not
-    metered). Slows the step it meters (a dispatch mode sees every operator)."""
+    """Peak live activation bytes per training step (``peak_bytes``); slows the step it meters."""
 
     def __init__(self):
         self.peak_bytes = 0

@@ -1,17 +1,10 @@
 """Point-to-point messages between pipeline stages: a fixed header (dtype, shape), then the tensor.
 
-``send_tensor`` posts both sends asynchronously (``send_async``, counted on the pp axis);
-``recv_tensor`` receives one message, blocking (the plain 1F1B reference executor uses it);
-``Receiver`` runs one thread per peer that posts that peer's receives in the order the peer sends
-them (known from the schedule), so messages land while the main thread computes; ``take(key)``
-blocks only until that message is there (or raises after ``timeout_s``, or re-raises a receive
-error). Receivers need no shape knowledge: microbatches of different sizes and sequence / context
-parallel shards all work.
-
-Every send and receive is recorded by the flight recorder and its ``wait()`` runs under
-``parallel.collective_timeout_s`` (``ndtrain.parallel.flight_recorder``): a peer that never sends
-makes the receiver raise ``CollectiveTimeoutError`` naming both ranks and the ``pp`` axis.
-"""
+``send_tensor`` posts both sends (counted on pp); ``recv_tensor`` blocks (the 1F1B reference);
+``Receiver`` runs one thread per peer posting its receives in that peer's send order, so messages
+land while the main thread computes. No shape knowledge is needed (uneven microbatches, sp / cp
+shards). Every message waits under ``parallel.collective_timeout_s`` (``flight_recorder``): a peer
+that never sends raises ``CollectiveTimeoutError`` naming both ranks and the pp axis."""
 from __future__ import annotations
 
 import threading
@@ -29,11 +22,8 @@ _META_LEN = 8  # dtype code, ndim, up to 6 dims
 
 
 def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int = 0):
-    """Post an asynchronous send of ``t`` to the group's ``dst_local_rank``; returns the Work.
-
-    ``t`` must stay alive and unmodified until the Work completes. Counted: S bytes on the sender.
-    Raises RuntimeError on a size-1 group (a pipeline stage never sends to itself).
-    """
+    """Post an async send of ``t`` (keep it alive and unmodified until done) to ``dst_local_rank``;
+    counted on the sender. Raises RuntimeError on a size-1 group."""
     if group.pg is None:
         raise RuntimeError(f"send on size-1 group {group.name!r}")
     count(group, nbytes(t))
@@ -44,8 +34,8 @@ def send_async(t: torch.Tensor, group: AxisGroup, dst_local_rank: int, tag: int 
 
 
 def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int = 0):
-    """Post an asynchronous receive into ``t`` (preallocated, exact size and dtype) from the group's
-    ``src_local_rank``; returns the Work. Not counted (the sender counts the bytes)."""
+    """Post an async receive into the preallocated ``t`` from ``src_local_rank`` (uncounted: the sender
+    counts)."""
     if group.pg is None:
         raise RuntimeError(f"recv on size-1 group {group.name!r}")
     return run_collective(f"recv(from {group.name} rank {src_local_rank}, tag {tag})", group, nbytes(t),
@@ -54,8 +44,7 @@ def recv_async(t: torch.Tensor, group: AxisGroup, src_local_rank: int, tag: int 
 
 
 def tag(kind: str, mb: int, stage: int, n_stages: int) -> int:
-    """Tag of the header of message (kind "F" activation | "B" gradient, microbatch, receiving
-    virtual stage); the tensor itself goes with ``tag + 1``. Unique within a step."""
+    """Header tag of message (kind "F" | "B", microbatch, receiving stage); the tensor uses ``tag + 1``."""
     return ((mb * n_stages + stage) * 2 + (kind == "B")) * 2
 
 
@@ -91,8 +80,8 @@ class Receiver:
                 self.cond.notify_all()
 
     def take(self, key: tuple) -> torch.Tensor:
-        """The message ``key``, blocking until it arrives; the time blocked counts as a wait of the
-        step (``FlightRecorder.add_wait``: a stage waiting for its neighbour is idle, not slow)."""
+        """Message ``key``, blocking until it arrives; the wait counts as the step's idle time
+        (``add_wait``)."""
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
@@ -127,7 +116,7 @@ def send_tensor(t: torch.Tensor, group: AxisGroup, dst: int, msg_tag: int):
 
 
 def recv_tensor(group: AxisGroup, src: int, msg_tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Blocking receive of one message from ``src``: the header (dtype, shape), then the tensor."""
+    """Blocking receive of one message (header, then tensor) from ``src``."""
     meta = torch.empty(_META_LEN, dtype=torch.int64)
     recv_async(meta, group, src, msg_tag).wait()
     ndim = int(meta[1])

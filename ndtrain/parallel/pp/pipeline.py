@@ -1,20 +1,10 @@
-"""Pipeline parallel in the trainer: tied embeddings across the first and last stage, global-norm
-clipping over all stages, and ``StagePipeline`` (the trainer's
-step path; with pp == 1 it is one stage running its microbatches in order, no pipeline).
+"""Pipeline parallel in the trainer: tied embeddings across the end stages, global-norm clipping over
+all stages, and ``StagePipeline``, the trainer's step path (pp == 1: one stage, no pipeline).
 
-Tied embeddings: the first stage's embedding and the last stage's head are separate copies with the
-same initial value (``ndtrain.parallel.pp.stage``); an MTP model's last stage likewise holds a copy
-of the embedding for MTP's lookup (``tok_embeddings``; with a tied head it is the head's Parameter
-too). Their gradients are summed over the 2-rank group
-{pp 0, pp p-1} after the data-parallel reduction, on whatever the optimizer steps (the model's
-Parameter under DDP, its master shard under ZeRO / FSDP), so both copies take identical steps. The
-global gradient norm counts the tied weight once. Under DualPipeV rank 0 holds both ends: one copy,
-no group.
-
-MoE / MTP: the runtime calls ``extra_loss`` after every chunk forward on every stage, so each stage
-backpropagates its own MoE layers' auxiliary terms; the head's stage adds the MTP terms
-(``StagePipeline.forward_backward`` moves a chunk view's MTP logits to the stage model first).
-"""
+The first stage's embedding and the last stage's copy (tied head, or MTP's lookup) have the same
+initial value; their gradients are summed over {pp 0, pp p-1} after the data-parallel reduction,
+on whatever the optimizer steps, so both take identical steps. The norm counts the tied weight once.
+Under DualPipeV rank 0 holds both ends: one copy, no group."""
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +26,8 @@ if TYPE_CHECKING:  # annotations only: the config package validates with paralle
 
 
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
-    """The 2-rank group {pp rank 0, pp rank p-1} of this rank's pipeline, when it holds one end of
-    a shared embedding (tied head, or MTP's copy); else None. Collective: every rank of the world
-    must call it (new_group)."""
+    """The 2-rank group {pp 0, pp p-1} when this rank holds one end of a shared embedding, else None.
+    Collective: every rank of the world must call it (``new_group``)."""
     p = mesh.dims.pp
     shared = cfg.model.tie_embeddings or cfg.model.mtp_depth > 0
     if p == 1 or not shared or cfg.parallel.pp_schedule == "dualpipev":  # V: both ends on rank 0
@@ -58,8 +47,8 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
 
 
 def tied_name(model: nn.Module) -> str | None:
-    """Name of this stage's copy of the shared embedding: the embedding on the first stage; on the
-    last the head (tied) or MTP's embedding copy; None elsewhere (or nothing shared, or V)."""
+    """This stage's copy of the shared embedding: the embedding on the first stage, the head or MTP's
+    copy on the last; None elsewhere."""
     info = stage_info(model)
     if info is None or not info.shares_embedding:
         return None
@@ -69,9 +58,8 @@ def tied_name(model: nn.Module) -> str | None:
 
 
 def grad_holder(model: nn.Module, dp, name: str) -> nn.Parameter:
-    """The Parameter whose ``.grad`` the optimizer steps for model parameter ``name``: the model's
-    own under plain data parallel, its master shard under ZeRO / FSDP (``dp.entries``, dim-0
-    shards: the same rows of both tied copies sit on the same data-parallel rank)."""
+    """The Parameter whose ``.grad`` the optimizer steps for ``name``: the model's own (DDP) or its master
+    shard (ZeRO / FSDP; both tied copies' rows sit on the same dp rank)."""
     for e in getattr(dp, "entries", None) or []:
         if e.fqn == name or name in e.aliases:
             return e.param
@@ -79,9 +67,8 @@ def grad_holder(model: nn.Module, dp, name: str) -> nn.Parameter:
 
 
 def sync_tied_grads(model: nn.Module, dp, group: AxisGroup | None) -> None:
-    """Sum the tied embedding's gradient over the first and last stage (after the data-parallel
-    reduction, on whatever the optimizer steps). Bytes: V x C x b per rank (2-rank all-reduce),
-    divided by the data-parallel shard count under ZeRO / FSDP."""
+    """Sum the tied embedding's gradient over the end stages (after the dp reduction). Bytes: V x C x b
+    per rank (2-rank all-reduce), divided by the dp shard count under ZeRO / FSDP."""
     name = tied_name(model)
     if group is None or name is None:
         return
@@ -101,10 +88,8 @@ def uncounted_tied_copy(model: nn.Module, dp) -> tuple:
 
 
 class LabelledRuntime(PipelineRuntime):
-    """``PipelineRuntime`` whose last stage runs each microbatch's forward with the fused-loss head
-    armed with that microbatch's labels (``training.fused_loss``, ``ndtrain.parallel.fused_head``):
-    the head then returns the summed token loss and ``loss_fn`` passes it through.
-    ``labelled(labels)``: a context factory (``BatchPlan.labelled``); None = plain runtime."""
+    """``PipelineRuntime`` whose last stage arms the fused-loss head with each microbatch's labels
+    (``training.fused_loss``): the head returns the loss sum and ``loss_fn`` passes it through."""
 
     def __init__(self, *args, labelled=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -124,17 +109,10 @@ class LabelledRuntime(PipelineRuntime):
 class StagePipeline:
     """The trainer's view of pipeline parallel: this rank's stage model, its runtime, tied grads.
 
-    Args: the stage ``model`` (after ``parallelize``), its gradient synchroniser ``dp``, ``mesh``,
-    ``cfg``, ``loss_fn(logits, labels) -> sum CE`` (the layout's loss, e.g. vocab-parallel),
-    ``forward_ctx`` (autocast factory), ``device``, ``m`` (microbatches per step), ``labelled``
-    (``BatchPlan.labelled`` under ``training.fused_loss``: the last stage's head computes the loss,
-    so ``loss_fn`` receives the loss sum instead of logits).
-
-    With pp == 1 the whole model is one stage and the schedule is 1F1B on one rank, i.e. each
-    microbatch's forward then its backward, in order, every backward but the last under
-    ``dp.no_sync()``, then ``dp.finish_grad_sync()``: the same operations, in the same order, as a
-    plain gradient-accumulation loop (bitwise equal, ``tests/unit/test_pp_one_stage.py``).
-    """
+    ``loss_fn(logits, labels) -> sum CE`` (the layout's loss); ``m``: microbatches per step;
+    ``labelled``: ``BatchPlan.labelled`` under ``training.fused_loss``. With pp == 1 this is each
+    microbatch's forward then backward, all but the last under ``dp.no_sync()``: bitwise a plain
+    gradient-accumulation loop (tests/unit/test_pp_one_stage.py)."""
 
     def __init__(self, model: nn.Module, dp, mesh: Mesh, cfg: Config, loss_fn, forward_ctx,
                  device: torch.device, m: int, labelled=None):
@@ -150,12 +128,10 @@ class StagePipeline:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denom: float,
                          positions: torch.Tensor | None = None, extra_loss=None,
                          loss_scale: float = 1.0) -> torch.Tensor:
-        """All microbatches forward and backward, DP-reduced and tied-summed gradients in ``.grad``.
-
-        inputs, labels: (B_local, T). Each microbatch backpropagates ``(loss_fn(logits, labels_mb) /
-        denom + extra_loss(labels_mb)) * loss_scale`` (``extra_loss``: optional MoE aux / MTP term,
-        called after the microbatch's forward on the last stage). Returns the summed token loss
-        of the local batch (float64, the same on every pp rank)."""
+        """All microbatches forward and backward; dp-reduced, tied-summed gradients in ``.grad``.
+        inputs, labels: (B_local, T). Each backpropagates ``(loss_fn(logits, labels_mb) / denom +
+        extra_loss(labels_mb)) * loss_scale``. Returns the local summed token loss (float64, every pp
+        rank)."""
         extra = None if extra_loss is None else self._stage_extra(extra_loss)
         loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True,
                                     extra_loss=extra, loss_scale=loss_scale)
@@ -163,8 +139,7 @@ class StagePipeline:
         return loss_sum
 
     def _stage_extra(self, extra_loss):
-        """``extra_loss`` reading MTP logits from the stage model: a chunk view (interleaved,
-        DualPipeV) keeps the ones its forward set on itself, so they are moved over first."""
+        """``extra_loss`` reading MTP logits: a chunk view's are moved to the stage model first."""
         views = [c for c in self.runtime.chunks if c is not self.model]
 
         def extra(labels: torch.Tensor):

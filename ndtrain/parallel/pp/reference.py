@@ -1,24 +1,11 @@
-"""The 1F1B schedule as it is taught: a plain-function reference executor (the runtime's slow twin).
+"""1F1B as it is taught: a plain-function reference executor (the runtime's slow twin).
 
-PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient pipeline-parallel DNN training"), for p
-stages, m microbatches, this rank r (one model chunk per rank, ``v = 1``):
-
-1. warm-up: ``w = min(p - r - 1, m)`` forwards, each receiving its input from stage r-1 and
-   sending its output to stage r+1;
-2. steady state, ``m - w`` rounds of one forward then one backward: forward microbatch ``w + i``,
-   then exchange with stage r+1 (send that output, receive the gradient of microbatch ``i``),
-   backward microbatch ``i``, then exchange with stage r-1 (send its input gradient, receive the
-   input of the next forward);
-3. cool-down: the ``w`` backwards left, each receiving from r+1 and sending to r-1.
-
-Every communication is explicit and blocking: ``recv_tensor`` waits for a message, ``_send`` waits
-until its message is taken. The two steady-state exchanges post their send before their receive and then
-wait for both (``_exchange``): stage r sends an output while stage r+1 sends a gradient, so two
-blocking sends in a row would deadlock (``simulate(..., rendezvous=True)`` shows it). There are no
-action lists, receiver threads or overlap: it is slow, and it is obviously 1F1B.
-``PipelineRuntime`` with the "1f1b" schedule must give the same losses and gradients
-(``tests/parallel/test_pp_reference.py``).
-"""
+PipeDream-Flush (Narayanan et al. 2021), p stages, m microbatches, rank r, v = 1: warm-up
+``w = min(p - r - 1, m)`` forwards; ``m - w`` rounds of one forward and one backward; the ``w``
+backwards left. Every message is blocking; each steady-state exchange posts its send before its
+receive (``_exchange``), since stage r sends an output while r+1 sends a gradient and two
+blocking sends would deadlock (``simulate(..., rendezvous=True)`` shows it). ``PipelineRuntime``
+with "1f1b" must match it (tests/parallel/test_pp_reference.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,13 +19,10 @@ from ndtrain.parallel.pp.p2p import recv_tensor, send_tensor, tag
 
 def run_1f1b(chunk: nn.Module, group: AxisGroup, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              inputs: torch.Tensor, labels: torch.Tensor, m: int, denom: float = 1.0) -> list[torch.Tensor]:
-    """One training step of 1F1B on this rank's stage ``chunk`` over the ``pp`` AxisGroup ``group``.
-
-    inputs, labels: (B_local, T) on every rank, cut into m microbatches with ``tensor_split`` (as the
-    runtime does). Stage 0 embeds the tokens; the last stage backpropagates ``loss_fn(logits,
-    labels_mb) / denom``. Gradients accumulate into the parameters' ``.grad`` (no data-parallel
-    sync). Returns the per-microbatch loss sums (float64 0-d) on the last stage, [] elsewhere.
-    """
+    """One 1F1B training step of ``chunk`` over the ``pp`` group. inputs, labels: (B_local, T), cut with
+    ``tensor_split``; the last stage backpropagates ``loss_fn(logits, labels_mb) / denom``. Gradients
+    accumulate in ``.grad`` (no dp sync). Returns per-microbatch loss sums (float64 0-d) on the last
+    stage, [] elsewhere."""
     p, r = group.size, group.rank
     first, last = r == 0, r == p - 1
     xs, ys = inputs.tensor_split(m), labels.tensor_split(m)

@@ -1,9 +1,5 @@
-"""Layout rules of pipeline parallel (GPipe, 1F1B, interleaved 1F1B of Narayanan 2021, ZB-H1,
-DualPipeV of DeepSeek-V3 2024).
-
-Called by ``ndtrain.config.validate`` and by the planner's feasibility check; raises ``ConfigError``
-naming the rule. Pure Python.
-"""
+"""Layout rules of pipeline parallel (GPipe, 1F1B, interleaved (Narayanan 2021), ZB-H1, DualPipeV
+(DeepSeek-V3 2024)); raise ``ConfigError`` naming the rule. Pure Python."""
 from __future__ import annotations
 
 from ndtrain.errors import require
@@ -14,14 +10,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: int = 1,
           pp_microbatches: int = 0, activation_checkpoint: str = "none", moe: bool = False,
           mtp: bool = False, end_stages_may_hold_no_block: bool = False) -> None:
-    """Schedule name; ``pp_virtual_stages`` (v) > 1 exactly for the interleaved schedule; every one
-    of the pp * v virtual stages holds a block. ``end_stages_may_hold_no_block``: the first / last
-    virtual stage may hold only the embedding / head (Llama 3's 126 blocks in 16 x 8 chunks) --
-    the planner models that layout, ndtrain's stage builder does not, so validation passes False.
-    MoE and MTP models run under every schedule (each stage backpropagates its own MoE layers'
-    auxiliary losses; MTP sits with the head); ``moe`` / ``mtp`` are kept for callers and no longer
-    restrict anything. DualPipeV holds 2 chunks per rank (``pp_virtual_stages`` stays 1), so it
-    needs n_layers >= 2 pp, and >= 2 pp microbatches (``check_microbatches``)."""
+    """Schedule name; v > 1 exactly for interleaved; each of the pp * v virtual stages holds a block
+    (``end_stages_may_hold_no_block``: the planner's Llama 3 layout; validation passes False);
+    DualPipeV needs n_layers >= 2 pp. ``moe`` / ``mtp`` restrict nothing (kept for callers)."""
     v = pp_virtual_stages
     require(pp >= 1, f"parallel.pp ({pp}) must be >= 1")
     require(pp_schedule in SCHEDULES, f"parallel.pp_schedule ({pp_schedule}) must be "
@@ -51,8 +42,7 @@ def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: 
 
 
 def check_microbatches(pp: int, pp_schedule: str, n_micro: int) -> None:
-    """DualPipeV's warm-up and cool-down need m >= 2 pp microbatches per step (its phase of
-    overlapped pairs runs m - 2 pp + r + 1 times on rank r); other schedules take any m >= 1."""
+    """DualPipeV needs m >= 2 pp microbatches (its pair phase runs m - 2 pp + r + 1 times); others m >= 1."""
     if pp > 1 and pp_schedule == "dualpipev":
         require(n_micro >= 2 * pp, f"pp_schedule=dualpipev needs >= 2 * pp ({2 * pp}) microbatches per step "
                                    f"(got {n_micro}: local batch / micro_batch_size, or pp_microbatches)")
@@ -64,14 +54,10 @@ OVERLAP_MODES = ("auto", "true", "false")
 def overlap_blockers(pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
                      activation_checkpoint: str = "none", compiled: bool = False,
                      device: str = "cpu") -> list[str]:
-    """Why DualPipeV's overlapped F&B pairs cannot run in two threads (``parallel.pp_overlap``,
-    ``ndtrain.parallel.pp.runtime``); empty when they can. Every collective of a pair must be on a
-    group only one of its threads uses: expert parallel's forward all-to-alls on ``ep``, its
-    backward ones on the twin ``ep_bwd``, pipeline sends from the main thread only. Tensor and
-    context parallel put forward and backward collectives on one group (``tp`` / ``cp``); ZeRO-3
-    all-gathers on one group in both; a recompute in the backward thread would re-run forwards that
-    read per-microbatch module state (MoE token masks, MTP ids); torch.compile is not run from two
-    threads at once; on CUDA both threads would queue on one stream (the overlap needs streams)."""
+    """Why DualPipeV's pairs cannot run in two threads; empty when they can. Each collective of a pair
+    must be on a group one thread uses: tp / cp and ZeRO-3 share groups between F and B; a backward
+    recompute would reread per-microbatch state; torch.compile is not run from two threads; on CUDA
+    both threads would queue on one stream."""
     out = []
     if pp < 2 or pp_schedule != "dualpipev":
         out.append(f"pp_schedule=dualpipev with pp >= 2 (got {pp_schedule}, pp={pp}): only DualPipeV has pairs")
@@ -93,8 +79,8 @@ def overlap_blockers(pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_s
 
 def check_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
                   activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu") -> None:
-    """``parallel.pp_overlap`` is auto | true | false, and ``true`` only where every condition of
-    ``overlap_blockers`` holds (the error names the first that fails)."""
+    """``parallel.pp_overlap`` is auto | true | false; ``true`` only with no blocker (the error names the
+    first)."""
     mode = str(pp_overlap).lower()
     require(mode in OVERLAP_MODES, f"parallel.pp_overlap ({pp_overlap}) must be auto|true|false")
     if mode == "true":
@@ -104,8 +90,8 @@ def check_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 
 
 def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
                     activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu") -> bool:
-    """Whether the runtime overlaps DualPipeV's pairs: ``true`` (checked: raises ConfigError like
-    ``check_overlap``), ``auto`` where no blocker holds, never for ``false``."""
+    """Whether the pairs overlap: ``true`` (raises ConfigError like ``check_overlap``), ``auto`` without
+    blockers."""
     args = (pp, pp_schedule, tp, cp, zero_stage, activation_checkpoint, compiled, device)
     check_overlap(pp_overlap, *args)
     return str(pp_overlap).lower() != "false" and not overlap_blockers(*args)
@@ -113,10 +99,9 @@ def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int 
 
 def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
                  last_extra: float = 0.0) -> list[list[int]]:
-    """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (the trainer's
-    ``parallel/pp/stage.py`` and the planner both split with this); stage 0 also
-    costs ``first_extra`` and the last stage ``last_extra``. Minimises the largest stage cost, then
-    the sum of squared stage costs (deterministic). Raises ValueError if len(blocks) < n_stages."""
+    """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (stage 0 adds
+    ``first_extra``, the last ``last_extra``): minimal largest cost, then sum of squares. Used by the
+    trainer and the planner. Raises ValueError if len(blocks) < n_stages."""
     n = len(blocks)
     if n < n_stages:
         raise ValueError(f"n_layers ({n}) < pipeline stages pp * v ({n_stages})")
@@ -151,10 +136,8 @@ def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
 
 
 def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int) -> list[str]:
-    """Pipeline settings a valid config gives that have no effect: with pp = 1 there is one stage,
-    which runs its microbatches forward then backward whatever the schedule. Returns one sentence
-    per such setting (printed as a note before training; not an error, so a preset written for a
-    pipeline still runs scaled down to one stage)."""
+    """One sentence per pipeline setting without effect (pp = 1 runs one stage whatever the schedule),
+    printed as a note before training, not an error."""
     if pp > 1:
         return []
     notes = []

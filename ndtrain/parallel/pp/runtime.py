@@ -1,51 +1,13 @@
-"""Pipeline runtime: run one rank's schedule (``schedules``) over torch.distributed point-to-point.
+"""Pipeline runtime: run one rank's schedule over point-to-point (docs/pipeline_parallel.md, "Runtime").
 
-``PipelineRuntime.run`` is a loop over the rank's actions; each action kind has one short method:
-
-* ``_receive``: take the action's input (F: the previous stage's output, B: the next stage's input
-  gradient) from the ``Receiver`` (``p2p``), blocking only if it has not arrived;
-* ``_forward`` (F): run the chunk; on the last stage compute ``loss_fn(out, labels) / denom`` (plus
-  ``extra_loss(labels)``, times ``loss_scale``), else ``_send`` the output to the next stage; in
-  training every other stage calls ``extra_loss(labels)`` too and keeps the term it returns (its
-  own MoE layers' auxiliary losses: each stage backpropagates the terms of the layers it holds);
-* ``_backward`` (B): backpropagate the received gradient (or the loss), plus the stage's own extra
-  term, and ``_send`` the input gradient to the previous stage;
-* ``_weight_grad`` (W, zero-bubble only): the deferred weight gradients;
-* ``_send``: post the message (``isend``; waited two actions later by ``_reap_sends``); a message
-  to this same rank (DualPipeV's turn of the V on rank p-1) is handed over in memory, detached.
-
-Per step: the local batch (B_local, T) is cut into m microbatches (``tensor_split``: sizes differ by
-at most one). Every rank holds tokens and labels; stage 0 embeds, the last stage computes the loss
-``sum CE / n_valid_global``, so summed gradients are the single-process gradient. Receives are
-posted ahead by one thread per peer in that peer's send order (``Schedule.inbound``) and sends never
-block, so any order consistent with the dependency graph runs without deadlock under any timing
-(``simulate.simulate`` checks consistency). With p == 1 no message is sent: one stage runs its
-microbatches forward then backward, in order (the non-pipelined step).
-
-Data parallel, a separate step (``_dp_context``): every gradient-producing action (B, or W when the
-backward is split) but the rank's last runs under ``dp.no_sync()``; ``dp.finish_grad_sync()``
-follows the loop.
-
-Zero-bubble B / W split (Qi et al. 2023): ``F`` records the output of every module that owns
-parameters; ``B`` asks autograd for the gradients of the stage input *and* of those outputs only
-(so weight-gradient matmuls are skipped); ``W`` adds the skipped weight gradients
-(``split_backward.accumulate_weight_grads``). Parameters of owners whose forward did not run in the
-chunk's forward (an MoE router's weight is applied functionally, ``F.linear``, in fp32), and
-parameters owned by two modules (a tied embedding / head), are differentiated directly in ``B``
-and accumulated with the rest in ``W`` (``split_backward.direct_parameters``).
-
-DualPipeV's overlapped pairs (``overlap=True``, ``parallel.pp_overlap``; ``pairs.run_pair``): each
-pair "F of one microbatch & B of another" (``Schedule.pairs``) runs B -- its receive and its autograd
--- in a worker thread while the main thread runs F, then joins; B's input gradient is sent after the
-join, so every send leaves in the schedule's order from the main thread. CPU autograd runs on the
-calling thread and torch ops and gloo waits release the GIL, so one thread's expert all-to-all wait
-(the forward's on ``ep``, the backward's on its twin ``ep_bwd``) hides under the other's compute.
-The results are bitwise those of the sequential pair: the same ops on the same tensors.
-
-Timing, jitter and activation metering are observers (``observe``), attached by the caller; a
-pair's B calls its hooks from the worker thread, and with an activation meter attached the pairs
-run sequentially.
-"""
+``run`` loops over the actions, one short method per kind. The last stage's loss is ``sum CE /
+n_valid_global``, so summed gradients are the single-process gradient; every other stage
+backpropagates its own MoE layers' aux terms. Every gradient-producing action but the rank's last
+runs under ``dp.no_sync()``. Zero-bubble split (Qi et al. 2023): B differentiates the stage input
+and the recorded owner outputs only, W the weights (``split_backward``); parameters whose owner did
+not run (an MoE router's functional ``F.linear``) or that two modules own are taken directly in B.
+DualPipeV pairs (``overlap``) run B in a worker thread beside F (``pairs``; bitwise the sequential
+pair), sequentially when an activation meter is attached."""
 from __future__ import annotations
 
 import contextlib
@@ -94,21 +56,17 @@ class PipelineRuntime:
     """Executes pipeline schedules for this rank's chunks.
 
     Args:
-        chunks: this rank's modules, chunk c = virtual stage ``c * p + rank``; ``chunk(x)`` or
-            ``chunk(x, positions)`` maps (B, T) tokens (stage 0) or (B, T, C) hidden states to
-            hidden states, or to logits (B, T, V) on the last stage.
+        chunks: this rank's modules (chunk c = virtual stage ``c * p + rank``): (B, T) tokens on
+            stage 0 or (B, T, C) hidden states in; hidden states, or logits (B, T, V) on the last stage.
         group: the ``pp`` AxisGroup (size 1: one stage, no messages).
-        schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble" | "dualpipev"; v = len(chunks)
-            (2 for DualPipeV, its chunk 0 / 1 being virtual stage r / 2p-1-r).
-        loss_fn: (logits, labels) -> sum of token losses of a microbatch (a 0-d tensor).
-        dp: the gradient synchroniser (``no_sync`` / ``finish_grad_sync``), or None.
+        schedule: "gpipe" | "1f1b" | "interleaved" | "zero_bubble" | "dualpipev"; v = len(chunks).
+        loss_fn: (logits, labels) -> 0-d sum of a microbatch's token losses.
+        dp: the gradient synchroniser, or None.
         forward_ctx: factory of the context forwards run in (e.g. bf16 autocast).
-        timeout_s: how long a receive may wait before raising TimeoutError.
-        overlap: run DualPipeV's overlapped F&B pairs in two threads (``pairs.run_pair``; the
-            caller resolves ``parallel.pp_overlap`` with ``rules.resolve_overlap``).
-    Attributes: ``observers`` (list of ``observe.RuntimeObserver``), ``microbatch_losses`` (the
-    last step's per-microbatch token-loss sums, float64 0-d, on the last stage; else empty).
-    """
+        timeout_s: how long a receive waits before raising TimeoutError.
+        overlap: run DualPipeV's F&B pairs in two threads (resolved by ``rules.resolve_overlap``).
+    Attributes: ``observers`` (``observe.RuntimeObserver``s), ``microbatch_losses`` (last step's
+    per-microbatch loss sums, float64 0-d, last stage only)."""
 
     def __init__(self, chunks: list[nn.Module], group: AxisGroup, schedule: str,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dp=None,
@@ -149,17 +107,12 @@ class PipelineRuntime:
             positions: torch.Tensor | None = None, train: bool = True,
             extra_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
             loss_scale: float = 1.0) -> torch.Tensor:
-        """Run all m microbatches through the pipeline (forward and backward when ``train``).
+        """Run all m microbatches (forward and backward when ``train``); inputs, labels: (B_local, T).
 
-        inputs, labels: (B_local, T) on every pp rank; m <= B_local. The last stage backpropagates
-        ``(loss_fn(logits, labels_mb) / denom + extra_loss(labels_mb)) * loss_scale`` per microbatch
-        (``extra_loss``: MoE aux / MTP terms, called right after the microbatch's forward; the
-        ``* loss_scale`` is skipped when it is 1); every other stage backpropagates its own
-        ``extra_loss(labels_mb) * loss_scale`` (its MoE layers' aux terms) with the received gradient. Returns the sum of the token losses over all
-        microbatches (float64 0-d, all-reduced over pp so every stage returns it). In training the
-        parameters' ``.grad`` hold the gradients after the data-parallel sync.
-        Raises ValueError unless 1 <= m <= B_local; TimeoutError if a message does not arrive.
-        """
+        The last stage backpropagates ``(loss_fn(logits, labels_mb) / denom + extra_loss(labels_mb)) *
+        loss_scale``, the others their own ``extra_loss * loss_scale`` with the received gradient. Returns
+        the summed token loss (float64 0-d, all-reduced over pp); ``.grad`` holds the synced gradients.
+        Raises ValueError unless 1 <= m <= B_local; TimeoutError if a message does not arrive."""
         if m < 1 or m > inputs.shape[0]:
             raise ValueError(f"microbatches m ({m}) must be in 1..local batch ({inputs.shape[0]})")
         s = self.schedule(m, None if train else "forward_only")
@@ -212,10 +165,9 @@ class PipelineRuntime:
             o.on_action_end(a)
 
     def _overlapped_pairs(self, s: Schedule, train: bool) -> set[int]:
-        """Indices i of this rank's actions that start an overlapped F&B pair this step: DualPipeV's
-        ``Schedule.pairs`` when ``overlap`` is on, in training, with no activation meter attached (it
-        sees the calling thread's operators only), and the pair is (F, B) of a split backward (so
-        B never touches ``.grad`` nor data-parallel hooks: W does, on the main thread)."""
+        """Indices starting an overlapped F&B pair this step: with ``overlap``, in training, no activation
+        meter, and a split backward (so B never touches ``.grad`` nor dp hooks: W does, on the main
+        thread)."""
         if not (self.overlap and train and s.split_backward and s.pairs) or self.track_memory:
             return set()
         acts = s.actions[self.rank]
@@ -269,11 +221,9 @@ class PipelineRuntime:
         self._step.sends = keep
 
     def _record_output(self, module, args, output) -> None:
-        """Forward hook of every parameter owner under a split schedule: record the tensor W will
-        differentiate -- the output, or the one the module names in ``weight_grad_output`` (an
-        expert-parallel layer's local GEMM output, before its combine all-to-all, whose backward
-        B has already run: ``ep.layers``); that attribute is cleared either way (even when not
-        capturing), so the module keeps no activation alive."""
+        """Forward hook of each parameter owner under a split schedule: record what W differentiates (the
+        output, or ``weight_grad_output``: an ep layer's GEMM output before its combine). The attribute is
+        cleared either way, so no activation stays alive."""
         y = output
         if getattr(module, "keep_weight_grad_output", False):
             y, module.weight_grad_output = module.weight_grad_output, None
@@ -306,8 +256,7 @@ class PipelineRuntime:
                                          "extra": extra}
 
     def _stage_extra(self, a: Action) -> torch.Tensor | None:
-        """A non-last stage's own extra term (its MoE layers' aux losses) times the loss scale, or
-        None when there is none (dense stage, evaluation)."""
+        """A non-last stage's aux-loss term times the loss scale, or None (dense stage, eval)."""
         st = self._step
         if not st.train or st.extra_loss is None:
             return None
@@ -320,8 +269,8 @@ class PipelineRuntime:
         self._send(self._input_grad(a, grad_out), a)
 
     def _input_grad(self, a: Action, grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        """B's autograd: the stage input's gradient (None on stage 0); split schedules keep the
-        weight-gradient pieces for W. Sends nothing (an overlapped pair's B runs in a thread)."""
+        """B's autograd: the stage input's gradient (None on stage 0); split schedules keep the weight pieces
+        for W. Sends nothing (an overlapped pair's B runs in a thread)."""
         st = self._step
         saved = st.saved[(a.mb, a.chunk)]
         out, x, extra = saved.pop("out"), saved["x"], saved.pop("extra")

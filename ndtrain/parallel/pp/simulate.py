@@ -1,13 +1,9 @@
 """Simulate pipeline schedules: check an order is complete and deadlock-free, and time it.
 
-``simulate(schedule)`` runs each rank's action list against the others with the runtime's
-semantics (receives posted ahead, sends never block) and unit-ish durations, returning the planned
-``Timeline`` (per-rank ``Event``s) or raising ``DeadlockError``. A schedule that simulates without
-deadlock is consistent with the dependency graph, hence runs without deadlock under any timing.
-``Timeline.bubble(rank)`` is the rank's idle fraction of the step, the quantity of the textbook
-formulas (``schedules.bubble_formula``); measured timelines (``viz``) use the same class. The
-schedule builders never call it: it is the checker the unit tests run over a grid of p, m, v.
-"""
+``simulate`` runs each rank's list against the others with the runtime's semantics (receives
+posted ahead, sends never block); an order that simulates is consistent with the dependency graph,
+so it runs without deadlock under any timing. ``Timeline.bubble(rank)`` is the formulas' idle
+fraction (measured timelines use the same class). Only the tests and ``viz`` call it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +12,7 @@ from ndtrain.parallel.pp.schedules import Action, Schedule
 
 
 class DeadlockError(RuntimeError):
-    """Raised by ``simulate`` when no rank can make progress (args: message, stuck ranks)."""
+    """No rank can progress (args: message, stuck ranks)."""
 
 
 @dataclass
@@ -91,17 +87,10 @@ def check_complete(s: Schedule) -> None:
 
 def simulate(s: Schedule, t_f: float = 1.0, t_b: float | None = None, t_w: float = 1.0,
              comm: float = 0.0, rendezvous: bool = False) -> Timeline:
-    """Run the schedule's per-rank orders against each other and return the planned timeline.
-
-    Semantics (the runtime's): receives are posted in advance and sends never block, so a rank
-    waits only for the inputs of its next action (``comm`` seconds after the producer finished).
-    ``rendezvous=True`` instead models naive blocking p2p: a send completes only when the receiver
-    reaches the action that consumes it, and the sender cannot go on until then (this deadlocks
-    1F1B; the test uses it to show the checker catches deadlocks).
-
-    Durations: F ``t_f``; B ``t_b`` (default ``2 t_f`` for a full backward, ``t_f`` when split);
-    W ``t_w``. Raises DeadlockError (args: message, list of stuck ranks) if no rank can progress.
-    """
+    """The planned timeline of ``schedule``: a rank waits only for its next action's inputs (``comm``
+    after the producer finished). ``rendezvous=True`` models blocking p2p (a send completes when the
+    receiver consumes it), which deadlocks 1F1B: the test of the checker. Durations: F ``t_f``; B
+    ``t_b`` (default 2 t_f, t_f when split); W ``t_w``. Raises DeadlockError if no rank can progress."""
     check_complete(s)
     if t_b is None:
         t_b = t_f if s.split_backward else 2 * t_f
@@ -159,8 +148,8 @@ def _consumer(s: Schedule, rank: int, a: Action) -> tuple[int, Action] | None:
 
 
 def peak_in_flight(s: Schedule) -> list[int]:
-    """Per rank, the most microbatch-chunks whose activations are held at once (F done, last
-    backward pass not yet): the activation-memory bound of the schedule."""
+    """Per rank, the most microbatch-chunks holding activations at once (F done, backward not): the memory
+    bound."""
     out = []
     last = "W" if s.split_backward else "B"
     for acts in s.actions:

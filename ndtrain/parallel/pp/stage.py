@@ -1,35 +1,12 @@
-"""Pipeline stages: split the decoder's layers over the ``pp`` axis, build each stage on the meta
-device with the single-process model's initial weights, and keep tied embeddings identical.
+"""Pipeline stages: split the layers over ``pp`` and build each stage on meta with the single-process
+initial weights (docs/pipeline_parallel.md, "Stages").
 
-Placement (Megatron-LM interleaving, Narayanan et al. 2021): with ``v`` chunks per rank there are
-``S = p * v`` virtual stages; rank r holds chunks c = 0..v-1, chunk c being virtual stage
-``c * p + r``. Stage 0 also holds the token embedding, stage S-1 the final norm and output head.
-DualPipeV (``pp_schedule=dualpipev``, DeepSeek-V3 2024): 2 chunks per rank placed as a V, rank r
-holding stages r and 2p-1-r, so rank 0 holds both the embedding and the head.
-MTP modules (DeepSeek-V3 multi-token prediction) live on the stage of the head; they embed the
-shifted tokens, so that stage keeps a copy of the embedding (``tok_embeddings``, not used for its
-input) whose gradient is summed with the first stage's like a tied head's (``pipeline``).
-
-Balance (Llama 3, 2024, took one block off the first and the last stage): layers are cut into S
-contiguous runs minimising the largest per-stage cost (then the spread), where a block costs its
-forward FLOPs per token (2 x *active* parameters -- an MoE block counts its shared experts,
-router and top-k routed experts, not all E, so dense blocks such as DeepSeek-V3's first three weigh
-what they compute -- + 4 T C for attention scores and values; a token mixer's own term for the
-other layers, ``mixer_spec.stage_seq_costs``: none for linear ones) and the embedding and the head
-each cost 2 V C, i.e. the embedding table is counted like a matmul of its size (its memory and
-optimizer work scale with it; its lookup is free); each MTP depth adds to the head's stage its
-block (active), its projection (2C x C) and one more head matmul (2 V C). Every stage keeps >= 1
-block.
-
-Names: a stage is a ``Transformer`` with the blocks it does not own deleted from its ``ModuleDict``
-and ``tok_embeddings`` / ``norm`` / ``output`` set to None where not owned, so parameter names are
-the full model's (checkpoints reshard across pp degrees) and ``init_weights`` (seeded per name)
-gives each parameter exactly its single-process initial value.
-
-Tied embeddings (``model.tie_embeddings``) across the first and last stage: each holds its own copy
-(same init), and after each step's backward their gradients are summed over a 2-rank group
-(``pp_train.sync_tied_grads``), so the copies receive identical updates and stay equal.
-"""
+Rank r's chunk c is virtual stage ``c * p + r`` (Megatron-LM, Narayanan et al. 2021; DualPipeV: r
+and 2p-1-r). Stage 0 holds the embedding, stage S-1 the norm, head, MTP modules and an embedding
+copy for their lookup. Balance (Llama 3, 2024): contiguous runs minimising the largest forward
+FLOPs per token (2 x active parameters + attention's 4 T C; embedding and head 2 V C each). A stage
+is a ``Transformer`` with what it does not own deleted or None, so names are the full model's and
+``init_weights`` (seeded per name) gives single-process values."""
 from __future__ import annotations
 
 import copy
@@ -52,10 +29,8 @@ STAGE_ATTR = "ndtrain_pp_stage"
 
 @dataclass
 class StageInfo:
-    """What one pp rank holds. ``chunks[c]``: the layer ids (ModuleDict keys) of virtual stage
-    ``c * p + rank`` (V placement: chunk 0 / 1 = stage rank / 2p-1-rank). ``first`` / ``last``:
-    holds virtual stage 0 / S-1 (embedding / head). ``mtp``: the model has MTP modules (they and a
-    copy of the embedding sit with the head)."""
+    """What one pp rank holds: ``chunks[c]``, the layer ids of its virtual stages; ``first`` / ``last``:
+    holds stage 0 / S-1; ``mtp``: MTP modules and an embedding copy sit with the head."""
 
     rank: int
     p: int
@@ -75,13 +50,12 @@ class StageInfo:
 
     @property
     def shares_embedding(self) -> bool:
-        """The head's stage holds its own copy of the embedding (tied head, or MTP's lookup) and is
-        not the first stage: the copies' gradients are summed between the two ranks."""
+        """The head's stage holds an embedding copy and is not the first: gradients summed between the two."""
         return (self.tied or self.mtp) and not self.vshape and self.p > 1
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
-    """Forward FLOPs per token of (embedding, each block, head); see the module docstring."""
+    """Forward FLOPs per token of (embedding, each block, head)."""
     from ndtrain.model.transformer import TransformerBlock
 
     blocks = []
@@ -99,8 +73,7 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], flo
 
 
 def active_params(block: nn.Module) -> float:
-    """Parameters one token uses in ``block``: all, less the routed experts it is not sent to (an
-    MoE feed-forward's (E - k) / E of its ``experts``)."""
+    """Parameters one token uses in ``block``: an MoE feed-forward counts k / E of its ``experts``."""
     n = float(sum(q.numel() for q in block.parameters()))
     ff = getattr(block, "feed_forward", None)
     if ff is not None and hasattr(ff, "experts") and hasattr(ff, "top_k"):
@@ -122,9 +95,8 @@ def plan_stage(cfg: Config, rank: int) -> StageInfo:
 
 
 def _prune(model: nn.Module, info: StageInfo, keep_tied_holder: bool) -> None:
-    """Delete what this rank does not own (in place). With ``keep_tied_holder`` the last stage of
-    a tied model keeps ``tok_embeddings`` for now so ``init_weights`` ties and seeds the head under
-    the embedding's name; ``_drop_tied_holder`` removes it afterwards."""
+    """Delete what this rank does not own (in place). ``keep_tied_holder`` keeps ``tok_embeddings`` on a
+    tied last stage so ``init_weights`` seeds the head under the embedding's name; removed afterwards."""
     own = {lid for chunk in info.chunks for lid in chunk}
     for lid in list(model.layers.keys()):
         if lid not in own:
@@ -146,8 +118,8 @@ def _drop_tied_holder(model: nn.Module, info: StageInfo) -> None:
 
 def build_pipeline_stage(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dtype,
                          seed: int) -> nn.Module:
-    """This rank's stage: built on meta, pruned, materialised on ``device`` in ``dtype``, initialised
-    with ``init_weights(seed)`` (per-name seeds, so identical to the single-process model's)."""
+    """This rank's stage: built on meta, pruned, materialised, ``init_weights(seed)`` (single-process
+    values)."""
     from ndtrain.model.transformer import Transformer
 
     info = plan_stage(cfg, mesh.group("pp").rank)
@@ -163,8 +135,7 @@ def build_pipeline_stage(cfg: Config, mesh: Mesh, device: torch.device, dtype: t
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, cfg: Config) -> None:
-    """Make ``model`` this rank's stage in place: a no-op for a model from ``build_pipeline_stage``;
-    a full materialised ``Transformer`` is pruned (its tied head keeps the embedding's values)."""
+    """Make ``model`` this rank's stage in place (no-op if built by ``build_pipeline_stage``)."""
     if mesh.dims.pp == 1 or hasattr(model, STAGE_ATTR):
         return
     info = plan_stage(cfg, mesh.group("pp").rank)
@@ -177,8 +148,8 @@ def stage_info(model: nn.Module) -> StageInfo | None:
 
 
 def tag_pipeline_params(model: nn.Module) -> None:
-    """Add "pp" to every parameter's shard axes (stages hold disjoint parameters, so squared grad
-    norms are summed over pp). Call after TP / EP, which replace and re-tag parameters."""
+    """Add "pp" to every parameter's shard axes (squared grad norms are summed over pp). Call after
+    TP / EP, which replace and re-tag parameters."""
     for q in model.parameters():
         axes = shard_axes(q)
         if "pp" not in axes:
@@ -186,10 +157,9 @@ def tag_pipeline_params(model: nn.Module) -> None:
 
 
 def stage_chunks(model: nn.Module) -> list[nn.Module]:
-    """Modules running this rank's virtual stages, chunk order. For v == 1 the stage itself; for
-    v > 1 shallow views of it sharing its submodules, parameters and hooks, each with only its
-    chunk's blocks (and the embedding / head only on virtual stage 0 / S-1). Build the views after
-    ``parallelize`` (it may replace submodules)."""
+    """Modules running this rank's virtual stages, chunk order: the stage itself for v == 1, else
+    shallow views sharing its submodules and hooks. Build after ``parallelize`` (it replaces
+    submodules)."""
     info = stage_info(model)
     if info is None or info.v == 1:
         return [model]

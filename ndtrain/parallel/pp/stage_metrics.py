@@ -1,19 +1,9 @@
-"""MoE / MTP metrics of a pipeline-parallel step, combined over the stages.
+"""MoE / MTP metrics of a pipeline step, combined over the stages into the single process's.
 
-Each pp stage holds a disjoint subset of the MoE layers (and only the head's stage the MTP
-modules), so ``ExtraLosses.end_step`` sees its own stage's share. The aux-loss-free bias update
-stays local (a layer's bias and its load counts live on one stage, the counts already reduced over
-``dp_cp``); the logged values are combined over ``pp`` into the single process's:
-
-* sums over layers (``aux_*_sum``, ``aux_loss``, MTP losses, ``moe_a2a_bytes``): summed;
-* maxima over layers (``*_max``, ``*_worst``): the maximum;
-* means over layers (``moe_load_max_mean``, ``moe_tokens_per_expert_mean``, ``moe_dropped_frac``
-  -- every layer routes the same B T k assignments, so the dropped fraction is a per-layer mean
-  too): weighted by each stage's MoE layer count.
-
-Two all-reduces over ``pp`` per step (one SUM, one MAX, a few float64 values each); the metric
-names are gathered once and re-gathered only when a stage's names change (``StageMetrics``).
-"""
+Each stage sees only its layers' share; the bias update stays local. Sums over layers
+(``aux_*_sum``, ``aux_loss``, MTP losses, ``moe_a2a_bytes``) are summed, maxima (``*_max``,
+``*_worst``) maxed, means (``moe_load_max_mean``, ``moe_tokens_per_expert_mean``,
+``moe_dropped_frac``) weighted by each stage's MoE layer count. Two all-reduces over pp per step."""
 from __future__ import annotations
 
 import torch
@@ -34,14 +24,9 @@ def _kind(key: str) -> str:
 
 
 class StageMetrics:
-    """Combines a stage's metrics over the pp ``group`` each step (module docstring).
-
-    The union of the stages' metric names is gathered once (one object all-gather) and reused:
-    every later step checks it in the MAX all-reduce it runs anyway (one more value: 1 on a rank
-    whose own names changed since the gather). When any rank flags a change, every rank re-gathers
-    the names and repeats the step's reductions, so a new key is never dropped and the collectives
-    never mismatch. Steady state: two all-reduces per step, no object collective.
-    """
+    """Combines a stage's metrics over ``group`` each step. The union of metric names is gathered once;
+    later steps flag a change in the MAX all-reduce they run anyway, and on a flag every rank
+    re-gathers and repeats, so no key is dropped and collectives never mismatch."""
 
     def __init__(self, group: AxisGroup, device: torch.device | str = "cpu"):
         self.group, self.device = group, device
@@ -50,9 +35,8 @@ class StageMetrics:
         self.gathers = 0
 
     def combine(self, out: dict[str, float], n_moe_layers: int) -> dict[str, float]:
-        """``out`` (this stage's metrics; ``n_moe_layers``: the MoE layers it counted) combined over
-        the stages; a stage without MoE layers reports no load metrics and contributes zero weight.
-        Returns a new dict with every key some stage reported, the same on every pp rank."""
+        """``out`` (this stage's metrics over ``n_moe_layers``) combined over the stages: every key some
+        stage reported, the same on every pp rank."""
         if self.group.size == 1:
             return dict(out)
         mine = sorted(out)
@@ -75,8 +59,8 @@ def combine_over_stages(out: dict[str, float], n_moe_layers: int, group: AxisGro
 
 def _reduce(out: dict[str, float], n_moe_layers: int, keys: list[str], changed: bool, group: AxisGroup,
             device) -> tuple[dict[str, float], bool]:
-    """The SUM and MAX all-reduces of one step over ``keys``; returns (combined metrics, whether
-    any rank flagged ``changed``)."""
+    """The step's SUM and MAX all-reduces over ``keys``: (combined metrics, whether any rank flagged
+    ``changed``)."""
     n = float(n_moe_layers)
     summed = torch.tensor([n, *[float(k in out) for k in keys],
                            *[out.get(k, 0.0) * (n if _kind(k) == "mean" else 1.0) for k in keys]],

@@ -1,14 +1,7 @@
-"""Checkpoint state of a pipeline stage under the single-process model's names.
-
-A stage's optimizer state dict lists its parameter groups by position, which fits no other stage
-or pp degree, and the last stage of a tied model holds its copy of the embedding as
-``output.weight``. ``flatten_param_groups`` keys the groups by parameter name and stores the tied
-head's moments under ``tok_embeddings.weight``, the name a single-process optimizer uses for the
-tied Parameter (both stages hold identical moments after ``sync_tied_grads``);
-``unflatten_param_groups`` is the inverse. Both work on whole tensors: run them after
-``ndtrain.parallel.tp.state.gather_tp_state`` and before ``scatter_tp_state``, which find
-tensor-parallel specs by the stage's own names (``ndtrain.parallel.state`` composes the order).
-"""
+"""Checkpoint state of a pipeline stage under the single-process names: ``flatten_param_groups``
+keys groups by parameter name (positional groups fit no other stage) and stores the tied head's
+moments under ``tok_embeddings.weight``; ``unflatten_param_groups`` inverts it. Whole tensors:
+run after ``tp.state.gather_tp_state``, before ``scatter_tp_state``."""
 from __future__ import annotations
 
 from torch import nn
@@ -24,10 +17,8 @@ def tied_head_alias(model: nn.Module | None) -> dict[str, str]:
 
 
 def flatten_param_groups(optim_sd: dict, model: nn.Module | None = None) -> dict:
-    """The optimizer state dict as checkpointed: ``param_groups`` keyed by parameter name
-    (``{fqn: {"lr": ..., ...}}``, not a list of groups each listing its FQNs: pipeline stages hold
-    different parameters, so one list -- one checkpoint key, saved once -- fits no other stage),
-    and the last stage's tied head stored under the embedding's name."""
+    """The optimizer state as checkpointed: ``param_groups`` as ``{fqn: hyperparameters}``, the tied
+    head under the embedding's name."""
     alias = tied_head_alias(model)
     out = dict(optim_sd)
     if alias and isinstance(out.get("state"), dict):
@@ -40,8 +31,7 @@ def flatten_param_groups(optim_sd: dict, model: nn.Module | None = None) -> dict
 
 
 def unflatten_param_groups(optim_sd: dict, template: dict, model: nn.Module | None = None) -> dict:
-    """Inverse of ``flatten_param_groups``: the group lists of ``template`` (this layout's own
-    ``optim_state_dict``), each group's hyperparameters taken from its first parameter's entry."""
+    """Inverse: ``template``'s group lists, each group's hyperparameters from its first parameter."""
     alias = tied_head_alias(model)
     out = dict(optim_sd)
     if alias and isinstance(out.get("state"), dict):

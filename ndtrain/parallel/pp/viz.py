@@ -1,17 +1,6 @@
-"""Pipeline schedule visualizer: planned and measured timelines as text and PNG, with bubbles.
-
-* ``planned_timeline(name, p, m, v)``: the schedule simulated with F = 1, B = 2 (full backward) or
-  F = B = W = 1 (split backward) time units per rank's share of the model (1/v of that per chunk),
-  free point-to-point;
-* ``gather_measured_timeline(timer, group)``: the per-rank action timestamps of the last step
-  recorded by an ``observe.ActionTimer`` attached to the runtime, collected over the ``pp`` group
-  (wall-clock seconds, shifted so the step starts at 0);
-* ``render_text(tl)`` / ``render_png(tl, path)``: one row per rank, F / B / W blocks labelled with
-  their microbatch, idle time visible ('.' in text, blank in the PNG); with v > 1 chunks, odd chunks
-  are lower-case in text and lighter in the PNG;
-* ``bubble_report(tl)``: each rank's idle fraction of the step next to the textbook formula,
-  (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
-"""
+"""Pipeline timelines, planned (``planned_timeline``: F = 1, B = 2 or F = B = W = 1 when split, free
+p2p) and measured (``gather_measured_timeline`` from an ``ActionTimer``), as text and PNG, with
+each rank's bubble next to its textbook formula (``bubble_report``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,9 +28,8 @@ def measured_timeline(events: list[list[Event]], name: str, m: int, v: int = 1) 
 
 
 def gather_measured_timeline(timer, group) -> Timeline:
-    """Collective over the ``pp`` AxisGroup ``group``: the measured timeline of the last step timed
-    by ``timer`` (an ``observe.ActionTimer`` attached to the runtime; all ranks get it). Uses
-    ``comm.all_gather_object`` (counted on the pp axis)."""
+    """Collective over the pp ``group``: the last step timed by ``timer``, on every rank
+    (``comm.all_gather_object``, counted on pp)."""
     events = comm.all_gather_object(timer.events, group)
     return measured_timeline(events, timer.name, timer.m, timer.v)
 
@@ -67,9 +55,8 @@ def _cell(e: Event) -> str:
 
 
 def render_text(tl: Timeline, resolution: float | None = None, max_cells: int = 80) -> str:
-    """Fixed-width picture: each 2-character cell covers ``resolution`` time (default: the shortest
-    action, or span / max_cells if that would be wider); a cell shows the action running at its
-    midpoint ("F3" = forward of microbatch 3) or ".." when the rank is idle."""
+    """Fixed-width picture: each 2-character cell covers ``resolution`` (default the shortest action, or
+    span / max_cells) and shows the action at its midpoint ("F3") or ".." when idle."""
     span = tl.end - tl.start
     shortest = min(e.end - e.start for evs in tl.events for e in evs)
     res = resolution or max(shortest, span / max_cells)

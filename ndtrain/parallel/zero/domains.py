@@ -1,27 +1,12 @@
-"""Shard domains of ZeRO-1/2/3 and HSDP: over which ranks a set of parameters is sharded, over
-which its shards are replicated, and how a shard presents itself as a global tensor (the
-checkpoint contract of ``sharded_state``).
+"""Shard domains: where parameters are sharded and replicated, and how a shard presents itself as a
+global tensor (docs/moe.md, "Expert parallel with ZeRO-1/2/3 and HSDP").
 
-* **dense** (every parameter of a model without expert parallel, and the non-expert parameters of
-  one with it): sharded over ``dp_shard_cp``, replicated over ``dp_replicate`` -- ZeRO
-  (Rajbhandari et al. 2020) and HSDP as always. Presented as a DTensor ``Shard(0)`` over
-  ``dp_shard_cp`` (``(Replicate(), Shard(0))`` with ``dp_replicate``).
-* **expert** (ep > 1; the routed experts ``apply_ep`` left on this rank, E/ep of them): the ranks
-  holding the same experts form ``edp`` = dp_replicate x edp_shard (``ndtrain.mesh``); the experts
-  are sharded along dim 0 over ``edp_shard`` = dp_shard x cp / ep and replicated over
-  ``dp_replicate``, so a ZeRO-3 expert unit is gathered, and its gradients reduce-scattered, only
-  across ``edp_shard`` (torchtitan's and Megatron-Core's expert-data-parallel sharding).
-
-An expert weight of global shape (E, ...) is therefore cut twice along dim 0: into ep blocks of
-E/ep experts (ep rank r holds block r), then each block into edp_shard padded row chunks
-(``flat_shard``: ``torch.chunk`` semantics). That is DTensor's nested ``(Shard(0), Shard(0))`` over
-a mesh whose ``ep`` dim comes *before* ``edp_shard``; ``ndtrain.mesh`` orders them the other way
-(edp_shard outer, ep inner, as torchtitan's ``dp_shard_mod_ep`` x ``dp_shard_in_ep``), so the
-expert domain builds its own ``DeviceMesh`` over the same ranks with the two dims swapped
-(``(dp_replicate,) ep, edp_shard``; no rank changes its data). A checkpoint then stores every expert
-tensor once under its single-process name and global shape, and DCP reshards it to any ep /
-ZeRO stage / world size, one process included.
-"""
+dense: sharded over ``dp_shard_cp``, replicated over ``dp_replicate``. expert (ep > 1): the E/ep
+local experts sharded over ``edp_shard``, replicated over ``dp_replicate`` (torchtitan's and
+Megatron-Core's expert data parallel). An expert weight is DTensor ``(Shard(0), Shard(0))`` over
+(ep, edp_shard); ``ndtrain.mesh`` orders those dims the other way, so the expert domain builds its
+own ``DeviceMesh`` over the same ranks with them swapped. Checkpoints then hold each expert tensor
+once under its single-process name and shape."""
 from __future__ import annotations
 
 import weakref
@@ -44,13 +29,9 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 class ShardDomain:
-    """A set of parameters sharded over ``shard_group`` and replicated over ``replicate_group``.
-
-    Attributes: ``name`` ("dense" | "expert"), ``shard_group`` / ``replicate_group``
-    (``AxisGroup``), ``ep`` (the ``ep`` AxisGroup for the expert domain: local dim 0 = global
-    dim 0 / ep; None for dense), ``dmesh`` / ``placements`` (the DTensor presentation; None: one
-    shard is the whole tensor).
-    """
+    """Parameters sharded over ``shard_group``, replicated over ``replicate_group``. ``name`` "dense" |
+    "expert"; ``ep``: the ep AxisGroup (expert only); ``dmesh`` / ``placements``: the DTensor
+    presentation (None: one shard is the whole tensor)."""
 
     def __init__(self, name: str, shard_group, replicate_group, dmesh=None, placements=None, ep=None):
         self.name, self.shard_group, self.replicate_group = name, shard_group, replicate_group
@@ -63,11 +44,9 @@ class ShardDomain:
         return torch.Size((shape[0] * self.ep.size, *shape[1:]))
 
     def present(self, local: torch.Tensor, shape: torch.Size):
-        """This rank's valid rows ``local`` of a parameter of rank-local shape ``shape`` as the
-        global tensor: a DTensor whose local tensor is a view of ``local`` (so ``dcp.load`` writes
-        in place), or ``local`` itself when one shard is the whole tensor. A 0-d parameter (dense
-        only) is whole on every rank, broadcast from the shard rank holding it (a 0-d DTensor
-        cannot be sharded)."""
+        """This rank's valid rows ``local`` as the global tensor: a DTensor viewing ``local`` (``dcp.load``
+        writes in place), or ``local`` itself. A 0-d parameter is broadcast whole (a 0-d DTensor cannot
+        be sharded)."""
         if self.dmesh is None:
             return local.view(shape)
         if len(shape) == 0:
@@ -81,8 +60,7 @@ class ShardDomain:
                                   stride=contiguous_stride(full))
 
     def local_rows(self, src, e) -> torch.Tensor:
-        """This rank's valid rows of entry ``e`` from ``src``: a DTensor of this domain's layout
-        (its local tensor) or a whole global tensor (sliced: the ep block, then the row chunk)."""
+        """This rank's valid rows of ``e`` from a DTensor of this layout or a whole tensor (sliced)."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(src, DTensor):
@@ -112,11 +90,8 @@ def dense_domain(mesh) -> ShardDomain:
 
 
 def expert_domain(mesh) -> ShardDomain:
-    """Sharded over ``edp_shard``, replicated over ``dp_replicate``; presented over
-    ``(dp_replicate,) ep, edp_shard`` (see module docstring). Needs ep > 1 (so a process group).
-
-    Raises ValueError for ep == 1 (the experts are then ordinary dense parameters).
-    """
+    """Sharded over ``edp_shard``, replicated over ``dp_replicate``, presented over ``(dp_replicate,)
+    ep, edp_shard``. Raises ValueError for ep == 1 (experts are then dense parameters)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
 

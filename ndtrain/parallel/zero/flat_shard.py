@@ -1,26 +1,14 @@
-"""Dim-0 sharding with padding of a group of parameters into one flat buffer (ZeRO / FSDP).
-
-Every parameter is split along dim 0 into N row blocks of ``r = ceil(d0 / N)`` rows (the last
-blocks shorter or empty), exactly ``torch.chunk`` and DTensor ``Shard(0)`` semantics, so a rank's
-valid rows are its local tensor of a ``Shard(0)`` DTensor and checkpoints load under any layout.
-Each block is zero-padded to ``r`` rows; rank k's flat shard is the concatenation over parameters
-of its padded blocks:
+"""Dim-0 sharding with padding of a group of parameters into one flat buffer (ZeRO / FSDP;
+docs/sharded_data_parallel.md, "The layout").
 
     parameter i: shape (d0_i, *rest_i), c_i = prod(rest_i) elements per row
     rows per shard r_i = ceil(d0_i / N), padded shard size s_i = r_i * c_i, offset o_i = sum_{j<i} s_j
     flat shard (S,), S = sum_i s_i; the gathered buffer (N * S,) viewed (N, S) holds rank k's shard
     in row k, so parameter i's rows k*r_i .. (k+1)*r_i - 1 are columns [o_i, o_i + s_i) of row k.
 
-All-gather and reduce-scatter therefore move ``N * S`` elements: the padding is real traffic, and
-the byte counts of ``ndtrain.parallel.comm`` include it.
-
-Edge cases: a 0-d (scalar) parameter is laid out as one row of one element (its state-dict shape
-stays ``()``); an empty parameter (d0 = 0 or a zero trailing dim) takes no space (s_i = 0); a
-parameter with fewer rows than ranks gives the last ranks no valid rows (``torch.chunk`` does too).
-
-``pack`` (reduce-scatter input) uses ``torch._chunk_cat``; ``pack_reference`` is its slow twin
-(a loop over ranks) and the tests pin them together.
-"""
+``torch.chunk`` / DTensor ``Shard(0)`` semantics, so checkpoints load under any layout. Padding is
+real traffic (``comm`` counts it). A 0-d parameter is one row of one element, an empty one takes no
+space. ``pack`` (``torch._chunk_cat``) has the slow twin ``pack_reference``."""
 from __future__ import annotations
 
 import math
@@ -29,17 +17,11 @@ import torch
 
 
 class FlatShardLayout:
-    """The dim-0 padded layout of parameters with ``shapes`` over ``n`` ranks, seen from ``rank``.
+    """The padded dim-0 layout of ``shapes`` over ``n`` ranks, seen from ``rank``.
 
-    Args:
-        shapes: global shapes (0-d and empty shapes allowed).
-        n: shard count N >= 1.
-        rank: this rank's index in [0, N).
-    Attributes: ``d0[i]`` (rows of parameter i; 1 for a 0-d one), ``cols[i]`` (c_i), ``rows[i]``
-    (r_i), ``sizes[i]`` (s_i), ``offsets[i]`` (o_i), ``shard_numel`` (S), ``valid_rows[i]`` (rows
-    of parameter i this rank really holds, 0 .. r_i).
-    Raises ValueError for ``n`` < 1 or ``rank`` outside [0, n).
-    """
+    Attributes: ``d0[i]`` (1 for 0-d), ``cols[i]`` (c_i), ``rows[i]`` (r_i), ``sizes[i]`` (s_i),
+    ``offsets[i]`` (o_i), ``shard_numel`` (S), ``valid_rows[i]`` (rows really held, 0 .. r_i).
+    Raises ValueError for ``n`` < 1 or ``rank`` outside [0, n)."""
 
     def __init__(self, shapes: list[torch.Size], n: int, rank: int):
         if n < 1 or not 0 <= rank < n:
@@ -91,11 +73,8 @@ class FlatShardLayout:
 
     @torch.no_grad()
     def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Reduce-scatter input: full tensors -> ``out`` (N * S,) in the gathered layout (padded).
-
-        ``tensors[i]`` has shape ``shapes[i]``. When a dtype differs from ``out``'s, the copies
-        cast on the fly (``pack_reference``) rather than materialising cast copies of every tensor.
-        """
+        """Reduce-scatter input: full tensors (``shapes[i]``) -> ``out`` (N * S,), padded. A dtype differing
+        from ``out``'s is cast while copying (``pack_reference``), not materialised."""
         if any(t.dtype != out.dtype for t in tensors):
             return self.pack_reference(tensors, out)
         # (d0, c) each; empty tensors take no space in the layout (and _chunk_cat rejects them)

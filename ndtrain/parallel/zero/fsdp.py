@@ -1,51 +1,13 @@
-"""ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP"),
-and HSDP (FSDP inside ``dp_shard_cp``, gradients all-reduced over ``dp_replicate``).
+"""ZeRO-3 / fully sharded data parallel (Rajbhandari et al. 2020; Zhao et al. 2023, "PyTorch FSDP")
+and HSDP; hooks, traffic and memory: docs/sharded_data_parallel.md, "ZeRO-3 / FSDP".
 
-Parameters are grouped into units (``fsdp_units.default_units``: the token embedding, each
-transformer block, and the head = final norm + output projection; with tied embeddings the head is
-a second *segment* of the embedding's unit, which stays gathered between its segments). Each unit's
-parameters are sharded along dim 0 with padding
-(``flat_shard``) into one flat fp32 (master-dtype) shard per rank; the module keeps, under its own
-names, unsharded compute-dtype ``nn.Parameter`` s whose storage is allocated only while gathered
-(``untyped_storage().resize_``), so autograd's saved references see the re-gathered values.
-
-Per microbatch, for unit u (N = |dp_shard_cp|; "next" / "previous" follow the forward order of
-segments):
-
-* forward pre-hook: all-gather u (or wait for its prefetch), then start the asynchronous
-  all-gather of the next unit (forward prefetch);
-* forward post-hook: register a pre-backward hook on u's output; free u's unsharded storage unless
-  ``reshard_after_forward=False`` (parameters stay gathered until u's backward: the ZeRO-2-like
-  mode Llama 3 used) or u is the last unit and ``keep_last_unit=True`` (its backward comes first);
-* pre-backward (gradient of u's output ready): all-gather u again if it was freed, and prefetch the
-  previous unit;
-* post-backward (every parameter of u accumulated its gradient): pack the gradients, free them and
-  the unsharded storage, and reduce-scatter asynchronously in ``reduce_dtype``; shards accumulate
-  over microbatches in the master dtype. Units are reduced strictly in reverse order of their
-  first segment on every rank; an autograd end-of-backward callback reduces units whose parameters got no gradient.
-  ZeRO-3 reduces every microbatch: ``no_sync`` is a no-op (no full gradient is kept).
-* activation-checkpoint recompute (a forward run inside backward) gathers without prefetching and
-  never frees: the unit is freed after its gradients are reduced.
-
-Traffic per rank per microbatch: all-gather forward + all-gather backward + reduce-scatter =
-(N-1)/N Psi_pad (2 b_c + b_r) = 3 (N-1)/N Psi_pad b when the dtypes agree (b_c compute, b_r
-reduce bytes); units kept gathered skip the backward all-gather. HSDP adds, once per step,
-2 (R-1)/R Psi_pad / N b_r over ``dp_replicate``. Model state per parameter: 16/N bytes (fp32 shard,
-fp32 gradient shard, two fp32 Adam moments) plus the gathered units.
-
-Expert parallel (``expert_names``): each MoE layer's routed experts form a unit nested in their
-block's unit, gathered and reduce-scattered over ``edp_shard`` (``domains.py``, ``units.py``); in
-forward order it comes right after its block, so the block's pre-forward prefetches it, and it
-is reduced before its block (its gradients are complete first). HSDP replicas all-reduce both
-domains over ``dp_replicate``.
-
-Unsharded parameters are placeholders outside a unit's forward / backward; read weights through
-``model_state_dict()``. A parameter shared by two different units is rejected.
-
-Instrumentation is attached by the caller through ``observers`` (``observe.py``): ``on_gather``
-(prefetched or on-demand all-gather waited on) and ``on_state`` (a unit gathered, a gradient
-arrived, a reduce-scatter started); with no observer the hooks do no extra work.
-"""
+Units (``units.default_units``) are sharded along dim 0 with padding (``flat_shard``); the module
+keeps unsharded compute-dtype parameters whose storage exists only while gathered
+(``untyped_storage().resize_``), so autograd's saved references see the re-gathered values. Units
+reduce-scatter strictly in reverse order of their first segments on every rank (an end-of-backward
+callback takes units that got no gradient); ZeRO-3 reduces every microbatch, so ``no_sync`` is a
+no-op; checkpoint recompute gathers without prefetching and never frees. Outside a unit's forward /
+backward the parameters are placeholders: read ``model_state_dict()``."""
 from __future__ import annotations
 
 import contextlib
@@ -66,24 +28,17 @@ def _in_backward() -> bool:
 
 
 class FullyShardedDataParallel(ShardedDataParallelBase):
-    """ZeRO-3 over ``mesh.group("dp_shard_cp")``; HSDP when ``dp_replicate`` > 1; expert units over
-    ``edp_shard``.
+    """ZeRO-3 over ``dp_shard_cp``; HSDP when ``dp_replicate`` > 1; expert units over ``edp_shard``.
 
     Args:
-        module: the model, full parameters in the master dtype, equal on all ranks.
+        module: the model, full master-dtype parameters, equal on all ranks.
         mesh: the ``Mesh``.
-        units: ``(name, segments)`` (default ``default_units``); segments run in the order their
-            first modules are registered in ``module`` (true for ndtrain's Transformer).
-        reshard_after_forward: free gathered parameters after each unit's forward (after its last
-            segment; a unit stays gathered between its segments).
-        keep_last_unit: keep the unit of the forward-last segment gathered into its backward.
-        compute_dtype / reduce_dtype: all-gather + compute dtype, reduce-scatter dtype (None =
-            master dtype).
-        expert_names: the expert parameters (``apply_ep``'s names; empty without expert parallel):
-            their modules become units of the expert domain.
-    Raises ValueError if a parameter belongs to no unit or to two units (tied weights must share
-    a unit, as ``default_units`` arranges).
-    """
+        units: ``(name, segments)`` (default ``default_units``), run in registration order.
+        reshard_after_forward: free a unit after its forward (after its last segment).
+        keep_last_unit: keep the forward-last unit gathered into its backward.
+        compute_dtype / reduce_dtype: gather + compute, reduce-scatter dtypes (None = master).
+        expert_names: ``apply_ep``'s expert parameters (empty without ep).
+    Raises ValueError if a parameter belongs to no unit or to two (tied weights share a unit)."""
 
     def __init__(self, module: nn.Module, mesh, units=None, reshard_after_forward: bool = True,
                  keep_last_unit: bool = True, compute_dtype: torch.dtype | None = None,
@@ -137,11 +92,9 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
 
     @contextlib.contextmanager
     def gathered(self, params):
-        """Inside: every unit holding one of ``params`` (unsharded parameters of the model) is
-        gathered; on exit the units this call gathered are freed again (their storage, not their
-        gradients). For the zero-bubble W pass (``pp.split_backward``), whose weight gradients may
-        read parameters freed since B. Units are gathered in unit order; collective over each
-        unit's shard group, so every rank of it must call this with the same units."""
+        """Inside: every unit holding one of ``params`` is gathered; on exit those this call gathered are
+        freed. For the zero-bubble W pass, which may read parameters freed since B. Collective over each
+        unit's shard group: every rank must pass the same units."""
         ids = {id(p) for p in params}
         units = [u for u in self.units if any(id(p) in ids for p in u.full)]
         mine = [u for u in units if u.state != "gathered"]
@@ -250,8 +203,8 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
         self._callback_queued = False
 
     def finish_grad_sync(self) -> None:
-        """All-reduce the accumulated shards over ``dp_replicate`` (HSDP) and hand them to the
-        sharded parameters' ``.grad`` (zeros if no backward ran)."""
+        """All-reduce shards over ``dp_replicate`` (HSDP) and set them as ``.grad`` (zeros if no backward
+        ran)."""
         self._drain()
         self._publish_grad_shards(self.units, self.units[0].shard.device)
 
@@ -261,9 +214,8 @@ class FullyShardedDataParallel(ShardedDataParallelBase):
 
     # --- accounting ---------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """params: fp32 shards (the masters); grads: gradient shards; optim: Adam state;
-        buffers (transient, about one or two units): gathered parameters, a unit's full gradients
-        before its reduce-scatter, communication buffers."""
+        """params: fp32 master shards; grads: gradient shards; optim: Adam state; buffers (about one or two
+        units): gathered parameters, a unit's full gradients before reduce-scatter, comm buffers."""
         grads = [u.acc for u in self.units if u.acc is not None]
         grads += [e.param.grad for e in self.entries if e.param.grad is not None]
         optim = []

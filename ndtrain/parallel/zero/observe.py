@@ -1,17 +1,7 @@
-"""Instrumentation of the sharded data-parallel hooks, kept out of their hot paths.
-
-``ZeroDataParallel`` and ``FullyShardedDataParallel`` hold ``observers`` (an ``Observers``): named
-slots the caller fills. With every slot empty a hook does one truthiness test and no other work.
-An observer implements any of:
-
-* ``on_gather(dp, prefetched)`` - ZeRO-3 waited on a unit's all-gather; ``prefetched`` tells whether
-  it had been started ahead (forward / backward prefetch) or was issued on demand;
-* ``on_state(dp)`` - the tensors ``dp`` holds just changed (a unit gathered, a gradient arrived, a
-  reduction launched): the points where in-hook memory peaks are sampled
-  (``ndtrain.mem_account.MemorySampler`` reads ``dp.memory_tensors()``).
-
-Attach: ``dp.observers["gathers"] = GatherCounter()``; detach: ``dp.observers["gathers"] = None``.
-"""
+"""Observers of the sharded data-parallel hooks, out of their hot paths (empty slots: one truthiness
+test). ``on_gather(dp, prefetched)``: ZeRO-3 waited on an all-gather; ``on_state(dp)``: the held
+tensors changed (where ``mem_account.MemorySampler`` samples). Attach:
+``dp.observers["gathers"] = GatherCounter()``; ``None`` detaches."""
 from __future__ import annotations
 
 

@@ -1,22 +1,10 @@
 """The gradient reduction ZeRO-1/2 buckets and ZeRO-3 units share (Rajbhandari et al. 2020).
 
-A *group* (a ZeRO-1/2 bucket or a ZeRO-3 unit) has a ``layout`` (``flat_shard.FlatShardLayout``),
-``domain`` (its ``domains.ShardDomain``: dense or expert, which names the groups below),
-``entries`` (its ``ShardEntry`` s), ``pending`` (reduce-scatters in flight: ``(work, out (S,),
-in (N*S,))``) and ``acc`` (its accumulated gradient shard (S,), master dtype, or None).
-
-* ``_pack_grads``: the group's full gradients (zeros for parameters that got none) packed into
-  the padded reduce-scatter input in ``reduce_dtype``; the full gradients are dropped.
-* ``_start_reduce``: asynchronous reduce-scatter over the domain's shard group (``dp_shard_cp``;
-  ``edp_shard`` for experts); at most two groups are in
-  flight (the older one is completed first), which bounds the communication buffers.
-* ``_complete``: wait and add the reduced shard into ``acc`` (master dtype).
-* ``_publish_grad_shards``: end of the step: HSDP all-reduce over the domain's replicate group
-  (``dp_replicate``) and hand ``acc``
-  to the master parameters as ``.grad`` views.
-
-Groups of zero elements (only empty parameters) issue no collective.
-"""
+A group (bucket or unit) has ``layout``, ``domain``, ``entries``, ``pending`` reduce-scatters
+(``(work, out (S,), in (N*S,))``) and ``acc`` (accumulated shard (S,), master dtype). Gradients are
+packed in ``reduce_dtype`` and reduce-scattered over the domain's shard group, at most two groups
+in flight (bounding buffers); at the end of the step the shards are all-reduced over
+``dp_replicate`` and handed to the masters as ``.grad``. Empty groups issue no collective."""
 from __future__ import annotations
 
 import torch
@@ -27,8 +15,8 @@ from ndtrain.parallel.zero.observe import Observers
 
 
 class GradShardReducer:
-    """Mixin of ``ZeroDataParallel`` / ``FullyShardedDataParallel``; they set ``master_dtype``,
-    ``reduce_dtype``, give every group a ``domain`` and call ``_init_reducer()``."""
+    """Mixin of the ZeRO wrappers; they set ``master_dtype``, ``reduce_dtype``, each group's ``domain``,
+    and call ``_init_reducer()``."""
 
     def _init_reducer(self) -> None:
         self._inflight: list = []  # groups with a reduce-scatter in flight, oldest first
@@ -81,10 +69,8 @@ class GradShardReducer:
             self._complete(self._inflight.pop(0))
 
     def _publish_grad_shards(self, groups, device: torch.device) -> None:
-        """End of backward: all-reduce each group's accumulated gradient shard ``acc`` over
-        ``dp_replicate`` (HSDP), in ``reduce_dtype``, then hand it to the master parameters as
-        ``.grad`` views. A group that saw no backward gets zeros, so every rank steps the same
-        optimizer state."""
+        """All-reduce each group's ``acc`` over ``dp_replicate`` in ``reduce_dtype`` and set it as the
+        masters' ``.grad``; a group without backward gets zeros (every rank steps the same state)."""
         works = []
         for g in groups:
             if g.acc is None:

@@ -1,35 +1,12 @@
-"""What ZeRO-1/2 and ZeRO-3 share: sharded fp32 master parameters, AdamW over them, global-norm
-clipping of gradient shards, and state dicts that look the same under every layout (the gradient
-reduction they share is in ``reduce.py``).
+"""What ZeRO-1/2 and ZeRO-3 share: fp32 master shards, AdamW over them, clipping, layout-free state
+dicts (docs/sharded_data_parallel.md, "Checkpoints that reshard").
 
-Each trainable parameter of the model becomes a ``ShardEntry``: its padded dim-0 shard (a view into
-a flat master buffer, see ``flat_shard``) wrapped as an ``nn.Parameter`` that the optimizer steps.
-AdamW is elementwise, so stepping shards is exactly stepping the full tensors (Rajbhandari et al.
-2020, ZeRO); the decoupled weight decay still skips 1-D parameters because a shard keeps its
-parameter's number of dims. Padding rows hold zeros with zero gradients and stay zero.
-
-State dicts (the checkpoint contract, ``ndtrain.checkpoint.dcp``):
-
-* model: ``{fqn: tensor}`` with the model's own names and global shapes, in the master dtype
-  (fp32 / fp64, never the bf16 compute copy), as DTensors ``Shard(0)`` over ``dp_shard_cp``
-  (``(Replicate(), Shard(0))`` over ``dp_replicate x dp_shard_cp`` for HSDP; expert weights under
-  expert parallel: ``Shard(0)`` over ep, then over ``edp_shard``, see ``domains.py``) whose local
-  tensors are views of the live shards, so ``dcp.load`` writes in place; a 0-d parameter is presented
-  whole on every rank (broadcast from the shard rank holding it: a 0-d DTensor cannot be sharded);
-  every persistent buffer (e.g. the MoE ``expert_bias``) and frozen parameter, whole and equal on
-  every rank, under its global name, exactly as ``model.state_dict()`` of one process names it;
-* optimizer: ``{"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}``, the
-  format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, with the groups
-  (decay, no-decay) listing FQNs in the order plain data parallel uses.
-
-A checkpoint saved under any of DDP / ZeRO-1/2/3 / HSDP / one process, with or without expert
-parallel, therefore loads under any other: DCP matches tensors by name and global shape and
-reshards the chunks.
-
-Each entry belongs to a shard domain (``domains.py``): dense parameters are sharded over
-``dp_shard_cp``, expert parameters (ep > 1) over ``edp_shard``; both are replicated over
-``dp_replicate``.
-"""
+A ``ShardEntry``'s padded dim-0 shard is the optimizer's parameter; AdamW is elementwise, so this
+is stepping the full tensors (ZeRO, Rajbhandari et al. 2020), and a shard keeps its number of dims
+(decay still skips 1-D parameters). State dicts use the single-process names and global shapes:
+DTensors viewing the live shards (``dcp.load`` writes in place), 0-d parameters and buffers whole,
+optimizer state in ``get_optimizer_state_dict`` format, so a checkpoint of any layout loads under
+any other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,15 +23,10 @@ from ndtrain.parallel.zero.reduce import GradShardReducer
 
 @dataclass
 class ShardEntry:
-    """One model parameter seen through its shard.
-
-    Attributes: ``fqn`` (model name), ``shape`` (global), ``layout`` / ``index`` (where it lives in
-    its flat buffer), ``param`` (padded master shard (r, *rest), the optimizer's parameter),
-    ``axes`` (mesh axes the parameter was already split over before data parallel, e.g. ("tp",)),
-    ``aliases`` (further names of a tied parameter; the state dict lists it under every name),
-    ``domain`` (its ``ShardDomain``: where it is sharded and how it is presented; ``shape`` is
-    rank-local, e.g. (E/ep, ...) for an expert weight).
-    """
+    """One parameter seen through its shard: ``fqn``, ``shape`` (rank-local pre-ZeRO, e.g. (E/ep, ...)),
+    ``layout`` / ``index`` (place in the flat buffer), ``param`` (padded shard (r, *rest)), ``axes``
+    (axes already split before dp, e.g. ("tp",)), ``aliases`` (further names of a tied parameter),
+    ``domain`` (its ``ShardDomain``)."""
 
     fqn: str
     shape: torch.Size
@@ -75,8 +47,7 @@ class ShardEntry:
 
 
 def replicated_state(module: nn.Module, sharded_names: set[str]) -> dict[str, torch.Tensor]:
-    """Persistent buffers and parameters not in ``sharded_names`` (frozen ones), under the names
-    ``module.state_dict()`` gives them (every name of a shared module)."""
+    """Persistent buffers and frozen parameters, under ``module.state_dict()``'s names."""
     out = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
@@ -90,14 +61,11 @@ def replicated_state(module: nn.Module, sharded_names: set[str]) -> dict[str, to
 
 
 class ShardedDataParallelBase(GradShardReducer):
-    """Optimizer / clipping / state-dict half of the data-parallel interface for sharded layouts.
+    """Optimizer / clipping / state-dict half of the sharded layouts' data-parallel interface.
 
-    Subclasses call ``_init_domains(mesh, expert_names)`` first (the shard domains: ``self.dense``
-    and, with expert parallel, ``self.expert``; ``self.shard_group`` / ``self.replicate_group`` are
-    the dense domain's groups), set ``self.module``, ``self.entries`` (in ``named_parameters``
-    order, each with its domain), call ``GradShardReducer._init_reducer()``, and may override
-    ``_after_step`` / ``_after_load``.
-    """
+    Subclasses call ``_init_domains(mesh, expert_names)``, set ``self.module`` and ``self.entries``
+    (``named_parameters`` order), call ``GradShardReducer._init_reducer()``, and may override
+    ``_after_step`` / ``_after_load``."""
 
     module: nn.Module
     entries: list[ShardEntry]
@@ -109,8 +77,7 @@ class ShardedDataParallelBase(GradShardReducer):
         self.observers["memory"] = sampler
 
     def _init_domains(self, mesh, expert_names=()) -> None:
-        """The dense domain, and the expert one when ``expert_names`` (the expert parameters
-        ``apply_ep`` returned) is not empty (``domains.py``)."""
+        """The dense domain, plus the expert one when ``expert_names`` is not empty."""
         self.dense = dense_domain(mesh)
         self.expert = expert_domain(mesh) if expert_names else None
         self.expert_names = set(expert_names)
@@ -121,7 +88,7 @@ class ShardedDataParallelBase(GradShardReducer):
 
     @staticmethod
     def _present(local: torch.Tensor, e: ShardEntry):
-        """This rank's valid rows ``local`` of entry ``e`` as the global tensor (module docstring)."""
+        """This rank's valid rows ``local`` of entry ``e`` as the global tensor."""
         return e.domain.present(local, e.shape)
 
     @staticmethod
@@ -131,8 +98,8 @@ class ShardedDataParallelBase(GradShardReducer):
 
     # --- optimizer -------------------------------------------------------------------------
     def build_optimizer(self, tcfg) -> torch.optim.Optimizer:
-        """AdamW (``ndtrain.optim.build_optimizer``) over the master shards, state created eagerly
-        so state dicts exist before step 1; a step post-hook runs ``_after_step``."""
+        """AdamW over the master shards, state created eagerly (state dicts exist before step 1); a step
+        post-hook runs ``_after_step``."""
         opt = build_optimizer([(e.fqn, e.param) for e in self.entries], tcfg, eager_state=True)
         self.optimizer = opt
         opt.register_step_post_hook(lambda *_: self._after_step())
@@ -145,12 +112,9 @@ class ShardedDataParallelBase(GradShardReducer):
         """Called after model weights were loaded into the master shards."""
 
     def clip_grad_norm(self, max_norm: float, mesh=None) -> float:
-        """Global-norm clipping over the gradient shards: each element is counted once. Padding is
-        excluded by taking only valid rows; a dense shard's squares are summed over
-        ``dp_shard_cp`` (its row chunks) plus the axes the parameter carries (tp, pp); an expert
-        shard's over ``edp_shard`` (its row chunks) and ``ep`` (the expert blocks, tagged on the
-        parameter): edp_shard x ep covers the dp_shard x cp block once, as dp_shard_cp does.
-        Replicas over ``dp_replicate`` hold equal shards and are not summed."""
+        """Global-norm clipping over valid gradient rows, each element counted once: dense squares summed over
+        ``dp_shard_cp`` and the parameter's own axes (tp, pp); expert squares over ``edp_shard`` and ``ep``
+        (which together cover dp_shard x cp once). ``dp_replicate`` replicas are not summed."""
         skip = {id(p) for p in self.norm_uncounted}
         items = [(e.valid(e.param.grad), (e.domain.shard_group.name,) + e.axes)
                  for e in self.entries if e.param.grad is not None and id(e.param) not in skip]
@@ -159,8 +123,8 @@ class ShardedDataParallelBase(GradShardReducer):
 
     # --- state dicts ------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
-        """``{fqn: master weights}`` with global shapes, plus persistent buffers and frozen
-        parameters; the keys of one process's ``model.state_dict()`` (see the module docstring)."""
+        """``{fqn: master weight}`` (global shapes) plus buffers: one process's ``model.state_dict()``
+        keys."""
         out = {}
         for e in self.entries:
             t = self._present(e.valid(e.param.detach()), e)
@@ -170,8 +134,8 @@ class ShardedDataParallelBase(GradShardReducer):
 
     @torch.no_grad()
     def load_model_state_dict(self, sd: dict) -> None:
-        """Copy weights (DTensors of this layout or full tensors) into the master shards, and
-        buffers / frozen parameters into the module. Raises KeyError for a missing name."""
+        """Copy weights (DTensors of this layout or full tensors) into the shards, buffers into the module.
+        Raises KeyError for a missing name."""
         for e in self.entries:
             src = self._local_rows(sd[e.fqn], e)
             dst = e.valid(e.param.detach())
@@ -206,10 +170,8 @@ class ShardedDataParallelBase(GradShardReducer):
 
     @torch.no_grad()
     def load_optim_state_dict(self, optimizer, sd: dict) -> None:
-        """Load moments / steps (any layout) and the groups' hyperparameters (lr, betas, ...).
-
-        Raises ValueError if the saved groups list other parameters than this model's groups.
-        """
+        """Load moments / steps (any layout) and the groups' hyperparameters. Raises ValueError if the saved
+        groups list other parameters than this model's."""
         for e in self.entries:
             src, st = sd["state"][e.fqn], optimizer.state[e.param]
             if src["step"] is not st["step"]:

@@ -1,15 +1,8 @@
-"""FSDP units: which modules form a unit, and sharding a unit's parameters (``fsdp.py`` runs them).
+"""FSDP units (which modules form a unit) and sharding a unit's parameters (``fsdp`` runs them).
 
-A unit is a list of *segments*, each a list of modules run back to back in forward. Its parameters
-are sharded along dim 0 with padding into one flat master-dtype shard per rank
-(``flat_shard.FlatShardLayout``); the modules keep unsharded compute-dtype ``nn.Parameter`` s under
-their own names whose storage exists only while the unit is gathered.
-
-Under expert parallel each MoE layer's routed experts (the ``ExpertParallelExperts`` module) are a
-unit of their own, nested in their block's unit, in the expert shard domain (``domains.py``): they
-are gathered and reduce-scattered over ``edp_shard`` only, the rest of the block over
-``dp_shard_cp``. The block's unit skips the parameters of the units nested in it.
-"""
+A unit is a list of segments, each modules run back to back in forward. Under ep each MoE layer's
+experts are a unit nested in their block's, in the expert domain (``edp_shard``); the block's unit
+skips the nested unit's parameters."""
 from __future__ import annotations
 
 import torch
@@ -21,18 +14,10 @@ from ndtrain.parallel.zero.sharded_state import ShardEntry
 
 
 def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:
-    """``(name, segments)`` per unit; a segment is a list of modules run back to back in forward.
-
-    Units: the embedding, each block, the head (final norm + output), each MTP depth. With tied
-    embeddings the head is a second segment of the embedding's unit (the shared weight lives in one
-    unit). A model without ``layers`` is one unit.
-
-    MTP (``ndtrain.model.mtp``) calls the embedding and the output head once more per depth,
-    between the last block and the final norm, and the output without the final norm: so with MTP
-    the head's norm and output are segments of their own (the output gathers its unit by itself),
-    and depth k's unit ``mtp.k`` has two segments, the module's children run by its forward
-    (hnorm ... block) and its ``norm``, which the caller applies before the head.
-    """
+    """``(name, segments)`` per unit: the embedding, each block, the head, each MTP depth (a model without
+    ``layers`` is one unit). A tied head is a second segment of the embedding's unit. With MTP, which
+    calls embedding and head again per depth, the head's norm and output are separate segments and
+    depth k's unit ``mtp.k`` has two (the module's children, then its ``norm``)."""
     if not hasattr(model, "layers"):
         return [("model", [[model]])]
     mtp = getattr(model, "mtp", None)
@@ -51,8 +36,7 @@ def default_units(model: nn.Module) -> list[tuple[str, list[list[nn.Module]]]]:
 
 
 def expert_units(model: nn.Module, expert_names) -> list[tuple[str, list[list[nn.Module]]]]:
-    """``(name, segments)`` of one unit per module holding expert parameters (``expert_names``:
-    e.g. ``layers.1.moe.experts.w1``), in registration order."""
+    """One unit per module holding ``expert_names`` parameters, in registration order."""
     owners = {n.rsplit(".", 1)[0] for n in expert_names}
     return [(name, [[m]]) for name, m in model.named_modules() if name in owners]
 
@@ -76,14 +60,10 @@ class Unit:
 @torch.no_grad()
 def shard_unit(u: Unit, mod_names: dict, owner_of: dict, by_name: dict, master_dtype: torch.dtype,
                compute_dtype: torch.dtype, skip: frozenset[int] = frozenset()) -> None:
-    """Shard ``u``'s parameters over ``u.domain.shard_group`` (``skip``: ids of parameters of units
-    nested in ``u``, left to them): fill ``u.layout`` / ``u.shard`` (this rank's flat master shard),
-    replace each parameter in its module by an unsharded compute-dtype ``nn.Parameter`` with a
-    freed storage (``u.full``), and record a ``ShardEntry`` per parameter in ``u.entries`` and
-    ``by_name`` (a tied parameter met twice in ``u`` gets its second name as an alias).
-
-    Raises ValueError for a parameter already owned by another unit (``owner_of``: id -> (fqn, unit)).
-    """
+    """Shard ``u``'s parameters over ``u.domain.shard_group`` (``skip``: nested units' ids): fill
+    ``u.layout`` / ``u.shard``, replace each parameter by an unsharded compute-dtype one with freed
+    storage (``u.full``), record ``ShardEntry``s (a tied parameter's second name is an alias). Raises
+    ValueError for a parameter owned by another unit."""
     owned, tied = [], []  # (fqn, owner module, attribute, param); tied: second owners
     for m in (m for seg in u.segments for m in seg):
         prefix = mod_names[id(m)]

@@ -1,31 +1,12 @@
-"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models"): the fp32 master weights and Adam moments are sharded over ``dp_shard_cp``;
-the model keeps full parameters in the compute dtype (bf16 / fp16 under mixed precision).
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020): fp32 masters and Adam moments sharded over
+``dp_shard_cp``, full compute-dtype parameters in the model (docs/sharded_data_parallel.md).
 
-Per step, over N = |dp_shard_cp| ranks, with Psi parameters padded to Psi_pad (see ``flat_shard``):
-
-* gradients are reduce-scattered in ``reduce_dtype`` bucket by bucket (buckets and their launch
-  order: ``ndtrain.parallel.dp.buckets``, shared with DDP; the reduction: ``reduce.py``): ZeRO-1 once per step in
-  ``finish_grad_sync`` (the full gradient lives until then, as in DDP; ``no_sync`` accumulation is
-  local), ZeRO-2 from post-accumulate-grad hooks as soon as a bucket is complete, *every*
-  microbatch, freeing the full gradients right away, so a full-size gradient is never kept; the
-  reduced shards accumulate in the master dtype;
-* HSDP-style replication (``dp_replicate`` > 1): the accumulated shards are all-reduced over
-  ``dp_replicate`` once per step;
-* each rank's AdamW steps its shards; a step post-hook all-gathers the updated shards (cast to the
-  compute dtype) back into the model's parameters.
-
-Expert parallel (``expert_names``): the experts a rank holds are sharded over ``edp_shard`` instead
-(``domains.py``): their buckets reduce-scatter and all-gather there, never mixing with dense
-parameters in one bucket, and the HSDP all-reduce stays on ``dp_replicate``; N, Psi below are then
-per domain (the expert Psi is this rank's E/ep experts).
-
-Traffic per rank per step (b_r reduce bytes, b_c compute bytes, M microbatches, R replicas):
-ZeRO-1: (N-1)/N Psi_pad (b_r + b_c); ZeRO-2: (N-1)/N Psi_pad (M b_r + b_c); HSDP adds
-2 (R-1)/R Psi_pad / N b_r on ``dp_replicate``.
-Model-state bytes per parameter (bf16 compute, fp32 master + Adam, K = 12; the gradient shards
-are held in fp32): ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + (4 + 12)/N.
-"""
+Buckets (``dp.buckets``, shared with DDP) reduce-scatter in ``reduce_dtype`` (``reduce``): ZeRO-1
+once per step, ZeRO-2 every microbatch, so no full gradient is kept; a step post-hook all-gathers
+the updated shards. Expert parameters use ``edp_shard`` and never share a bucket with dense ones.
+Traffic per rank and step: ZeRO-1 (N-1)/N Psi_pad (b_r + b_c), ZeRO-2 (N-1)/N Psi_pad (M b_r +
+b_c), HSDP + 2 (R-1)/R Psi_pad / N b_r; bytes per parameter (bf16, K = 12): 2 + 2 + 12/N and
+2 + (4 + 12)/N."""
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +22,7 @@ from ndtrain.parallel.zero.sharded_state import ShardedDataParallelBase, ShardEn
 
 
 class _Bucket:
-    """Parameters of one shard domain reduced together; their master shards live in one flat
-    buffer (S,)."""
+    """Parameters of one shard domain reduced together; master shards in one flat buffer (S,)."""
 
     def __init__(self, params: list[nn.Parameter], layout: FlatShardLayout, master: torch.Tensor, domain):
         self.params, self.layout, self.master, self.domain = params, layout, master, domain
@@ -52,21 +32,14 @@ class _Bucket:
 
 
 class ZeroDataParallel(ShardedDataParallelBase):
-    """ZeRO-1 / ZeRO-2 over ``mesh.group("dp_shard_cp")`` (plus ``dp_replicate`` for HSDP); the
-    expert parameters of an expert-parallel model over ``edp_shard`` (plus ``dp_replicate``).
+    """ZeRO-1 / ZeRO-2 over ``dp_shard_cp`` (+ ``dp_replicate`` for HSDP); experts over ``edp_shard``.
 
     Args:
-        module: the model, full parameters in the master dtype (fp32 / fp64), equal on all ranks.
-        mesh: the ``Mesh``.
-        stage: 1 or 2.
-        bucket_size_bytes: bucket size in reduce-dtype bytes.
-        compute_dtype: dtype the model's parameters are cast to (None = master dtype).
-        reduce_dtype: dtype of gradient reductions (None = master dtype).
-        expert_names: the expert parameters (``apply_ep``'s names; empty without expert parallel).
-    Raises ValueError for another stage or parameters of mixed dtypes.
-    Instrumentation: ``observers`` (``observe.py``) sees ``on_state`` when a gradient arrives and
-    when a bucket's reduce-scatter starts.
-    """
+        module: the model, full master-dtype (fp32 / fp64) parameters, equal on all ranks.
+        mesh: the ``Mesh``. stage: 1 or 2. bucket_size_bytes: in reduce-dtype bytes.
+        compute_dtype / reduce_dtype: parameter and reduction dtypes (None = master).
+        expert_names: ``apply_ep``'s expert parameters (empty without ep).
+    Raises ValueError for another stage or mixed parameter dtypes."""
 
     def __init__(self, module: nn.Module, mesh, stage: int, bucket_size_bytes: int = 25 * 2**20,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
@@ -104,8 +77,7 @@ class ZeroDataParallel(ShardedDataParallelBase):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _split_domains(self, groups: list[list[tuple[str, nn.Parameter]]]) -> list[list[tuple[str, nn.Parameter]]]:
-        """Cut each bucket in two where it mixes dense and expert parameters (the part holding
-        the bucket's first parameter first): a bucket reduces over one group."""
+        """Cut each bucket where it mixes dense and expert parameters: a bucket reduces over one group."""
         out = []
         for grp in groups:
             parts: dict[str, list] = {}
@@ -132,9 +104,8 @@ class ZeroDataParallel(ShardedDataParallelBase):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """ZeRO-1: accumulate full gradients locally (they are reduced once, in
-        ``finish_grad_sync``, anyway). ZeRO-2 reduces every microbatch (never holding a full
-        gradient), so this is a no-op for it too."""
+        """No-op for both stages: ZeRO-1 reduces once in ``finish_grad_sync`` anyway, ZeRO-2 every
+        microbatch."""
         yield
 
     # --- gradient reduction (``reduce.py``) ------------------------------------------------------
@@ -155,8 +126,7 @@ class ZeroDataParallel(ShardedDataParallelBase):
         self._callback_queued = False
 
     def finish_grad_sync(self) -> None:
-        """Reduce what is left (ZeRO-1: everything), all-reduce over ``dp_replicate``, and hand
-        the gradient shards to the master parameters (``entry.param.grad``)."""
+        """Reduce what is left, all-reduce over ``dp_replicate``, set the shards as ``entry.param.grad``."""
         if self.stage == 1 or self._launcher.started:
             self._launcher.launch_rest()
         self._drain()
@@ -181,8 +151,8 @@ class ZeroDataParallel(ShardedDataParallelBase):
     _after_load = _after_step
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Tensors held per category (``ndtrain.mem_account``): model params (compute dtype),
-        gradients (full ones not yet reduced, shards), optimizer state (masters + moments)."""
+        """Per ``mem_account`` category: params (compute dtype), grads (unreduced full ones, shards),
+        optimizer state (masters + moments)."""
         params = [p for b in self.buckets for p in b.params]
         grads = [p.grad for p in params if p.grad is not None]
         grads += [b.acc for b in self.buckets if b.acc is not None]
