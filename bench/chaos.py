@@ -33,7 +33,7 @@ from ndtrain.train.metrics import read_metrics
 
 
 def _cmd(run_dir: Path, args: argparse.Namespace, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", str(args.nproc),
+    return [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", str(args.nproc),
             f"--run-dir={run_dir}", f"--data.source={corpus}", "--data.tokenizer=bytes",
             f"--data.cache_dir={cache}", f"--training.steps={args.steps}", "--training.dtype=float64",
             "--logging.log_every=1", "--training.eval_every=0", f"--checkpoint.every={args.every}",

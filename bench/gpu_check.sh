@@ -81,7 +81,7 @@ stage matmul_sweep 25 "$PY" bench/matmul_sweep.py "${MM[@]}" --out "$OUT/matmul_
 stage roofline 35 "$PY" bench/roofline.py "${RL[@]}" --out "$OUT/roofline.json" --png "$WORK/roofline.png"
 
 # the compile key is added by another change; without it that run is skipped, not failed
-if "$PY" -m ndtrain.cli.main config keys --section training 2>/dev/null | grep -q "^training.compile"; then
+if "$PY" -m ndtrain.cli.commands config keys --section training 2>/dev/null | grep -q "^training.compile"; then
   VARIANTS="eager compile triton"
 else
   VARIANTS="eager triton"; say "training.compile is not a config key here: the compile run is skipped"
@@ -92,7 +92,7 @@ for v in $VARIANTS; do
     compile) extra=(--training.kernels=eager --training.compile=true); limit=110 ;;
     triton) extra=(--training.kernels=triton); limit=70 ;;
   esac
-  stage "mfu_$v" "$limit" "$PY" -m ndtrain.cli.main train "${MODEL[@]}" "${COMMON[@]}" "${extra[@]}" \
+  stage "mfu_$v" "$limit" "$PY" -m ndtrain.cli.commands train "${MODEL[@]}" "${COMMON[@]}" "${extra[@]}" \
     --run-dir "$WORK/runs/$v"
 done
 stage zero_fsdp2 45 "$PY" bench/zero_vs_fsdp2.py "${ZF[@]}" --out "$OUT/zero_vs_fsdp2.json"

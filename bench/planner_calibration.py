@@ -75,7 +75,7 @@ def _overrides(extra: dict, steps: int) -> list[str]:
 
 def _train(run_dir: Path, nproc: int, extra: dict, steps: int, env: dict) -> float:
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", str(nproc),
            "--run-dir", str(run_dir)] + _overrides(extra, steps)
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode:

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", args.config, "--nproc",
+        cmd = [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", args.config, "--nproc",
                str(args.nproc), f"--run-dir={tmp}/run", f"--training.steps={args.steps}",
                "--logging.log_every=10", "--checkpoint.every=0", "--training.eval_every=0",
                "--logging.plot=false", "--training.sample_tokens=0"]

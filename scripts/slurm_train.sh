@@ -29,4 +29,4 @@ echo "ndtrain: ${NNODES} nodes x ${GPUS_PER_NODE} ranks, rendezvous ${HEAD_NODE}
 srun --kill-on-bad-exit=1 "${PYTHON}" -m torch.distributed.run \
     --nnodes "${NNODES}" --nproc-per-node "${GPUS_PER_NODE}" \
     --rdzv-backend c10d --rdzv-endpoint "${HEAD_NODE}:${RDZV_PORT}" --rdzv-id "${SLURM_JOB_ID}" \
-    -m ndtrain.cli.main train "$@"
+    -m ndtrain.cli.commands train "$@"

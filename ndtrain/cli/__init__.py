@@ -5,6 +5,6 @@ re-run handling (``rerun``), ``ndtrain plan`` (``plan``) and the after-training 
 
 
 def main(argv=None):
-    """The ``ndtrain`` console script (``ndtrain.cli.main.main``)."""
-    from ndtrain.cli.main import main as _main
+    """The ``ndtrain`` console script (``ndtrain.cli.commands.main``)."""
+    from ndtrain.cli.commands import main as _main
     return _main(argv)

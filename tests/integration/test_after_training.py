@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndtrain.cli.main import main
+from ndtrain.cli.commands import main
 from ndtrain.config import load_config
 from ndtrain.data import GlobalBatchSampler, TokenData, prepare_data
 from ndtrain.inference.generate import generate
@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("after")
     data = _data_args(tmp)
     run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
+    cmd = [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "2",
            "--run-dir", str(run_dir), "--parallel.tp=2", "--checkpoint.every=10",
            "--training.sample_tokens=12", *data]
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_COLOR="1")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ndtrain.checkpoint import dcp as ckpt
-from ndtrain.cli.main import main
+from ndtrain.cli.commands import main
 from ndtrain.config import load_config
 from ndtrain.data import prepare_data
 from ndtrain.train.loop import run

@@ -35,7 +35,7 @@ def _data_args(tmp_path: Path) -> list[str]:
 
 
 def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ndtrain.cli.commands", "train", *args], check=False, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -136,7 +136,7 @@ def _kill_left(pids: set[int], grace_s: float) -> list[int]:
 def test_sigint_to_launcher_stops_all_workers(tmp_path):
     """Before: a SIGINT to the launcher alone printed a traceback and left both ranks training."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
+        [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "2",
          f"--run-dir={tmp_path / 'run'}", *_data_args(tmp_path), "--training.steps=1000000",
          "--logging.log_every=1", "--training.eval_every=0", "--logging.plot=true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -170,7 +170,7 @@ def test_sigint_to_launcher_stops_all_workers(tmp_path):
 def _start_training(tmp_path: Path, run: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """A long single-process training into ``run``, returned once it printed its first step line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "1",
+        [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "1",
          f"--run-dir={run}", *_data_args(tmp_path), "--training.steps=1000000", "--logging.log_every=1",
          "--training.eval_every=0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     out, deadline = [], time.monotonic() + 240
@@ -219,7 +219,7 @@ def test_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp
     before = {p.name: p.read_bytes() for p in good.iterdir()}
     limit = 200_000  # bytes per file: config, metrics, logs fit; a checkpoint shard of the debug model does not
     assert max(len(b) for b in before.values()) > limit
-    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", *common], check=False,
+    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.commands", "train", *common], check=False,
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert proc.returncode == 1, proc.stdout + proc.stderr

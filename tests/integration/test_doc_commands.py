@@ -16,11 +16,11 @@ fixtures the guides name are created there: ``my_corpus.txt`` / ``my_docs.jsonl`
 source text) and ``llama-3.2-1b/``, a tiny Hugging Face Llama folder with a ``tokenizer.json``
 standing in for the downloaded model. In a bash block, backslash-continued lines are joined and
 ``#`` comments dropped; a command starting with ``ndtrain`` runs in this process through
-``ndtrain.cli.main.main`` (no interpreter start per command), any other through ``bash -c`` with the
+``ndtrain.cli.commands.main`` (no interpreter start per command), any other through ``bash -c`` with the
 virtual environment's ``bin`` first on ``PATH``. Each must exit 0. A python block is ``exec``'d.
 
 The tiny overrides, applied to every command that trains (``ndtrain train`` or
-``-m ndtrain.cli.main train``): process counts (``--nproc N``, ``--nproc-per-node N``) become 1 (the
+``-m ndtrain.cli.commands train``): process counts (``--nproc N``, ``--nproc-per-node N``) become 1 (the
 torchrun rehearsal keeps torchrun's environment path, with one rank); the keys in ``CAPS`` are
 lowered to their cap when the command sets them higher; the keys of ``TINY`` are appended when the
 command does not set them, and the model keys of ``TINY_MODEL`` too when ``--config`` names a
@@ -103,11 +103,11 @@ def tiny(argv: list[str], cache: Path) -> list[str]:
 
 
 def _trains(argv: list[str]) -> bool:
-    return "train" in argv and any(a in ("ndtrain", "ndtrain.cli.main") or a.endswith("/ndtrain") for a in argv)
+    return "train" in argv and any(a in ("ndtrain", "ndtrain.cli.commands") or a.endswith("/ndtrain") for a in argv)
 
 
 def _run_ndtrain(argv: list[str]) -> tuple[int, str]:
-    from ndtrain.cli.main import main
+    from ndtrain.cli.commands import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
@@ -192,7 +192,7 @@ def test_slurm_script_syntax():
     script = ROOT / "scripts" / "slurm_train.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    assert "--rdzv-backend c10d" in text and "-m ndtrain.cli.main train" in text and '"$@"' in text
+    assert "--rdzv-backend c10d" in text and "-m ndtrain.cli.commands train" in text and '"$@"' in text
 
 
 def _fixtures(work: Path, monkeypatch, hf: bool) -> None:

@@ -158,7 +158,7 @@ def test_chaos_kill9_five_times_equals_uninterrupted(tmp_path):
     args = [f"--{k}={v}" for k, v in _overrides(tmp_path, **{"training.steps": 40, "checkpoint.every": 3}).items()]
 
     def cmd(run_dir: Path, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
+        return [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "2",
                 f"--run-dir={run_dir}", *args, *extra]
 
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -90,7 +90,7 @@ def test_cli_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     corpus = _corpus(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "2",
+        [sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "2",
          f"--run-dir={run_dir}", f"--data.source={corpus}", "--data.tokenizer=bytes",
          f"--data.cache_dir={tmp_path / 'cache'}", "--training.steps=6", "--logging.log_every=3",
          "--logging.plot=true", "--training.sample_tokens=8"],

@@ -49,7 +49,7 @@ def test_wheel_ships_presets_and_trains_debug(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(target))
     where = _run([sys.executable, "-c", "import ndtrain; print(ndtrain.__file__)"], cwd=work, env=env)
     assert where.stdout.strip() == str(target / "ndtrain" / "__init__.py")  # the wheel, not the repo
-    proc = _run([sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug", "--nproc", "1",
+    proc = _run([sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug", "--nproc", "1",
                  "--run-dir=run", f"--data.source={corpus}", "--data.tokenizer=bytes",
                  f"--data.cache_dir={work / 'cache'}", "--training.steps=1", "--logging.log_every=1",
                  "--training.sample_tokens=4"], cwd=work, env=env)

@@ -1,4 +1,4 @@
-"""Discoverable configuration and the stable run directory, through ``ndtrain.cli.main.main`` in process.
+"""Discoverable configuration and the stable run directory, through ``ndtrain.cli.commands.main`` in process.
 
 ``--print-config``, ``config keys`` (checked against a synthetic schema source too, so the comment
 parser is tested on cases the real schema may not contain), did-you-mean on keys / sections /
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from ndtrain import __version__
-from ndtrain.cli.main import main
+from ndtrain.cli.commands import main
 from ndtrain.config import Config, load_config
 from ndtrain.config.keys import config_keys, format_keys
 

@@ -85,7 +85,7 @@ def test_parallel_dims():
 def test_cli_rejects_bad_layout_before_starting_processes(tmp_path):
     """The CLI exits 2 with the rule, without creating the run directory (no process started)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug",
+    proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug",
                            "--nproc", "4", f"--run-dir={run_dir}", "--training.global_batch_size=6"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -125,7 +125,7 @@ def test_validation_runs_once_per_launch(tmp_path, monkeypatch, capsys):
     """``ndtrain train`` validates in ``load_config`` (with the world size) and the launcher does not
     validate again; an edited config, or another world size, is validated anew."""
     from ndtrain.cli import launch as launch_mod
-    from ndtrain.cli.main import main
+    from ndtrain.cli.commands import main
     from ndtrain.config import load as load_mod
 
     calls = []

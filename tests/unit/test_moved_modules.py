@@ -34,8 +34,10 @@ def test_old_names_of_modules_that_became_packages():
 
 
 def test_the_console_script_and_python_dash_m():
+    """The console script ``ndtrain.cli:main`` stays a function whatever was imported before (a
+    submodule named ``main`` would shadow it once imported)."""
+    import ndtrain.cli.commands  # noqa: F401  (importing every submodule first)
     from ndtrain.cli import main
-    from ndtrain.cli.main import main as real
 
-    assert callable(main) and real.__module__ == "ndtrain.cli.main"
+    assert callable(main) and main.__module__ == "ndtrain.cli"
     assert importlib.util.find_spec("ndtrain.cli.__main__") is not None

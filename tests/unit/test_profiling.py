@@ -1,6 +1,6 @@
 """``ndtrain train --profile-steps A:B``: the window parser and a real 1-process run's Chrome trace.
 
-The run trains the ``debug`` model for 4 steps in this process through ``ndtrain.cli.main.main`` and
+The run trains the ``debug`` model for 4 steps in this process through ``ndtrain.cli.commands.main`` and
 profiles steps 2..3; the trace must be valid JSON in Chrome trace format holding exactly the two
 ``ProfilerStep#N`` ranges of the window (a trace of the wrong steps, or none, fails) and operator
 events (``aten::mm`` of the model's projections) inside them.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ndtrain.cli.main import main
+from ndtrain.cli.commands import main
 from ndtrain.config.validate import parse_profile_steps
 from ndtrain.errors import ConfigError
 from ndtrain.train.profiling import StepProfiler, trace_path

@@ -34,7 +34,7 @@ def test_second_launch_into_a_held_run_dir_is_one_line_exit_2(tmp_path):
                               cwd=ROOT)
     try:
         assert holder.stdout.readline() == "held\n"
-        proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.main", "train", "--config", "debug",
+        proc = subprocess.run([sys.executable, "-m", "ndtrain.cli.commands", "train", "--config", "debug",
                                "--nproc", "1", f"--run-dir={run}"], check=False, capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
     finally:

@@ -117,7 +117,7 @@ def _run_dir_with_checkpoint(tmp_path: Path) -> Path:
 def test_read_only_to_hf_and_json_targets_are_one_line(tmp_path, monkeypatch, capsys):
     from safetensors import SafetensorError
 
-    from ndtrain.cli.main import main
+    from ndtrain.cli.commands import main
 
     run_dir = _run_dir_with_checkpoint(tmp_path)
     before = _files(run_dir / "checkpoints" / "step_00000002")
