@@ -1,0 +1,146 @@
+"""Harness of the sharded-Muon parity tests: a tiny model trained 10 steps with
+``training.optimizer: muon`` under a layout and, inside the same rank, as one process on the whole
+global batch (``layout_parity``'s dense model; the ``moe_debug`` preset for expert parallel).
+
+Compared: every step's loss, the final parameters and the final Muon momenta and AdamW moments,
+read through the checkpoint adapter (``Trainer.tensor_state``: global names, whole tensors), all
+in float64 to 1e-8 relative. The layouts only reorder float64 sums (gradient reductions), so the
+Newton-Schulz inputs agree to ~1e-15 and, because each matrix is orthogonalised whole, so do the
+updates. Also recorded: the bytes each axis moved inside the orthogonalisation (``muon_bytes``),
+the owner plan, and, on step 0, each Muon matrix's Nesterov update and orthogonalised result as
+this rank holds them (``ortho``), for the per-slice check.
+"""
+from __future__ import annotations
+
+import torch
+
+from ndtrain.config import validate
+from ndtrain.config.load import load_config
+from ndtrain.mesh import ParallelDims
+from ndtrain.train.loop import Trainer
+from tests.parallel import layout_parity as lp
+
+STEPS = 10
+G = lp.G
+
+
+def muon_cfg(kind: str, world: int, **par):
+    """``kind`` "dense" (``layout_parity.tiny_cfg``) or "moe" (``moe_debug`` shrunk to float64, 10
+    steps, microbatches of the ep layouts' local batch so Switch statistics cover the same tokens)."""
+    if kind == "dense":
+        micro = par.pop("micro", 0)
+        cfg = lp.tiny_cfg(world, micro, **par)
+    else:
+        cfg = load_config("moe_debug", {"training.dtype": "float64", "training.steps": STEPS,
+                                        "training.global_batch_size": G, "training.micro_batch_size": 2,
+                                        "training.grad_clip": 0.05, "data.seq_len": lp.T,
+                                        "parallel.bucket_size_bytes": 4096,
+                                        **{f"parallel.{k}": v for k, v in par.items()}})
+    t = cfg.training
+    t.optimizer, t.muon_momentum, t.lr, t.weight_decay = "muon", 0.9, 1e-2, 0.1
+    validate(cfg, world)
+    return cfg
+
+
+def batch(kind: str, step: int):
+    """``layout_parity.global_batch`` (its ids are valid in ``moe_debug``'s larger vocabulary)."""
+    return lp.global_batch(step)
+
+
+def _whole(t) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _state(tr: Trainer) -> dict[str, torch.Tensor]:
+    """``{"param:<fqn>" / "<key>:<fqn>": whole tensor}`` from the checkpoint adapter."""
+    st = tr.tensor_state()
+    out = {f"param:{n}": _whole(t) for n, t in st["model"].items() if torch.is_tensor(t) and t.dim() > 0}
+    for n, s in st["optim"]["state"].items():
+        out.update({f"{k}:{n}": _whole(v) for k, v in s.items() if k != "step"})
+    return out
+
+
+def _names(tr: Trainer) -> dict[int, str]:
+    if hasattr(tr.dp, "entries"):
+        return {id(e.param): e.fqn for e in tr.dp.entries}
+    return {id(p): n for n, p in tr.model.named_parameters()}
+
+
+def _instrument(tr: Trainer, rec: dict) -> None:
+    """Record the orthogonalisation's bytes per axis every step, and step 0's inputs / outputs."""
+    f, names, stats = tr.optimizer.orthogonalize, _names(tr), tr.mesh.stats
+    rec["inner"] = f
+
+    def wrapped(params, updates, steps):
+        before = dict(stats)
+        out = f(params, updates, steps)
+        rec["muon_bytes"].append({a: stats.get(a, 0.0) - before.get(a, 0.0) for a in stats
+                                  if stats.get(a, 0.0) != before.get(a, 0.0)})
+        if "ortho" not in rec:
+            rec["ortho"] = {names[id(p)]: (u.clone(), o.clone()) for p, u, o in zip(params, updates, out)}
+        return out
+
+    tr.optimizer.orthogonalize = wrapped
+
+
+_REF: dict = {}
+
+
+def reference(kind: str) -> dict:
+    if kind not in _REF:
+        tr = Trainer(muon_cfg(kind, 1), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+        rec = {"muon_bytes": []}
+        _instrument(tr, rec)
+        rec["loss"] = [tr.step(*batch(kind, s))["loss"] for s in range(STEPS)]
+        rec["state"] = _state(tr)
+        _REF[kind] = rec
+    return _REF[kind]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def run(rank: int, world: int, layouts: dict) -> dict:
+    """Each ``{name: (kind, parallel keys)}`` layout next to its reference; per layout the worst
+    relative differences ``loss`` / ``state`` (worst key in ``worst``), ``muon_bytes`` per step,
+    the owner plan, step 0's ``ortho`` and the reference's."""
+    results = {}
+    for name, (kind, par) in layouts.items():
+        cfg = muon_cfg(kind, world, **dict(par))
+        mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
+        tr = Trainer(cfg, mesh, torch.device("cpu"))
+        ref = reference(kind)
+        rec = {"muon_bytes": []}
+        _instrument(tr, rec)
+        dp = mesh.group("dp")
+        local = G // dp.size
+        sl = slice(dp.rank * local, (dp.rank + 1) * local)
+        loss = 0.0
+        for s in range(STEPS):
+            inputs, labels = batch(kind, s)
+            d = tr.step(inputs[sl], labels[sl])
+            loss = max(loss, abs(d["loss"] - ref["loss"][s]) / abs(ref["loss"][s]))
+        mine = _state(tr)
+        diffs = {k: _rel(v, ref["state"][k]) for k, v in mine.items()}
+        worst = max(diffs, key=diffs.get)
+        orth = rec["inner"]
+        results[name] = {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs),
+                         "muon_bytes": rec["muon_bytes"], "ortho": rec["ortho"], "ref_ortho": ref["ortho"],
+                         "owners": dict(orth.owners), "sizes": _sizes(tr),
+                         "mesh": {a: (mesh.group(a).size, mesh.group(a).rank) for a in ("dp_shard_cp", "tp", "pp", "ep")}}
+    return results
+
+
+def _sizes(tr: Trainer) -> dict[str, int]:
+    """Padded block elements s_j of every entry (ZeRO / FSDP), from the layout itself."""
+    if not hasattr(tr.dp, "entries"):
+        return {}
+    return {e.fqn: e.layout.sizes[e.index] for e in tr.dp.entries}
+
+
+def assert_parity(res: list[dict], tol: float = 1e-8) -> None:
+    for r in res:
+        for name, v in r.items():
+            assert v["loss"] < tol and v["state"] < tol, (name, v["loss"], v["worst"], v["state"])
+            assert v["n_state"] > 0

@@ -1,0 +1,80 @@
+"""Sharded Muon equals single-process Muon (float64, 10 steps, 1e-8 relative) under ZeRO-1/2/3,
+DDP, tp2 (+SP), pp2 and ep2 on 2 ranks, with the orthogonalisation's traffic counted per axis, and
+the tp2 update the whole-matrix one, not the per-slice one. Harness: ``muon_parity``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ndtrain.ops.newton_schulz import newton_schulz
+from tests.dist_utils import run_ranks
+from tests.parallel import muon_parity as mp
+
+LAYOUTS_2 = {
+    "ddp2": ("dense", {"dp_shard": 2}),
+    "zero1": ("dense", {"dp_shard": 2, "zero_stage": 1}),
+    "zero2": ("dense", {"dp_shard": 2, "zero_stage": 2}),
+    "zero3": ("dense", {"dp_shard": 2, "zero_stage": 3}),
+    "tp2": ("dense", {"dp_shard": 1, "tp": 2}),
+    "tp2_sp": ("dense", {"dp_shard": 1, "tp": 2, "sequence_parallel": True}),
+    "pp2": ("dense", {"dp_shard": 1, "pp": 2, "micro": 1}),
+    "ep2": ("moe", {"dp_shard": 2, "ep": 2}),
+    "ep2_zero3": ("moe", {"dp_shard": 2, "ep": 2, "zero_stage": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def res2():
+    return run_ranks(mp.run, 2, LAYOUTS_2, timeout_s=900)
+
+
+def test_every_layout_equals_the_single_process_muon_run(res2):
+    mp.assert_parity(res2)
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3", "ep2_zero3"])
+def test_zero_routes_each_matrix_to_one_owner_and_counts_its_bytes(res2, stage):
+    """N = 2: each rank sends every block it does not own once and its own matrices' other block
+    once, so Psi_muon_pad float64 bytes per step in all, on dp_shard_cp only. Stacked experts are
+    whole matrices in their dim-0 blocks: never routed."""
+    for r in res2:
+        v = r[stage]
+        names, owner, sizes = v["owners"]["dp_shard_cp"]
+        assert sizes == [v["sizes"][n] for n in names]
+        assert not [n for n in names if ".experts." in n]
+        dense = [n for n in v["ortho"] if ".experts." not in n]
+        assert sorted(names) == sorted(dense)
+        want = 8 * sum(sizes)
+        assert all(b == {"dp_shard_cp": want} for b in v["muon_bytes"]), (v["muon_bytes"][0], want)
+        assert set(owner) == {0, 1}  # both ranks orthogonalise something
+    assert res2[0][stage]["owners"] == res2[1][stage]["owners"]  # one plan on every rank
+
+
+def test_ddp_and_ep_orthogonalise_in_place_without_traffic(res2):
+    for r in res2:
+        for name in ("ddp2", "ep2"):
+            assert all(b == {} for b in r[name]["muon_bytes"]), (name, r[name]["muon_bytes"][0])
+        assert any(".experts." in n for n in r["ep2"]["ortho"])
+
+
+def test_tp2_gathers_each_split_matrix_and_is_not_per_slice(res2):
+    """The tp2 update of a split matrix is the tp slice of the whole matrix's Newton-Schulz; the
+    slice's own Newton-Schulz (a different optimizer) is far from it."""
+    for r in res2:
+        v = r["tp2"]
+        tp_size, tp_rank = v["mesh"]["tp"]
+        split = 0
+        for name, (u, o) in v["ortho"].items():
+            ref_u, ref_o = v["ref_ortho"][name]
+            if u.shape == ref_u.shape:
+                continue  # replicated over tp
+            split += 1
+            dim = next(d for d in range(u.dim()) if u.shape[d] != ref_u.shape[d])
+            want = ref_o.chunk(tp_size, dim)[tp_rank]
+            assert (o - want).abs().max() < 1e-10 * want.abs().max(), name
+            per_slice = newton_schulz(u, 5)
+            assert (per_slice - want).abs().max() > 0.1 * want.abs().max(), name
+        assert split >= 6  # wq, wk, wv, wo, w1, w2, w3 of each layer (kv heads may replicate)
+        # one all-gather over tp of every split matrix: (tp - 1) x its local bytes
+        local = sum(u.numel() for name, (u, _) in v["ortho"].items() if u.shape != v["ref_ortho"][name][0].shape)
+        assert all(b == {"tp": (tp_size - 1) * 8 * local} for b in v["muon_bytes"]), v["muon_bytes"][0]
