@@ -27,12 +27,12 @@ G = lp.G
 def muon_cfg(kind: str, world: int, **par):
     """``kind`` "dense" (``layout_parity.tiny_cfg``) or "moe" (``moe_debug`` shrunk to float64, 10
     steps, microbatches of the ep layouts' local batch so Switch statistics cover the same tokens)."""
+    micro = par.pop("micro", 0)
     if kind == "dense":
-        micro = par.pop("micro", 0)
         cfg = lp.tiny_cfg(world, micro, **par)
     else:
         cfg = load_config("moe_debug", {"training.dtype": "float64", "training.steps": STEPS,
-                                        "training.global_batch_size": G, "training.micro_batch_size": 2,
+                                        "training.global_batch_size": G, "training.micro_batch_size": micro or 2,
                                         "training.grad_clip": 0.05, "data.seq_len": lp.T,
                                         "parallel.bucket_size_bytes": 4096,
                                         **{f"parallel.{k}": v for k, v in par.items()}})
@@ -86,15 +86,18 @@ def _instrument(tr: Trainer, rec: dict) -> None:
 _REF: dict = {}
 
 
-def reference(kind: str) -> dict:
-    if kind not in _REF:
-        tr = Trainer(muon_cfg(kind, 1), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+def reference(kind: str, micro: int = 0) -> dict:
+    """The single-process run (cached per process); ``micro`` matters for "moe" only (the
+    microbatches the layout's ranks see: Switch statistics)."""
+    key = (kind, micro if kind == "moe" else 0)
+    if key not in _REF:
+        tr = Trainer(muon_cfg(kind, 1, micro=key[1]), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
         rec = {"muon_bytes": []}
         _instrument(tr, rec)
         rec["loss"] = [tr.step(*batch(kind, s))["loss"] for s in range(STEPS)]
         rec["state"] = _state(tr)
-        _REF[kind] = rec
-    return _REF[kind]
+        _REF[key] = rec
+    return _REF[key]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,7 +113,7 @@ def run(rank: int, world: int, layouts: dict) -> dict:
         cfg = muon_cfg(kind, world, **dict(par))
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
         tr = Trainer(cfg, mesh, torch.device("cpu"))
-        ref = reference(kind)
+        ref = reference(kind, dict(par).get("micro", 0))
         rec = {"muon_bytes": []}
         _instrument(tr, rec)
         dp = mesh.group("dp")
@@ -144,3 +147,57 @@ def assert_parity(res: list[dict], tol: float = 1e-8) -> None:
         for name, v in r.items():
             assert v["loss"] < tol and v["state"] < tol, (name, v["loss"], v["worst"], v["state"])
             assert v["n_state"] > 0
+
+
+def resume(rank: int, world: int, ckpt_dir: str, src: dict, dst: dict, save_at: int = 5) -> dict:
+    """``src`` trains ``save_at`` steps and saves a checkpoint; ``dst`` (another layout on the same
+    ranks) loads it and trains the rest. Returns the worst relative differences to the
+    uninterrupted single-process run (losses of the resumed steps, final state) and the path."""
+    from pathlib import Path
+
+    from ndtrain.checkpoint import dcp as ckpt
+
+    ref = reference("dense")
+    trs = []
+    for par in (src, dst):
+        cfg = muon_cfg("dense", world, **dict(par))
+        trs.append(Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu")))
+    a, b = trs
+    losses = [_local_step(a, s) for s in range(save_at)]
+    path = ckpt.save_checkpoint(Path(ckpt_dir), save_at, a.tensor_state(),
+                                {"step": save_at, "scheduler": a.scheduler.state_dict()})
+    state = b.tensor_state()
+    meta = ckpt.load_checkpoint(path, state)
+    b.load_tensor_state(state)
+    b.scheduler.load_state_dict(meta["scheduler"])
+    losses += [_local_step(b, s) for s in range(save_at, STEPS)]
+    diffs = {k: _rel(v, ref["state"][k]) for k, v in _state(b).items()}
+    worst = max(diffs, key=diffs.get)
+    loss = max(abs(x - y) / abs(y) for x, y in zip(losses, ref["loss"]))
+    return {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs), "path": str(path)}
+
+
+def _local_step(tr: Trainer, s: int) -> float:
+    dp = tr.mesh.group("dp")
+    local = G // dp.size
+    inputs, labels = batch("dense", s)
+    return tr.step(inputs[dp.rank * local:(dp.rank + 1) * local], labels[dp.rank * local:(dp.rank + 1) * local])["loss"]
+
+
+def resume_one_process(path: str, save_at: int = 5) -> dict:
+    """The checkpoint resumed in one plain process: worst relative differences as ``resume``."""
+    from pathlib import Path
+
+    from ndtrain.checkpoint import dcp as ckpt
+
+    ref = reference("dense")
+    tr = Trainer(muon_cfg("dense", 1), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+    state = tr.tensor_state()
+    meta = ckpt.load_checkpoint(Path(path), state)
+    tr.load_tensor_state(state)
+    tr.scheduler.load_state_dict(meta["scheduler"])
+    losses = [tr.step(*batch("dense", s))["loss"] for s in range(save_at, STEPS)]
+    diffs = {k: _rel(v, ref["state"][k]) for k, v in _state(tr).items()}
+    worst = max(diffs, key=diffs.get)
+    loss = max(abs(x - y) / abs(y) for x, y in zip(losses, ref["loss"][save_at:]))
+    return {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs)}
