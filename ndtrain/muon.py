@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ndtrain.ops.newton_schulz import newton_schulz
+from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
 
 MUON_SCALES = ("moonlight", "original")
 EXPERT_MODULE = "experts"  # a name part: stacked (E, F, C) expert weights, one matrix per expert
@@ -101,6 +101,16 @@ class Muon(torch.optim.Optimizer):
 
     def matrix_shape(self, p: torch.Tensor) -> tuple[int, int]:
         return self.shapes.get(id(p), tuple(p.shape[-2:]))
+
+    def ns_flops_per_step(self) -> int:
+        """Newton-Schulz FLOPs this rank runs per step (HFU counts them, MFU does not): the
+        orthogonaliser's ``flops_per_step`` where it has one (sharded layouts), else every Muon
+        tensor here, each (E, F, C) batch as E matrices."""
+        steps = next((g["ns_steps"] for g in self.param_groups if g["kind"] == "muon"), 0)
+        if hasattr(self.orthogonalize, "flops_per_step"):
+            return self.orthogonalize.flops_per_step(steps)
+        return sum(ns_flops(*p.shape[-2:], steps, p.shape[0] if p.dim() == 3 else 1)
+                   for g in self.param_groups if g["kind"] == "muon" for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure=None):

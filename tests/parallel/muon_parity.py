@@ -92,7 +92,7 @@ def reference(kind: str, micro: int = 0) -> dict:
     key = (kind, micro if kind == "moe" else 0)
     if key not in _REF:
         tr = Trainer(muon_cfg(kind, 1, micro=key[1]), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
-        rec = {"muon_bytes": []}
+        rec = {"muon_bytes": [], "ns_flops": tr.optimizer.ns_flops_per_step()}
         _instrument(tr, rec)
         rec["loss"] = [tr.step(*batch(kind, s))["loss"] for s in range(STEPS)]
         rec["state"] = _state(tr)
@@ -114,7 +114,7 @@ def run(rank: int, world: int, layouts: dict) -> dict:
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
         tr = Trainer(cfg, mesh, torch.device("cpu"))
         ref = reference(kind, dict(par).get("micro", 0))
-        rec = {"muon_bytes": []}
+        rec = {"muon_bytes": [], "ns_flops": tr.optimizer.ns_flops_per_step()}
         _instrument(tr, rec)
         dp = mesh.group("dp")
         local = G // dp.size
@@ -131,6 +131,7 @@ def run(rank: int, world: int, layouts: dict) -> dict:
         results[name] = {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs),
                          "muon_bytes": rec["muon_bytes"], "ortho": rec["ortho"], "ref_ortho": ref["ortho"],
                          "owners": dict(orth.owners), "sizes": _sizes(tr),
+                         "ns_flops": rec["ns_flops"], "ref_ns_flops": ref["ns_flops"],
                          "mesh": {a: (mesh.group(a).size, mesh.group(a).rank) for a in ("dp_shard_cp", "tp", "pp", "ep")}}
     return results
 

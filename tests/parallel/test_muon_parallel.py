@@ -78,3 +78,15 @@ def test_tp2_gathers_each_split_matrix_and_is_not_per_slice(res2):
         # one all-gather over tp of every split matrix: (tp - 1) x its local bytes
         local = sum(u.numel() for name, (u, _) in v["ortho"].items() if u.shape != v["ref_ortho"][name][0].shape)
         assert all(b == {"tp": (tp_size - 1) * 8 * local} for b in v["muon_bytes"]), v["muon_bytes"][0]
+
+
+def test_ns_flops_each_matrix_once_per_shard_group(res2):
+    """HFU's Newton-Schulz FLOPs: ZeRO splits the single process's between the 2 owners exactly
+    (experts stay with their blocks); DDP, tp2 and pp2... run what they hold: DDP and tp all of it
+    (tp orthogonalises whole matrices on every tp rank), pp2 each stage its own."""
+    for name in ("zero1", "zero2", "zero3", "ep2_zero3"):
+        v0, v1 = res2[0][name], res2[1][name]
+        assert v0["ns_flops"] + v1["ns_flops"] == v0["ref_ns_flops"] and v0["ns_flops"] > 0, name
+    for name in ("ddp2", "tp2"):
+        assert all(r[name]["ns_flops"] == r[name]["ref_ns_flops"] for r in res2)
+    assert res2[0]["pp2"]["ns_flops"] + res2[1]["pp2"]["ns_flops"] == res2[0]["pp2"]["ref_ns_flops"]

@@ -148,3 +148,69 @@ def test_muon_lr_zero_means_lr_and_the_schedule_scales_both():
     sched.step()
     assert {g["kind"]: g["lr"] for g in opt.param_groups} == {"adamw": pytest.approx(1e-3 * 2 / 4),
                                                              "muon": pytest.approx(0.02 * 2 / 4)}
+
+
+def test_ns_flops_per_step_single_process():
+    from ndtrain.ops.newton_schulz import ns_flops
+
+    model = Tiny()
+    opt = build_muon(model.named_parameters(), TrainingConfig(optimizer="muon", muon_adamw_patterns="tok_embeddings.*"))
+    assert opt.ns_flops_per_step() == ns_flops(8, 6) + ns_flops(6, 9) + ns_flops(4, 6, batch=3)
+
+
+def _trainer(**training):
+    from ndtrain.config import validate
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.train.trainer import Trainer
+    from tests.parallel.layout_parity import tiny_cfg
+
+    cfg = tiny_cfg(1)
+    cfg.training.optimizer = "muon"
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    validate(cfg, 1)
+    return Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+
+
+def test_a_bad_step_leaves_weights_and_momentum_untouched():
+    from tests.parallel.layout_parity import global_batch
+
+    tr = _trainer()
+    tr.nan_steps = frozenset({2})
+    tr.step(*global_batch(0))
+    snap = {id(p): (p.detach().clone(), {k: v.clone() for k, v in tr.optimizer.state[p].items()})
+            for g in tr.optimizer.param_groups for p in g["params"]}
+    out = tr.step(*global_batch(1))
+    assert out["bad_step"]
+    for g in tr.optimizer.param_groups:
+        for p in g["params"]:
+            w, st = snap[id(p)]
+            assert torch.equal(p.detach(), w) and all(torch.equal(tr.optimizer.state[p][k], v) for k, v in st.items())
+    assert not tr.step(*global_batch(2))["bad_step"]
+    wq = tr.model.layers["0"].attention.wq.weight
+    assert float(tr.optimizer.state[wq]["step"]) == 2 and not torch.equal(wq.detach(), snap[id(wq)][0])
+
+
+def test_bf16_autocast_keeps_fp32_masters_and_trains():
+    from tests.parallel.layout_parity import global_batch
+
+    tr = _trainer(dtype="bfloat16")
+    wq = tr.model.layers["0"].attention.wq.weight
+    assert wq.dtype == torch.float32 and tr.optimizer.state[wq]["momentum_buffer"].dtype == torch.float32
+    losses = [tr.step(*global_batch(s % 2))["loss"] for s in range(6)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_fp16_overflow_skips_the_muon_step_until_the_scale_fits():
+    from tests.parallel.layout_parity import global_batch
+
+    tr = _trainer(dtype="float16", loss_scale_init=2.0 ** 24)
+    wq = tr.model.layers["0"].attention.wq.weight
+    flags = []
+    for s in range(16):
+        before, buf = wq.detach().clone(), tr.optimizer.state[wq]["momentum_buffer"].clone()
+        out = tr.step(*global_batch(s % 4))
+        flags.append(out["skipped"])
+        unchanged = torch.equal(wq.detach(), before) and torch.equal(tr.optimizer.state[wq]["momentum_buffer"], buf)
+        assert unchanged == out["skipped"], s
+    assert flags[0] and not flags[-1]

@@ -91,6 +91,21 @@ class ShardedOrthogonalizer:
         self.matrices, self.tp = matrices, tp
         self.owners: dict[str, tuple] = {}
 
+    def flops_per_step(self, steps: int) -> int:
+        """NS FLOPs this rank runs per step: its own routed matrices (the plan every call makes
+        when every matrix has a gradient, as sharded layouts guarantee) and every unrouted one."""
+        mats = list(self.matrices.values())
+        total = sum(m.flops(steps) for m in mats if not m.routed)
+        groups: dict[str, list[Matrix]] = {}
+        for m in mats:
+            if m.routed:
+                groups.setdefault(m.route[2].name, []).append(m)
+        for ms in groups.values():
+            group = ms[0].route[2]
+            owner = assign_owners([m.flops(steps) for m in ms], group.size)
+            total += sum(m.flops(steps) for m, o in zip(ms, owner) if o == group.rank)
+        return total
+
     def _whole(self, m: Matrix, x: torch.Tensor, steps: int) -> torch.Tensor:
         """NS of this rank's tp-local matrix ``x``, gathered over tp first when split."""
         full = tp_full_tensor(x, m.tp, self.tp) if m.tp is not None else x
