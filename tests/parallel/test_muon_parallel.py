@@ -90,3 +90,25 @@ def test_ns_flops_each_matrix_once_per_shard_group(res2):
     for name in ("ddp2", "tp2"):
         assert all(r[name]["ns_flops"] == r[name]["ref_ns_flops"] for r in res2)
     assert res2[0]["pp2"]["ns_flops"] + res2[1]["pp2"]["ns_flops"] == res2[0]["pp2"]["ref_ns_flops"]
+
+
+LAYOUTS_2_MIXERS = {
+    "moe_tp2": ("moe", {"dp_shard": 1, "tp": 2}),
+    "moe_tp2_expert_tp2": ("moe", {"dp_shard": 1, "tp": 2, "expert_tp": 2}),
+    "hybrid_tp2": ("hybrid", {"dp_shard": 1, "tp": 2}),
+    "hybrid_zero2": ("hybrid", {"dp_shard": 2, "zero_stage": 2}),
+}
+
+
+@pytest.mark.slow
+def test_moe_under_tp_and_gated_deltanet_mixers_equal_the_single_process_run():
+    """MoE under tp (experts whole per tp rank, and each expert's hidden split over tp: gathered
+    per expert), and the ``hybrid_debug`` preset (Gated DeltaNet's fused in_proj_qkvz split block
+    by block over tp; ZeRO-2 routing of its projections)."""
+    res = run_ranks(mp.run, 2, LAYOUTS_2_MIXERS, timeout_s=900)
+    mp.assert_parity(res)
+    for r in res:
+        assert all(set(b) == {"tp"} for b in r["moe_tp2_expert_tp2"]["muon_bytes"])
+        # expert_tp = 2 also gathers the experts' hidden: more tp bytes than whole experts
+        assert r["moe_tp2_expert_tp2"]["muon_bytes"][0]["tp"] > r["moe_tp2"]["muon_bytes"][0]["tp"]
+        assert all(set(b) == {"dp_shard_cp"} for b in r["hybrid_zero2"]["muon_bytes"])
