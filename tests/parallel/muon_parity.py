@@ -204,3 +204,38 @@ def resume_one_process(path: str, save_at: int = 5) -> dict:
     worst = max(diffs, key=diffs.get)
     loss = max(abs(x - y) / abs(y) for x, y in zip(losses, ref["loss"][save_at:]))
     return {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs)}
+
+
+def diloco_twin(rank: int, world: int, steps: int = 6, h: int = 2) -> float:
+    """DiLoCo (dp_replicate 2, H = ``h``, outer Nesterov lr 0.7 / momentum 0.9) with Muon as the
+    inner optimizer against two single-process Muon trainers (one per replica, same half batches)
+    and the outer step written out (``tests/parallel/test_diloco.py``'s AdamW twin). Returns the
+    worst relative weight difference at the end."""
+    def build(w: int, **par) -> Trainer:
+        cfg = muon_cfg("dense", w, **par)
+        if w > 1:
+            cfg.training.local_sgd_steps, cfg.training.outer_lr, cfg.training.outer_momentum = h, 0.7, 0.9
+            validate(cfg, w)
+        return Trainer(cfg, ParallelDims.from_config(cfg.parallel, w).build_mesh(), torch.device("cpu"))
+
+    dil = build(world, dp_replicate=2, dp_shard=1)
+    reps = [build(1) for _ in range(2)]
+    weights = lambda tr: {k: v.detach().clone() for k, v in tr.model.state_dict().items()}  # noqa: E731
+    anchor = weights(reps[0])
+    buf = {k: torch.zeros_like(v) for k, v in anchor.items()}
+    half = G // 2
+    for s in range(steps):
+        x, y = batch("dense", s)
+        dil.step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+        for r, tr in enumerate(reps):
+            tr.step(x[r * half:(r + 1) * half], y[r * half:(r + 1) * half])
+        if (s + 1) % h == 0:
+            ws = [weights(tr) for tr in reps]
+            for k in anchor:
+                g = anchor[k] - (ws[0][k] + ws[1][k]) / 2
+                buf[k] = g if s + 1 == h else 0.9 * buf[k] + g
+                anchor[k] = anchor[k] - 0.7 * (g + 0.9 * buf[k])
+            for tr in reps:
+                tr.model.load_state_dict(anchor)
+    got = weights(dil)
+    return max(_rel(got[k], anchor[k]) for k in got if got[k].dim() > 0)

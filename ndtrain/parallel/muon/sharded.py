@@ -21,10 +21,12 @@ What a rank holds of a Muon matrix W (tp-global (m, n); experts (E, F, C)):
   orthogonalises every matrix (redundant compute, no traffic).
 
 Traffic per step and rank of the ZeRO routing over N shard ranks, b bytes per master element,
-s_j = padded block elements of matrix j (``FlatShardLayout.sizes``), ``mine`` the matrices this rank
-owns: ``b (sum_{j not mine} s_j + (N-1) sum_{j mine} s_j)`` (``route_bytes``), ~ 2 (N-1)/N Psi_muon b
-when balanced; exactly Psi_muon_pad b for N = 2. TP adds one all-gather of each matrix over tp
-((tp-1)/tp of its bytes) on the ranks that orthogonalise it.
+s_j = padded block elements of matrix j on one rank (``FlatShardLayout.sizes``: Psi_j,pad / N),
+``mine`` the matrices this rank owns: ``b (sum_{j not mine} s_j + (N-1) sum_{j mine} s_j)``
+(``route_bytes``: the blocks it sends to owners, then its own results' blocks to the N-1 others),
+~ 2 (N-1)/N^2 Psi_muon,pad b when balanced (2/N of a ZeRO parameter all-gather's (N-1)/N Psi b);
+exactly Psi_muon,pad b / 2 for N = 2. TP adds one all-gather of each split matrix over tp
+((tp-1) x its local bytes) on the ranks that orthogonalise it.
 """
 from __future__ import annotations
 
