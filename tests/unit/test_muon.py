@@ -214,3 +214,16 @@ def test_fp16_overflow_skips_the_muon_step_until_the_scale_fits():
         unchanged = torch.equal(wq.detach(), before) and torch.equal(tr.optimizer.state[wq]["momentum_buffer"], buf)
         assert unchanged == out["skipped"], s
     assert flags[0] and not flags[-1]
+
+
+def test_resume_keeps_the_optimizer():
+    from ndtrain.parallel.muon.rules import check_resume
+
+    check_resume({}, TrainingConfig())  # an older run dir without the key: adamw
+    check_resume({"optimizer": "muon"}, TrainingConfig(optimizer="muon"))
+    with pytest.raises(ConfigError) as e:
+        check_resume({}, TrainingConfig(optimizer="muon"))
+    assert str(e.value) == ("training.optimizer ('adamw' -> 'muon') cannot change on resume: the checkpoints hold "
+                            "the other optimizer state; keep it, or use a new --run-dir")
+    with pytest.raises(ConfigError, match=r"training.muon_adamw_patterns \('x' -> "):
+        check_resume({"optimizer": "muon", "muon_adamw_patterns": "x"}, TrainingConfig(optimizer="muon"))

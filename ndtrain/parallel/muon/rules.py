@@ -20,3 +20,17 @@ def check(t) -> None:
         raise ConfigError(f"training.muon_momentum ({t.muon_momentum}) must be in [0, 1)")
     if t.muon_lr < 0:
         raise ConfigError(f"training.muon_lr ({t.muon_lr}) must be >= 0 (0 = training.lr)")
+
+
+def check_resume(saved: dict, t) -> None:
+    """A checkpoint holds one optimizer's state (AdamW moments or Muon momenta, per group): raise
+    ConfigError when ``training.optimizer`` (or, for Muon, the AdamW name patterns, which decide
+    the groups) differs from ``saved`` (the run's saved ``training`` section; a missing key is the
+    default)."""
+    defaults = type(t)()
+    keys = ("optimizer", "muon_adamw_patterns") if t.optimizer == "muon" else ("optimizer",)
+    for key in keys:
+        old, new = saved.get(key, getattr(defaults, key)), getattr(t, key)
+        if old != new:
+            raise ConfigError(f"training.{key} ({old!r} -> {new!r}) cannot change on resume: the checkpoints "
+                              f"hold the other optimizer state; keep it, or use a new --run-dir")
