@@ -152,7 +152,7 @@ def assert_parity(res: list[dict], tol: float = 1e-8) -> None:
             assert v["n_state"] > 0
 
 
-def resume(rank: int, world: int, ckpt_dir: str, src: dict, dst: dict, save_at: int = 5) -> dict:
+def resume(rank: int, world: int, ckpt_dir: str, src: dict, dst: dict, save_at: int = 5, kind: str = "dense") -> dict:
     """``src`` trains ``save_at`` steps and saves a checkpoint; ``dst`` (another layout on the same
     ranks) loads it and trains the rest. Returns the worst relative differences to the
     uninterrupted single-process run (losses of the resumed steps, final state) and the path."""
@@ -160,46 +160,47 @@ def resume(rank: int, world: int, ckpt_dir: str, src: dict, dst: dict, save_at: 
 
     from ndtrain.checkpoint import dcp as ckpt
 
-    ref = reference("dense")
+    micro = src.get("micro", 0)
+    ref = reference(kind, micro)
     trs = []
     for par in (src, dst):
-        cfg = muon_cfg("dense", world, **dict(par))
+        cfg = muon_cfg(kind, world, **dict(par))
         trs.append(Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu")))
     a, b = trs
-    losses = [_local_step(a, s) for s in range(save_at)]
+    losses = [_local_step(a, s, kind) for s in range(save_at)]
     path = ckpt.save_checkpoint(Path(ckpt_dir), save_at, a.tensor_state(),
                                 {"step": save_at, "scheduler": a.scheduler.state_dict()})
     state = b.tensor_state()
     meta = ckpt.load_checkpoint(path, state)
     b.load_tensor_state(state)
     b.scheduler.load_state_dict(meta["scheduler"])
-    losses += [_local_step(b, s) for s in range(save_at, STEPS)]
+    losses += [_local_step(b, s, kind) for s in range(save_at, STEPS)]
     diffs = {k: _rel(v, ref["state"][k]) for k, v in _state(b).items()}
     worst = max(diffs, key=diffs.get)
     loss = max(abs(x - y) / abs(y) for x, y in zip(losses, ref["loss"]))
     return {"loss": loss, "state": diffs[worst], "worst": worst, "n_state": len(diffs), "path": str(path)}
 
 
-def _local_step(tr: Trainer, s: int) -> float:
+def _local_step(tr: Trainer, s: int, kind: str) -> float:
     dp = tr.mesh.group("dp")
     local = G // dp.size
-    inputs, labels = batch("dense", s)
+    inputs, labels = batch(kind, s)
     return tr.step(inputs[dp.rank * local:(dp.rank + 1) * local], labels[dp.rank * local:(dp.rank + 1) * local])["loss"]
 
 
-def resume_one_process(path: str, save_at: int = 5) -> dict:
+def resume_one_process(path: str, save_at: int = 5, kind: str = "dense", micro: int = 0) -> dict:
     """The checkpoint resumed in one plain process: worst relative differences as ``resume``."""
     from pathlib import Path
 
     from ndtrain.checkpoint import dcp as ckpt
 
-    ref = reference("dense")
-    tr = Trainer(muon_cfg("dense", 1), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+    ref = reference(kind, micro)
+    tr = Trainer(muon_cfg(kind, 1, micro=micro), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
     state = tr.tensor_state()
     meta = ckpt.load_checkpoint(Path(path), state)
     tr.load_tensor_state(state)
     tr.scheduler.load_state_dict(meta["scheduler"])
-    losses = [tr.step(*batch("dense", s))["loss"] for s in range(save_at, STEPS)]
+    losses = [tr.step(*batch(kind, s))["loss"] for s in range(save_at, STEPS)]
     diffs = {k: _rel(v, ref["state"][k]) for k, v in _state(tr).items()}
     worst = max(diffs, key=diffs.get)
     loss = max(abs(x - y) / abs(y) for x, y in zip(losses, ref["loss"][save_at:]))

@@ -1,8 +1,9 @@
 """Sharded Muon on 4 ranks (float64, 10 steps, 1e-8 relative to the single-process Muon run):
 ZeRO-3 over 4 shards (owners spread over 4 ranks), HSDP with ZeRO-3 and ZeRO-1, tp2 x ZeRO-3 and
 tp2 x ZeRO-1 + SP (the owner gathers over tp), cp2 x ZeRO-3, pp2 x ZeRO-2, ep2 x ZeRO-1 (experts
-sharded over edp_shard 2); and a checkpoint of dp4 ZeRO-3 resumed under tp2 x dp2 ZeRO-1 and in
-one plain process. On 8 ranks (slow): pp2 x dp2 x tp2 with ZeRO-3. Harness: ``muon_parity``."""
+sharded over edp_shard 2); a checkpoint of dp4 ZeRO-3 resumed under tp2 x dp2 ZeRO-1 and in one
+plain process, and one of ep2 x ZeRO-3 under ep4 x ZeRO-1 and in one process. On 8 ranks (slow):
+pp2 x dp2 x tp2 with ZeRO-3. Harness: ``muon_parity``."""
 from __future__ import annotations
 
 import pytest
@@ -22,10 +23,14 @@ LAYOUTS_4 = {
 }
 SRC = {"dp_shard": 4, "zero_stage": 3}
 DST = {"dp_shard": 2, "tp": 2, "zero_stage": 1}
+MOE_SRC = {"dp_shard": 4, "ep": 2, "zero_stage": 3, "micro": 1}  # experts over ep, then edp_shard
+MOE_DST = {"dp_shard": 4, "ep": 4, "zero_stage": 1, "micro": 1}
 
 
 def _all(rank: int, world: int, ckpt_dir: str) -> dict:
-    return {"parity": mp.run(rank, world, LAYOUTS_4), "resume": mp.resume(rank, world, ckpt_dir, SRC, DST)}
+    return {"parity": mp.run(rank, world, LAYOUTS_4),
+            "resume": mp.resume(rank, world, ckpt_dir + "/dense", SRC, DST),
+            "resume_moe": mp.resume(rank, world, ckpt_dir + "/moe", MOE_SRC, MOE_DST, kind="moe")}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +69,16 @@ def test_a_zero3_checkpoint_resumes_under_tp2_zero1_and_in_one_process(res4):
         v = r["resume"]
         assert v["loss"] < 1e-8 and v["state"] < 1e-8, v
     one = mp.resume_one_process(res4[0]["resume"]["path"])
+    assert one["loss"] < 1e-8 and one["state"] < 1e-8, one
+
+
+@pytest.mark.slow
+def test_an_ep2_zero3_checkpoint_resumes_under_ep4_zero1_and_in_one_process(res4):
+    """Expert momenta saved as ep x edp_shard DTensors load into another ep degree and one process."""
+    for r in res4:
+        v = r["resume_moe"]
+        assert v["loss"] < 1e-8 and v["state"] < 1e-8, v
+    one = mp.resume_one_process(res4[0]["resume_moe"]["path"], kind="moe", micro=1)
     assert one["loss"] < 1e-8 and one["state"] < 1e-8, one
 
 
