@@ -29,12 +29,12 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.parallel.muon.sharded import route_bytes  # noqa: E402
-from ndtrain.spawn import spawn  # noqa: E402
-from ndtrain.tools.bench_utils import write_result  # noqa: E402
-from ndtrain.train.loop import Trainer  # noqa: E402
+from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.parallel.muon.sharded import route_bytes
+from ndtrain.spawn import spawn
+from ndtrain.tools.bench_utils import write_result
+from ndtrain.train.loop import Trainer
 
 C, L, F, VOCAB, B, T = 256, 4, 688, 2048, 8, 128
 

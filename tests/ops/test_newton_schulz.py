@@ -1,5 +1,7 @@
 """Newton-Schulz orthogonalisation: singular values in the quintic's band, exactly the scalar map
 of the input's, for square, tall and wide matrices; batches, zeros, FLOP count."""
+import itertools
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -43,7 +45,7 @@ def test_singular_values_in_band_square_tall_wide(m, n):
 def test_each_step_lifts_the_small_singular_values_and_five_is_the_default():
     g, _ = _matrix(24, 40, seed=3, s_min=0.004)  # normalised smallest ~0.002
     low = [torch.linalg.svdvals(newton_schulz(g, k)).min().item() for k in range(6)]
-    assert all(a < b for a, b in zip(low, low[1:])) and low[-1] >= BAND[0] > low[-2]
+    assert all(a < b for a, b in itertools.pairwise(low)) and low[-1] >= BAND[0] > low[-2]
     assert torch.equal(newton_schulz(g), newton_schulz(g, 5))
 
 

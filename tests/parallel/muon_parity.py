@@ -221,7 +221,7 @@ def diloco_twin(rank: int, world: int, steps: int = 6, h: int = 2) -> float:
 
     dil = build(world, dp_replicate=2, dp_shard=1)
     reps = [build(1) for _ in range(2)]
-    weights = lambda tr: {k: v.detach().clone() for k, v in tr.model.state_dict().items()}  # noqa: E731
+    weights = lambda tr: {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
     anchor = weights(reps[0])
     buf = {k: torch.zeros_like(v) for k, v in anchor.items()}
     half = G // 2

@@ -4,7 +4,6 @@ the tp2 update the whole-matrix one, not the per-slice one. Harness: ``muon_pari
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ndtrain.ops.newton_schulz import newton_schulz
 from tests.dist_utils import run_ranks

@@ -51,7 +51,7 @@ def test_owner_routing_bytes_on_4_shards(res4):
     plans = []
     for r in res4:
         v = r["parity"]["zero3_dp4"]
-        names, owner, sizes = v["owners"]["dp_shard_cp"]
+        _, owner, sizes = v["owners"]["dp_shard_cp"]
         me = v["mesh"]["dp_shard_cp"][1]
         mine = sum(s for s, o in zip(sizes, owner) if o == me)
         want = 8 * (sum(sizes) - mine + 3 * mine)

@@ -59,7 +59,7 @@ class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        mk = lambda *s: nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64))  # noqa: E731
+        mk = lambda *s: nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64))
         self.tok_embeddings = nn.ParameterDict({"weight": mk(10, 6)})
         self.wq = nn.ParameterDict({"weight": mk(8, 6)})  # wide after transpose: tall
         self.w2 = nn.ParameterDict({"weight": mk(6, 9)})
