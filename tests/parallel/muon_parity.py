@@ -25,12 +25,12 @@ G = lp.G
 
 
 def muon_cfg(kind: str, world: int, **par):
-    """``kind`` "dense" (``layout_parity.tiny_cfg``), "moe" (``moe_debug``) or "hybrid"
+    """``kind`` "dense" / "tied" (``layout_parity.tiny_cfg``, untied / tied embeddings), "moe" (``moe_debug``) or "hybrid"
     (``hybrid_debug``: Gated DeltaNet mixers with fused projections, MoE), the presets in float64,
     10 steps, microbatches of the ep layouts' local batch so Switch statistics cover the same tokens."""
     micro = par.pop("micro", 0)
-    if kind == "dense":
-        cfg = lp.tiny_cfg(world, micro, **par)
+    if kind in ("dense", "tied"):
+        cfg = lp.tiny_cfg(world, micro, tie=kind == "tied", **par)
     else:
         preset = {"moe": "moe_debug", "hybrid": "hybrid_debug"}[kind]
         cfg = load_config(preset, {"training.dtype": "float64", "training.steps": STEPS,
@@ -91,7 +91,7 @@ _REF: dict = {}
 def reference(kind: str, micro: int = 0) -> dict:
     """The single-process run (cached per process); ``micro`` matters for "moe" only (the
     microbatches the layout's ranks see: Switch statistics)."""
-    key = (kind, micro if kind != "dense" else 0)
+    key = (kind, micro if kind in ("moe", "hybrid") else 0)
     if key not in _REF:
         tr = Trainer(muon_cfg(kind, 1, micro=key[1]), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
         rec = {"muon_bytes": [], "ns_flops": tr.optimizer.ns_flops_per_step()}

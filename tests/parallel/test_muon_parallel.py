@@ -104,6 +104,8 @@ LAYOUTS_2_MORE = {
     "ddp2": ("dense", {"dp_shard": 2}),
     "tp2_sp": ("dense", {"dp_shard": 1, "tp": 2, "sequence_parallel": True}),
     "ep2_zero3": ("moe", {"dp_shard": 2, "ep": 2, "zero_stage": 3}),
+    "pp2_tied": ("tied", {"dp_shard": 1, "pp": 2, "micro": 1}),
+    "zero3_tied": ("tied", {"dp_shard": 2, "zero_stage": 3}),
     "moe_tp2": ("moe", {"dp_shard": 1, "tp": 2}),
     "moe_tp2_expert_tp2": ("moe", {"dp_shard": 1, "tp": 2, "expert_tp": 2}),
     "hybrid_tp2": ("hybrid", {"dp_shard": 1, "tp": 2}),
@@ -113,7 +115,9 @@ LAYOUTS_2_MORE = {
 
 @pytest.mark.slow
 def test_more_2_rank_layouts_equal_the_single_process_run():
-    """DDP (no traffic), tp2 + SP, ep2 x ZeRO-3 (dense matrices routed, experts in place); MoE
+    """DDP (no traffic), tp2 + SP, ep2 x ZeRO-3 (dense matrices routed, experts in place), tied
+    embeddings under pp2 (the embedding on the first stage, the head on the last: AdamW both, the
+    tied-gradient sum as with AdamW) and ZeRO-3; MoE
     under tp (experts whole per tp rank, and each expert's hidden split over tp: gathered per
     expert), and the ``hybrid_debug`` preset (Gated DeltaNet's fused in_proj_qkvz split block by
     block over tp; ZeRO-2 routing of its projections)."""
@@ -123,6 +127,7 @@ def test_more_2_rank_layouts_equal_the_single_process_run():
     assert res[0]["ep2_zero3"]["ns_flops"] + res[1]["ep2_zero3"]["ns_flops"] == res[0]["ep2_zero3"]["ref_ns_flops"]
     for r in res:
         assert all(b == {} for b in r["ddp2"]["muon_bytes"])
+        assert not [n for n in r["pp2_tied"]["ortho"] if n.startswith(("tok_embeddings", "output"))]
         assert all(set(b) == {"tp"} for b in r["moe_tp2_expert_tp2"]["muon_bytes"])
         # expert_tp = 2 also gathers the experts' hidden: more tp bytes than whole experts
         assert r["moe_tp2_expert_tp2"]["muon_bytes"][0]["tp"] > r["moe_tp2"]["muon_bytes"][0]["tp"]
