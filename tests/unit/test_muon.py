@@ -227,3 +227,25 @@ def test_resume_keeps_the_optimizer():
                             "the other optimizer state; keep it, or use a new --run-dir")
     with pytest.raises(ConfigError, match=r"training.muon_adamw_patterns \('x' -> "):
         check_resume({"optimizer": "muon", "muon_adamw_patterns": "x"}, TrainingConfig(optimizer="muon"))
+
+
+def test_the_metrics_row_adds_newton_schulz_flops_to_hfu_not_mfu():
+    from types import SimpleNamespace
+
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.train import loop, metrics
+    from tests.parallel.layout_parity import tiny_cfg
+
+    cfg = tiny_cfg(1)
+    model = Tiny()
+    for opt, ns in ((build_muon(model.named_parameters(), TrainingConfig(optimizer="muon")), True),
+                    (torch.optim.SGD(model.parameters(), lr=0.1), False)):
+        r = SimpleNamespace(cfg=cfg, mesh=ParallelDims(world_size=1).build_mesh(), device=torch.device("cpu"),
+                            world=1, trainer=SimpleNamespace(optimizer=opt))
+        out = {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0}
+        row = loop._log_row(r, 10, out, [2.0, 4], fpt=1e6, peak=1e9)  # 4 steps in 2 s
+        tps = 4 * cfg.training.global_batch_size * cfg.data.seq_len / 2.0
+        assert row["mfu"] == pytest.approx(1e6 * tps / 1e9)
+        hfu = row["mfu"] * metrics.hfu_factor(cfg.model, cfg.data.seq_len, "none")
+        extra = opt.ns_flops_per_step() * 4 / 2.0 / 1e9 if ns else 0.0
+        assert row["hfu"] == pytest.approx(hfu + extra) and (extra > 0) == ns
