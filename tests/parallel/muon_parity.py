@@ -96,7 +96,8 @@ def reference(kind: str, micro: int = 0) -> dict:
         tr = Trainer(muon_cfg(kind, 1, micro=key[1]), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
         rec = {"muon_bytes": [], "ns_flops": tr.optimizer.ns_flops_per_step()}
         _instrument(tr, rec)
-        rec["loss"] = [tr.step(*batch(kind, s))["loss"] for s in range(STEPS)]
+        outs = [tr.step(*batch(kind, s)) for s in range(STEPS)]
+        rec["loss"], rec["grad_norm"] = [o["loss"] for o in outs], [o["grad_norm"] for o in outs]
         rec["state"] = _state(tr)
         _REF[key] = rec
     return _REF[key]
@@ -134,6 +135,7 @@ def run(rank: int, world: int, layouts: dict) -> dict:
                          "muon_bytes": rec["muon_bytes"], "ortho": rec["ortho"], "ref_ortho": ref["ortho"],
                          "owners": dict(orth.owners), "sizes": _sizes(tr),
                          "ns_flops": rec["ns_flops"], "ref_ns_flops": ref["ns_flops"],
+                         "ref_grad_norm": ref["grad_norm"],
                          "mesh": {a: (mesh.group(a).size, mesh.group(a).rank) for a in ("dp_shard_cp", "tp", "pp", "ep")}}
     return results
 
@@ -146,10 +148,13 @@ def _sizes(tr: Trainer) -> dict[str, int]:
 
 
 def assert_parity(res: list[dict], tol: float = 1e-8) -> None:
+    """Every layout within ``tol`` of its reference on every rank, with clipping active (the
+    reference's gradient norm above ``training.grad_clip`` = 0.05 on every step)."""
     for r in res:
         for name, v in r.items():
             assert v["loss"] < tol and v["state"] < tol, (name, v["loss"], v["worst"], v["state"])
             assert v["n_state"] > 0
+            assert min(v["ref_grad_norm"]) > 0.05, (name, v["ref_grad_norm"])
 
 
 def resume(rank: int, world: int, ckpt_dir: str, src: dict, dst: dict, save_at: int = 5, kind: str = "dense") -> dict:
