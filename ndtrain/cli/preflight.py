@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from ndtrain.config import Config, ConfigError
+from ndtrain.parallel.muon import rules as muon_rules
 
 FROZEN_SECTIONS = ("model", "data")  # may not change once a run directory holds checkpoints
 MOVABLE_KEYS = {"data.cache_dir"}  # where the cache lives, not what is in it
@@ -118,6 +119,7 @@ def check_resume_compatible(cfg: Config, run_dir: Path) -> None:
         saved = yaml.safe_load(saved_path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{saved_path}: unreadable ({e}); move it or use a new --run-dir") from None
+    muon_rules.check_resume(saved.get("training") or {}, cfg.training)  # the optimizer state's kind
     changed = []
     for section in FROZEN_SECTIONS:
         now = getattr(cfg, section)

@@ -160,6 +160,13 @@ class TrainingConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
+    # --- optimizer (ndtrain.optim: AdamW; ndtrain.muon + ndtrain.parallel.muon: Muon; docs/optimizers.md) ---
+    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for embeddings, head, routers, norms, biases)
+    muon_lr: float = 0.0  # Muon groups' peak learning rate (0 = training.lr, right for muon_scale=moonlight; ~0.02 for original)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update (quintic, Jordan et al. 2024)
+    muon_scale: str = "moonlight"  # moonlight (0.2 sqrt(max(m, n)): AdamW's update RMS) | original (sqrt(max(1, m / n)))
+    muon_adamw_patterns: str = "tok_embeddings.*,output.*,*.router.*,*.conv1d.*"  # comma-separated fnmatch names kept on AdamW (besides 1-D params)
     activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
     kernels: str = "eager"  # eager | triton | auto: op implementations (ndtrain.model.kernels; auto = triton with CUDA)
     fused_loss: bool = False  # output head + cross-entropy fused, chunked, never the (B, T, V) logits (Triton with kernels=triton, else PyTorch; ndtrain.parallel.fused_head)

@@ -22,6 +22,7 @@ from ndtrain.mixer_spec import MixerFields, check_mixer_layout, check_mixers, no
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.dp import rules as dp_rules
 from ndtrain.parallel.ep import rules as ep_rules
+from ndtrain.parallel.muon import rules as muon_rules
 from ndtrain.parallel.pp import rules as pp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
 from ndtrain.parallel.tp import rules as tp_rules
@@ -81,6 +82,7 @@ def _validate_training(cfg) -> None:
     _check(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) must be >= 0")
     _check(t.grad_clip >= 0, f"training.grad_clip ({t.grad_clip}) must be >= 0")
     check_activation_checkpoint(t.activation_checkpoint)
+    muon_rules.check(t)
     _validate_fault(cfg)
     _validate_kernels(t)
     _validate_speed(cfg)

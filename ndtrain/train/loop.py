@@ -315,6 +315,9 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
            "comm_bytes": comm_bytes}
     row["hfu"] = row["mfu"] and row["mfu"] * metrics.hfu_factor(r.cfg.model, r.cfg.data.seq_len,
                                                                 t.activation_checkpoint)  # + recompute
+    ns = getattr(r.trainer.optimizer, "ns_flops_per_step", None)  # Muon's Newton-Schulz (this rank's)
+    if row["hfu"] and ns is not None:
+        row["hfu"] += ns() * n_steps / seconds / peak
     row.update({k: v for k, v in out.items()
                 if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
     return row

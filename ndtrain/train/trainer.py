@@ -27,6 +27,7 @@ from ndtrain.mesh import Mesh
 from ndtrain.optim import build_scheduler
 from ndtrain.parallel import comm
 from ndtrain.parallel.dp.grad_sync import max_over_mesh
+from ndtrain.parallel.muon.sharded import build_train_optimizer
 from ndtrain.parallel.parallelize import parallelize, param_dtype
 from ndtrain.parallel.pp.observe import RuntimeObserver
 from ndtrain.precision import build_loss_scaler, compute_dtype
@@ -113,7 +114,7 @@ class Trainer:
         # MoE auxiliary losses, MTP losses, expert-bias update (ndtrain.train.extras); None if dense
         self.extras = (ExtraLosses(cfg, self.model, mesh, device)
                        if cfg.model.is_moe or cfg.model.mtp_depth else None)
-        self.optimizer = self.dp.build_optimizer(t)
+        self.optimizer = build_train_optimizer(self.dp, mesh, t)  # AdamW, or Muon (training.optimizer)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step_count = 0
         self.local_batch = t.global_batch_size // mesh.dims.dp

@@ -22,7 +22,7 @@ from torch import nn
 from ndtrain.mesh import Mesh
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # AdamW, Muon
 
 
 def _ep_dtensor(value, spec) -> bool:

@@ -98,9 +98,14 @@ class ShardedDataParallelBase(GradShardReducer):
 
     # --- optimizer -------------------------------------------------------------------------
     def build_optimizer(self, tcfg) -> torch.optim.Optimizer:
-        """AdamW over the master shards, state created eagerly (state dicts exist before step 1); a step
-        post-hook runs ``_after_step``."""
+        """AdamW (``ndtrain.optim.build_optimizer``) over the master shards, state created eagerly
+        so state dicts exist before step 1; a step post-hook runs ``_after_step``."""
         opt = build_optimizer([(e.fqn, e.param) for e in self.entries], tcfg, eager_state=True)
+        return self.adopt_optimizer(opt)
+
+    def adopt_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``opt`` (over the master shards, eager state) this layout's optimizer: a step
+        post-hook runs ``_after_step`` (``ndtrain.parallel.muon`` builds Muon this way)."""
         self.optimizer = opt
         opt.register_step_post_hook(lambda *_: self._after_step())
         return opt
@@ -154,13 +159,11 @@ class ShardedDataParallelBase(GradShardReducer):
         return [[by_param[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
     def optim_state_dict(self, optimizer) -> dict:
-        """AdamW state keyed by FQN (``get_optimizer_state_dict`` format), moments as DTensors."""
+        """Optimizer state keyed by FQN (``get_optimizer_state_dict`` format), moments as DTensors."""
         state = {}
         for e in self.entries:
-            st = optimizer.state[e.param]
-            state[e.fqn] = {"step": st["step"],
-                            "exp_avg": self._present(e.valid(st["exp_avg"]), e),
-                            "exp_avg_sq": self._present(e.valid(st["exp_avg_sq"]), e)}
+            st = optimizer.state[e.param]  # step + shard-shaped moments (AdamW's, or Muon's momentum)
+            state[e.fqn] = {k: self._present(e.valid(v), e) if k != "step" else v for k, v in st.items()}
         groups = []
         for g, ents in zip(optimizer.param_groups, self._group_entries(optimizer)):
             d = {k: v for k, v in g.items() if k != "params"}
@@ -176,7 +179,7 @@ class ShardedDataParallelBase(GradShardReducer):
             src, st = sd["state"][e.fqn], optimizer.state[e.param]
             if src["step"] is not st["step"]:
                 st["step"].copy_(src["step"])
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in (k for k in st if k != "step"):
                 s, d = self._local_rows(src[k], e), e.valid(st[k])
                 if s.data_ptr() != d.data_ptr():
                     d.copy_(s)

@@ -1,0 +1,1 @@
+"""Muon on every axis: each matrix orthogonalised whole, once per shard group (``sharded.py``)."""
