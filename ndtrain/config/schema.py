@@ -160,7 +160,7 @@ class TrainingConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # global gradient-norm threshold (0 = no clipping)
-    # --- optimizer (ndtrain.optim: AdamW; ndtrain.muon + ndtrain.parallel.muon: Muon; docs/optimizers.md) ---
+    # --- optimizer (ndtrain.optim: AdamW; ndtrain.optim.muon + ndtrain.parallel.muon: Muon; docs/optimizers.md) ---
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for embeddings, head, routers, norms, biases)
     muon_lr: float = 0.0  # Muon groups' peak learning rate (0 = training.lr, right for muon_scale=moonlight; ~0.02 for original)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum

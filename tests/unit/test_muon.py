@@ -9,7 +9,7 @@ from torch import nn
 
 from ndtrain.config import TrainingConfig
 from ndtrain.errors import ConfigError
-from ndtrain.muon import build_muon, muon_param_kind, update_scale
+from ndtrain.optim.muon import build_muon, muon_param_kind, update_scale
 from ndtrain.parallel.muon.rules import check
 
 PATTERNS = TrainingConfig().muon_adamw_patterns

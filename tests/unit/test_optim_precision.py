@@ -120,7 +120,8 @@ def test_loss_scaler_takes_the_overflow_flag_reduction_from_the_caller():
     assert not scaler.unscale_and_check([torch.tensor([float("inf")])])  # one process: no reduce
 
 
-@pytest.mark.parametrize("module", ["optim.py", "precision.py"])
+@pytest.mark.parametrize("module", ["optim/adamw.py", "optim/muon.py", "optim/schedule.py", "optim/clip.py",
+                                    "precision.py"])
 def test_optim_and_precision_do_not_import_the_parallel_layer(module):
     tree = ast.parse((Path(ndtrain.__file__).parent / module).read_text())
     names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]

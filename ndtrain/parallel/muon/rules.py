@@ -5,7 +5,7 @@ from __future__ import annotations
 from ndtrain.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "muon")
-SCALES = ("moonlight", "original")  # ndtrain.muon.MUON_SCALES
+SCALES = ("moonlight", "original")  # ndtrain.optim.muon.MUON_SCALES
 
 
 def check(t) -> None:

@@ -1,5 +1,5 @@
 """Muon on a sharded layout: every matrix is orthogonalised whole, so the step is the
-single-process step (``ndtrain.muon``; docs/optimizers.md).
+single-process step (``ndtrain.optim.muon``; docs/optimizers.md).
 
 What a rank holds of a Muon matrix W (tp-global (m, n); experts (E, F, C)):
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ndtrain.muon import build_muon, ns_dtype
+from ndtrain.optim.muon import build_muon, ns_dtype
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
 from ndtrain.parallel.ep.collectives import all_to_all_v
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
@@ -193,7 +193,7 @@ def _tp_global(shape, spec) -> tuple[int, ...]:
 
 def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
     """The trainer's optimizer: ``dp.build_optimizer`` (AdamW) or, for ``training.optimizer:
-    muon``, ``ndtrain.muon.Muon`` over what ``dp`` steps (its master shards under ZeRO / FSDP,
+    muon``, ``ndtrain.optim.muon.Muon`` over what ``dp`` steps (its master shards under ZeRO / FSDP,
     the module's parameters otherwise) with a ``ShardedOrthogonalizer`` for the layout."""
     if tcfg.optimizer != "muon":
         return dp.build_optimizer(tcfg)
