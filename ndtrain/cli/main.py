@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command == "train":
-            return _train(args, extra, parser.train_flags)
+            from ndtrain.fault.goodput import job_clock  # the job's wall time starts here
+
+            with job_clock():
+                return _train(args, extra, parser.train_flags)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "config":

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ndtrain.events import log_event
+from ndtrain.fault.goodput import mark_attempt
 from ndtrain.spawn import SpawnError
 
 NEVER_RETRY = ("ConfigError", "CheckpointUnusableError")
@@ -90,6 +91,7 @@ def supervise(start: Callable[[], object], max_restarts: int, run_dir: Path,
     """
     for attempt in range(max_restarts + 1):
         try:
+            mark_attempt(attempt)  # the ranks' goodput accounting: which attempt, since when
             start()
             return attempt
         except SpawnError as e:
