@@ -98,10 +98,11 @@ def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:
 
 
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False,
-           max_restarts: int = 0) -> None:
+           max_restarts: int = 0, elastic: bool = False) -> None:
     """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
     ``announce`` prints the run directory once the checks passed; ``max_restarts`` restarts all
-    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag).
+    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag);
+    ``elastic`` continues on the surviving ranks when one is lost (``ndtrain.fault.elastic``).
 
     Returns at once, starting nothing, when the run directory already reached this job's end
     (one line; ``ndtrain.cli.rerun``). Raises ConfigError (before any rank starts) for an invalid
@@ -145,6 +146,8 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         raise ConfigError(f"--nproc ({nproc}) must be >= 1")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
+    if elastic and not max_restarts:
+        raise ConfigError("--elastic continues after a lost rank by restarting: give --max-restarts K (K >= 1)")
     validate(cfg, nproc)
     preflight(cfg, Path(run_dir), nproc)
     if _already_finished(cfg, run_dir, announce):
@@ -156,7 +159,12 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
 
         run(cfg, run_dir, data_path)
         return
+    from ndtrain.fault.elastic import Elastic
     from ndtrain.fault.supervisor import supervise
 
-    supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
-                            threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+    def attempt(c: Config, n: int):
+        return spawn(_train_rank, n, (c, str(run_dir), str(data_path)), threads=_threads_per_rank(n))
+
+    el = Elastic(cfg, nproc, Path(run_dir), attempt) if elastic else None
+    supervise(el.start if el else lambda: attempt(cfg, nproc), max_restarts, Path(run_dir),
+              on_failure=el.after_failure if el else None)
