@@ -305,7 +305,7 @@ def _per_combo(results: list[Result], ids: dict[str, int], heading: str = "## Ev
     for r in results:
         c = r.combo
         sym = f"R{ids[rule_key(r.detail)]}" if r.status == "rejected" else SYMBOL[r.status]
-        lay = c.layout + "".join(f" {k.split('.', 1)[1]}={v}" for k, v in c.extra)
+        lay = c.layout + "".join(f" {k.split('.', 1)[1]}={S._fmt(v)}" for k, v in c.extra)
         cell[(c.tier, c.world, lay, c.ac, c.dtype, c.feature, c.zero)] = sym
     L = ["", heading, "",
          ("One row per layout (and checkpointing policy / dtype); per feature, the outcome for each "
@@ -369,7 +369,10 @@ def main() -> None:
     if a.only or a.match:
         extra = RS.resume_subset() if a.resume else S.subset_combos()
         combos = [c for c in combos + extra if c.key in a.only or (a.match and a.match in c.key)]
-        combos = list({c.key: c for c in combos}.values())
+        first: dict[str, Combo] = {}
+        for c in combos:  # the product's own combination over the subset's twin of the same key
+            first.setdefault(c.key, c)
+        combos = list(first.values())
     if a.list:
         for c in combos:
             print(f"{c.key}  ->  {S.check(c) or 'valid'}")

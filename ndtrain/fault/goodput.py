@@ -59,9 +59,12 @@ def job_clock():
 
 
 def mark_attempt(attempt: int) -> None:
-    """The supervisor, before starting attempt ``attempt`` (0 = the first) inside ``job_clock``."""
+    """The supervisor, before starting attempt ``attempt`` inside ``job_clock``. The first attempt
+    keeps the job's start (the launcher's checks and data preparation are its start-up); a later
+    one starts now."""
     if _ENV_JOB in os.environ:
-        os.environ[_ENV_ATTEMPT], os.environ[_ENV_ATTEMPT_T0] = str(attempt), repr(time.time())
+        os.environ[_ENV_ATTEMPT] = str(attempt)
+        os.environ[_ENV_ATTEMPT_T0] = os.environ[_ENV_JOB] if attempt == 0 else repr(time.time())
 
 
 class Goodput:

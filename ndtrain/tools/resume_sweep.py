@@ -169,7 +169,13 @@ def _same(a, b) -> bool:
 
 
 def _state(r, world: int) -> tuple[dict, set]:
-    return _union(_flat(r.trainer.tensor_state()), world)
+    """The run's whole state: its tensors (``Trainer.tensor_state``) and what the checkpoint's
+    ``meta.json`` carries (step, LR schedule, sampler position, loss scale) under ``run.``."""
+    tr = r.trainer
+    run = {"step": tr.step_count, "scheduler": tr.scheduler.state_dict(), "sampler": r.sampler.state_dict()}
+    if tr.scaler is not None:
+        run["loss_scale"] = tr.scaler.state_dict()
+    return _union({**_flat(tr.tensor_state()), **_flat(run, "run.")}, world)
 
 
 def compare_rows(got: list[dict], want: list[dict], tol: float | None, first_step: int) -> str | None:
