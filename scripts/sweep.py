@@ -337,11 +337,12 @@ def _load(path: Path) -> tuple[list[Result], float]:
     return out, saved["seconds"]
 
 
-def _save(results: list[Result], seconds: float, path: Path, n_all: int | None = None) -> None:
+def _save(results: list[Result], seconds: float, path: Path, n_all: int | None = None, cmd: str = "") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"combo": r.combo.to_dict(), "status": r.status, "rel": r.rel, "detail": r.detail,
              "seconds": r.seconds, "extra": r.extra} for r in results]
-    path.write_text(json.dumps({"seconds": seconds, "n_all": n_all or len(results), "results": rows}, indent=1))
+    path.write_text(json.dumps({"seconds": seconds, "n_all": n_all or len(results), "cmd": cmd, "results": rows},
+                               indent=1))
 
 
 def main() -> None:
@@ -351,7 +352,7 @@ def main() -> None:
     ap.add_argument("--resume-json", type=Path, default=ROOT / "runs" / "sweep" / "resume.json")
     ap.add_argument("--only", action="append", default=[], help="exact combination key (repeatable)")
     ap.add_argument("--match", default="", help="run combinations whose key contains this text")
-    ap.add_argument("--tiers", default=",".join(S.TIERS), help="layout,ac,dtype,fused")
+    ap.add_argument("--tiers", default="", help="layout,ac,dtype,fused (default all; --resume: also resume)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one combination may take")
     ap.add_argument("--list", action="store_true", help="validate only; print each combination")
     ap.add_argument("--from-json", type=Path, help="write the doc from saved results")
@@ -359,13 +360,21 @@ def main() -> None:
     ap.add_argument("--doc", action="store_true", help="with --resume and --match / --only: still write "
                     "the doc's resume section (marked as a slice)")
     a = ap.parse_args()
+    if a.from_json and a.resume:  # the resume section again from a saved resume sweep
+        results, seconds = _load(a.from_json)
+        _splice_resume(a.out, resume_section(results, seconds, json.loads(a.from_json.read_text())["n_all"],
+                                             json.loads(a.from_json.read_text()).get("cmd", "")))
+        return
     if a.from_json:
         report(*_load(a.from_json), a.out, _resume_saved(a.resume_json))
         return
-    combos = S.enumerate_combos(tuple(a.tiers.split(",")))
-    if a.resume:
-        combos = [c for c in combos if S.check(c) is None] + RS.resume_extras()
+    tiers = a.tiers.split(",") if a.tiers else [*S.TIERS, "resume"]
+    combos = S.enumerate_combos(tuple(t for t in tiers if t in S.TIERS))
     n_all = len(combos)
+    if a.resume:  # every combination that trains, and the resume-only ones (tier "resume")
+        combos = [c for c in combos if S.check(c) is None] + (RS.resume_extras() if "resume" in tiers else [])
+        n_all = sum(S.check(c) is None for c in S.enumerate_combos()) + len(RS.resume_extras())
+    sliced = bool(a.only or a.match) or set(tiers) < {*S.TIERS, "resume"}
     if a.only or a.match:
         extra = RS.resume_subset() if a.resume else S.subset_combos()
         combos = [c for c in combos + extra if c.key in a.only or (a.match and a.match in c.key)]
@@ -380,15 +389,16 @@ def main() -> None:
     t0 = time.monotonic()
     results = run(combos, a.timeout, "resume" if a.resume else "layout")
     seconds = time.monotonic() - t0
-    if (a.only or a.match) and not (a.resume and a.doc):
+    if sliced and not (a.resume and a.doc):
         return
     if not a.resume:
         _save(results, seconds, a.json)
         report(results, seconds, a.out, _resume_saved(a.resume_json))
         return
-    _save(results, seconds, a.resume_json, n_all)
-    cmd = (f" --match \"{a.match}\"" if a.match else "") + "".join(f" --only \"{k}\"" for k in a.only)
-    if a.json.exists() and not (a.only or a.match):
+    cmd = ((f" --match \"{a.match}\"" if a.match else "") + "".join(f" --only \"{k}\"" for k in a.only)
+           + (f" --tiers {a.tiers}" if a.tiers else ""))
+    _save(results, seconds, a.resume_json, n_all, cmd)
+    if a.json.exists() and not sliced:
         report(*_load(a.json), a.out, (results, seconds, n_all))
     else:
         _splice_resume(a.out, resume_section(results, seconds, n_all, cmd))

@@ -115,6 +115,10 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if max_restarts:
             raise ConfigError("--max-restarts restarts local ranks; under torchrun use torchrun's --max-restarts")
+        if elastic:  # torchrun restarted the workers at another world size: the planner's layout
+            from ndtrain.fault.elastic import replan_for_world
+
+            cfg = replan_for_world(cfg, world, Path(run_dir), int(os.environ["RANK"]))
         validate(cfg, world)
         preflight(cfg, Path(run_dir), world)
         if _already_finished(cfg, run_dir, announce):
@@ -146,7 +150,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         raise ConfigError(f"--nproc ({nproc}) must be >= 1")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
-    if elastic and not max_restarts:
+    if elastic and not max_restarts:  # (under torchrun, torchrun's own restarts; see above)
         raise ConfigError("--elastic continues after a lost rank by restarting: give --max-restarts K (K >= 1)")
     validate(cfg, nproc)
     preflight(cfg, Path(run_dir), nproc)

@@ -29,6 +29,8 @@ Each change prints one line and logs an ``elastic`` event: ``from_world``, ``to_
 from __future__ import annotations
 
 import copy
+import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,3 +179,30 @@ def _dp(deg: dict) -> int:
 
 def _short(deg: dict) -> str:
     return " x ".join(f"{k}{v}" for k, v in deg.items() if v > 1) or "single"
+
+
+def replan_for_world(cfg: Config, world: int, run_dir: Path, rank: int, say: Callable[[str], None] = print) -> Config:
+    """Under torchrun (``--elastic``; torchrun's ``--nnodes=MIN:MAX`` restarts the workers at the
+    new world size when a node does not come back): when the run directory's newest checkpoint
+    was written by another number of ranks, the planner's layout for ``world`` (``choose_layout``);
+    rank 0 logs the ``elastic`` event and says so. Else ``cfg`` unchanged."""
+    from ndtrain.checkpoint.dcp import latest_checkpoint
+
+    path = latest_checkpoint(Path(run_dir) / "checkpoints")
+    meta = path / "meta.json" if path else None
+    if meta is None or not meta.is_file():
+        return cfg
+    before = json.loads(meta.read_text()).get("layout") or {}
+    old = math.prod(before.values()) if before else world
+    if old == world:
+        return cfg
+    new, changed = choose_layout(cfg, world)
+    if rank == 0:
+        after = _degrees(new, world)
+        reason = f"torchrun started {world} workers; the checkpoint was written by {old}"
+        log_event(run_dir, "elastic", from_world=old, to_world=world, lost_ranks=None, reason=reason,
+                  from_layout=before, to_layout=after, overrides=changed, global_batch=new.training.global_batch_size,
+                  step=int(path.name[5:]), launcher="torchrun")
+        say(f"ndtrain: elastic: {reason}; layout {_short(before)} -> {_short(after)}, global batch "
+            f"{new.training.global_batch_size} kept")
+    return new

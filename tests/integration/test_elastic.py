@@ -80,7 +80,7 @@ def test_a_rank_lost_for_good_continues_on_three_like_a_fresh_resume(tmp_path):
     assert final["restarts"] > 0 and 0 < final["goodput"] < 1
     line = next(x for x in res.output.splitlines() if x.startswith("goodput "))
     assert line.startswith(f"goodput {100 * final['goodput']:.1f}%: steps ")
-    print(line)
+    print(next(x for x in res.output.splitlines() if x.startswith("ndtrain: elastic:")), line, sep="\n")
 
 
 def test_lost_rank_detection_markers_and_repeated_failures(tmp_path):
@@ -114,3 +114,25 @@ def test_choose_layout_keeps_the_batch_and_validates_or_says_why():
                for k in changed)
     with pytest.raises(ConfigError, match=r"no layout of 3 rank\(s\) validates and fits for global batch 8"):
         choose_layout(cfg, 3)  # 8 sequences over 3 ranks: no dp; tp3 / pp3 do not split this model
+
+
+def test_torchrun_world_change_replans_from_the_checkpoint_layout(tmp_path):
+    import json
+
+    from ndtrain.fault.elastic import replan_for_world
+
+    cfg = load_config("debug", {"training.global_batch_size": 12, "training.micro_batch_size": 1}, world_size=4)
+    assert replan_for_world(cfg, 4, tmp_path, 0) is cfg  # no checkpoint: nothing to compare with
+    ck = tmp_path / "checkpoints" / "step_00000006"
+    ck.mkdir(parents=True)
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
+    (ck / "meta.json").write_text(json.dumps({"step": 6, "layout": layout}))
+    assert replan_for_world(cfg, 4, tmp_path, 0) is cfg  # the same world: the config as given
+    said = []
+    new = replan_for_world(cfg, 2, tmp_path, 0, say=said.append)
+    assert new.parallel.dp_shard == 2 and new.training.global_batch_size == 12
+    [ev] = read_events(tmp_path, "elastic")
+    assert (ev["from_world"], ev["to_world"], ev["step"], ev["launcher"]) == (4, 2, 6, "torchrun")
+    assert said == ["ndtrain: elastic: torchrun started 2 workers; the checkpoint was written by 4; layout "
+                    f"dp_shard4 -> {' x '.join(f'{k}{v}' for k, v in ev['to_layout'].items() if v > 1)}, "
+                    "global batch 12 kept"]

@@ -202,7 +202,10 @@ def test_resume_check_fails_when_the_resume_forgets_state(tmp_path, monkeypatch,
 
     combo = S.make_combo(feature, 1, {}, dtype=dtype, extra=(("training.loss_scale_growth_interval", 1),)
                          if dtype == "float16" else ())
-    assert RS.run_resume(combo, 1, tmp_path / "ok")["same"]["status"] == "pass"
+    if sabotage is _drop_sampler:  # the same combination passes unsabotaged (the others: the subset)
+        assert RS.run_resume(combo, 1, tmp_path / "ok") == {
+            "same": {"status": "pass", "detail": ""}, "other": {"status": "pass", "detail": ""},
+            "other_layout": "dense | single | zero3 | ac=none | float64"}
     monkeypatch.setattr(loop, "_resume", sabotage(loop._resume))
     v = RS.run_resume(combo, 1, tmp_path / "bad")
     assert v["same"]["status"] == "mismatch" and re.search(want, v["same"]["detail"]), v
