@@ -231,7 +231,9 @@ momentum), must equal the uninterrupted run's **bitwise**, in every dtype. A tra
 layout** of the same world size (`ndtrain.tools.resume_sweep.other_layout`) resumes the same checkpoint:
 its state right after loading must equal the uninterrupted run's at the stop step bitwise, and the steps
 after it the uninterrupted run's to the layout tolerance (float64 {rtol:g}; bf16 / fp16: finite).
-`✓` both passed, `✗` one did not (see the failures), `E` a rank raised. Totals: {totals}.
+`✓` both passed, `✗` one did not (see the failures), `E` a rank raised. Totals: {totals}. The default
+test suite runs the {n_subset} combinations of `ndtrain.tools.resume_sweep.resume_subset()`
+(`tests/integration/test_sweep.py`).
 """
 
 
@@ -242,7 +244,7 @@ def resume_section(results: list[Result], seconds: float, n_all: int, cmd: str =
     n_run = len(results)
     head = RESUME_HEAD.format(cmd=cmd, date=datetime.date.today(), minutes=seconds / 60, n_run=n_run, n_all=n_all,
                               slice_note="" if n_run >= n_all else " (a slice: the rest is not run; `·` below)",
-                              steps=RS.RESUME_STEPS, stop=RS.RESUME_STOP, rtol=S.RTOL,
+                              steps=RS.RESUME_STEPS, stop=RS.RESUME_STOP, rtol=S.RTOL, n_subset=len(RS.resume_subset()),
                               totals=", ".join(f"{v} {k}" for k, v in sorted(by.items())))
     L = ["", head, "| feature | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for f in S.FEATURES:
