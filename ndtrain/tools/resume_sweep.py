@@ -161,6 +161,17 @@ def _union(flat: dict, world: int) -> tuple[dict, set]:
     return merged, conflicts
 
 
+def _gather(obj, world: int) -> list:
+    """``obj`` of every rank, in rank order (a collective over the world)."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _same(a, b) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         return (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
@@ -279,7 +290,10 @@ def run_resume(combo: Combo, world: int, workdir: Path) -> dict:
         rows_o = [_step(o, table) for _ in range(k, n)]
         final_o, _ = _state(o, world)
         tol = TOLERANCE.get(combo.dtype)
-        v = _verdict(compare_rows(rows_o, rows_u[k:], tol, k + 1), compare_states(final_o, final_u, tol))
+        # per-replica values (DiLoCo: each replica's own gradient norm) against the same replica of U
+        by_rep = dict(reversed(_gather((mesh.group("dp_replicate").rank, rows_u), world)))
+        want = by_rep[o.mesh.group("dp_replicate").rank]
+        v = _verdict(compare_rows(rows_o, want[k:], tol, k + 1), compare_states(final_o, final_u, tol))
         if load_msg:
             v = {"status": "mismatch", "detail": f"state after loading: {load_msg}"
                  + (f"; {v['detail']}" if v["detail"] else "")}
