@@ -163,7 +163,7 @@ def _kill_loop(proc, run_dir, nproc, kinds, rng, max_delay_s, deadline, result, 
     save_misses = 0
     while kinds and proc.poll() is None and time.monotonic() < deadline:
         # a fresh attempt: all its ranks up (none of the pids killed or seen before)
-        if not _wait_for(lambda: len(set(rank_pids(proc.pid).values()) - seen) >= nproc, proc, deadline):
+        if not _wait_for(lambda n=nproc: len(set(rank_pids(proc.pid).values()) - seen) >= n, proc, deadline):
             return
         pids, up_at = rank_pids(proc.pid), time.time()
         seen.update(pids.values())

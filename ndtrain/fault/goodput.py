@@ -79,7 +79,7 @@ class Goodput:
         now = time.time()
         self.run_dir, self.rank = Path(run_dir), rank
         self.job = float(os.environ.get(_ENV_JOB, now))
-        self.attempt = int(os.environ.get(_ENV_ATTEMPT, 0))
+        self.attempt = int(os.environ.get(_ENV_ATTEMPT, "0"))
         self.t0 = float(os.environ.get(_ENV_ATTEMPT_T0, self.job if _ENV_JOB in os.environ else now))
         self.acc: dict[str, float] = defaultdict(float)
         self.n = {"steps": 0, "recomputed": 0}

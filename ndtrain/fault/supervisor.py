@@ -13,6 +13,9 @@ one start-up. Under torchrun, torchrun's own ``--max-restarts`` restarts the wor
 Never retried: ``ConfigError`` (also raised before any rank starts) and ``CheckpointUnusableError``
 (checkpoints exist but none verifies), which fail the same way every time.
 
+With ``--elastic`` (``ndtrain.fault.elastic``) a rank that does not come back (marked lost, or
+blamed twice in a row) is left out: the next attempt runs the survivors in the planner's layout.
+
 This is the restart-from-checkpoint recovery of large runs (Llama 3, Dubey et al. 2024, section
 3.3.4: 419 unexpected interruptions in 54 days, recovered by automated restarts) and of
 TorchElastic; it does not replace a rank in place.

@@ -282,23 +282,35 @@ def run_resume(combo: Combo, world: int, workdir: Path) -> dict:
     other = other_layout(combo)
     if other is not None:
         out["other_layout"] = other.key
-        cfg_b = resume_config(other)
-        o = _new_run(cfg_b, world, ParallelDims.from_config(cfg_b.parallel, world).build_mesh(), workdir / "o")
-        loop._resume(o, path)
-        loaded, _ = _state(o, world)
-        load_msg = compare_states(loaded, state_k, 0.0, skip=conflicts_k)
-        rows_o = [_step(o, table) for _ in range(k, n)]
-        final_o, _ = _state(o, world)
-        tol = TOLERANCE.get(combo.dtype)
-        # per-replica values (DiLoCo: each replica's own gradient norm) against the same replica of U
-        by_rep = dict(reversed(_gather((mesh.group("dp_replicate").rank, rows_u), world)))
-        want = by_rep[o.mesh.group("dp_replicate").rank]
-        v = _verdict(compare_rows(rows_o, want[k:], tol, k + 1), compare_states(final_o, final_u, tol))
-        if load_msg:
-            v = {"status": "mismatch", "detail": f"state after loading: {load_msg}"
-                 + (f"; {v['detail']}" if v["detail"] else "")}
-        out["other"] = v
+        try:  # DCP raises on every rank at once (its CheckpointException gathers them)
+            out["other"] = _resume_other(other, combo, world, path, mesh, rows_u, state_k, conflicts_k, final_u, k, n)
+        except Exception as e:  # noqa: BLE001 - the same-layout verdict still counts
+            last = (str(e).strip().splitlines() or [""])[-1]
+            out["other"] = {"status": "error", "detail": f"{type(e).__name__}: {last}"[:400]}
     return out
+
+
+def _resume_other(other: Combo, combo: Combo, world: int, path: Path, mesh, rows_u, state_k, conflicts_k,
+                  final_u, k: int, n: int) -> dict:
+    """O of ``run_resume``: the checkpoint at ``path`` loaded into layout ``other``, checked, trained on."""
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.train import loop
+
+    table, cfg_b = _table(), resume_config(other)
+    o = _new_run(cfg_b, world, ParallelDims.from_config(cfg_b.parallel, world).build_mesh(), path.parents[2] / "o")
+    loop._resume(o, path)
+    loaded, _ = _state(o, world)
+    load_msg = compare_states(loaded, state_k, 0.0, skip=conflicts_k)
+    rows_o = [_step(o, table) for _ in range(k, n)]
+    final_o, _ = _state(o, world)
+    tol = TOLERANCE.get(combo.dtype)
+    # per-replica values (DiLoCo: each replica's own gradient norm) against the same replica of U
+    by_rep = dict(reversed(_gather((mesh.group("dp_replicate").rank, rows_u), world)))
+    want = by_rep[o.mesh.group("dp_replicate").rank]
+    v = _verdict(compare_rows(rows_o, want[k:], tol, k + 1), compare_states(final_o, final_u, tol))
+    if load_msg:
+        v = {"status": "mismatch", "detail": f"state after loading: {load_msg}" + (f"; {v['detail']}" if v["detail"] else "")}
+    return v
 
 
 def clean(workdir: Path) -> None:
@@ -307,7 +319,8 @@ def clean(workdir: Path) -> None:
 
 def judge(outs: list[dict]) -> tuple[str, str, dict]:
     """Combine every rank's ``run_resume`` verdicts: (status, detail, extra). ``pass`` only when
-    both parts pass on every rank; else ``mismatch`` with the first rank's failing part."""
+    both parts pass on every rank; else ``mismatch`` (``error`` when a part raised) with the first
+    rank's failing part."""
     extra = {"other_layout": outs[0]["other_layout"]}
     details = []
     for part in ("same", "other"):
@@ -317,7 +330,8 @@ def judge(outs: list[dict]) -> tuple[str, str, dict]:
             rk, v = bad[0]
             where = "same layout" if part == "same" else f"other layout ({extra['other_layout']})"
             details.append(f"{where}, rank {rk}: {v['detail']}")
-    return ("mismatch" if details else "pass"), " | ".join(details), extra
+    errored = any(o[p] and o[p]["status"] == "error" for o in outs for p in ("same", "other"))
+    return ("error" if errored else "mismatch" if details else "pass"), " | ".join(details), extra
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         strag.record(dt, t_data)
         gp.step(step, dt + t_data)
         if bad_steps.after_step(guard, step, out, r.run_dir, r.rank,
-                                lambda why: gp.redo(step, bad_steps.rollback, r, _resume, why)):
+                                lambda why, s=step: gp.redo(s, bad_steps.rollback, r, _resume, why)):
             log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count,
                                      echo=con.row)
             window = [0.0, 0]  # the rows past the checkpoint are redone (metrics.prev.jsonl keeps them)

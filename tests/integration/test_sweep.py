@@ -198,7 +198,7 @@ def _drop_loss_scale(real):
     ("dense", "float16", _drop_loss_scale, r"step 3 (loss_scale|grad_norm|loss)"),
 ], ids=["sampler", "expert_bias", "loss_scale"])
 def test_resume_check_fails_when_the_resume_forgets_state(tmp_path, monkeypatch, feature, dtype, sabotage, want):
-    import ndtrain.train.loop as loop
+    from ndtrain.train import loop
 
     combo = S.make_combo(feature, 1, {}, dtype=dtype, extra=(("training.loss_scale_growth_interval", 1),)
                          if dtype == "float16" else ())
