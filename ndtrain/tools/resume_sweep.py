@@ -284,7 +284,9 @@ def run_resume(combo: Combo, world: int, workdir: Path) -> dict:
         out["other_layout"] = other.key
         try:  # DCP raises on every rank at once (its CheckpointException gathers them)
             out["other"] = _resume_other(other, combo, world, path, mesh, rows_u, state_k, conflicts_k, final_u, k, n)
-        except Exception as e:  # noqa: BLE001 - the same-layout verdict still counts
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             last = (str(e).strip().splitlines() or [""])[-1]
             out["other"] = {"status": "error", "detail": f"{type(e).__name__}: {last}"[:400]}
     return out
