@@ -52,7 +52,6 @@ class _Run:
     sampler: GlobalBatchSampler
     run_dir: Path
     saver: ckpt.CheckpointSaver | None = None  # created by the first _save
-    goodput: goodput.Goodput | None = None  # where the wall time goes (ndtrain.fault.goodput)
 
     @property
     def ckpt_root(self) -> Path:
@@ -92,7 +91,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     """``run``'s phases after set-up; ``con`` echoes rows and draws the progress (rank 0)."""
     cfg = r.cfg
     t, trainer = cfg.training, r.trainer
-    gp = r.goodput = goodput.Goodput(r.run_dir, r.rank)
+    gp = goodput.Goodput(r.run_dir, r.rank)  # where the job's wall time goes (ndtrain.fault.goodput)
     with gp.phase("checkpoint_load"):
         _start(r)
     log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count, echo=con.row)
