@@ -166,7 +166,7 @@ class Elastic:
         self.say(f"ndtrain: elastic: rank(s) {lost} lost ({reason}); continuing on {to_world} of {self.world} "
                  f"ranks from step {step}: layout {_short(before)} -> {_short(after)}; global batch "
                  f"{t1.global_batch_size} kept ({local0} -> {local1} sequences per rank, {mb0} -> {mb1} "
-                 "microbatches)")
+                 "microbatches); set " + ", ".join(f"{k}={v}" for k, v in changed.items()))
         for p in (self.run_dir / MARKER_DIR).glob("lost_rank*"):
             p.unlink()
         self.cfg, self.world, self.blamed = new, to_world, []
