@@ -306,9 +306,12 @@ def _resume_other(other: Combo, combo: Combo, world: int, path: Path, mesh, rows
     rows_o = [_step(o, table) for _ in range(k, n)]
     final_o, _ = _state(o, world)
     tol = TOLERANCE.get(combo.dtype)
-    # per-replica values (DiLoCo: each replica's own gradient norm) against the same replica of U
-    by_rep = dict(reversed(_gather((mesh.group("dp_replicate").rank, rows_u), world)))
-    want = by_rep[o.mesh.group("dp_replicate").rank]
+    # DiLoCo reports per-replica values (each replica's own gradient norm): against the same
+    # replica of U (both layouts keep dp_replicate); otherwise every rank reports the global ones
+    want = rows_u
+    if cfg_b.training.local_sgd_steps:
+        by_rep = dict(reversed(_gather((mesh.group("dp_replicate").rank, rows_u), world)))
+        want = by_rep[o.mesh.group("dp_replicate").rank]
     v = _verdict(compare_rows(rows_o, want[k:], tol, k + 1), compare_states(final_o, final_u, tol))
     if load_msg:
         v = {"status": "mismatch", "detail": f"state after loading: {load_msg}" + (f"; {v['detail']}" if v["detail"] else "")}
