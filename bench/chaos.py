@@ -4,8 +4,9 @@ Runs the same training twice in one command: uninterrupted (``--max-restarts 0``
 seeded driver (``ndtrain.fault.chaos``) that SIGKILLs a random rank ``--kills`` times (``--save-kills``
 of them while a checkpoint is being written). Reports the wall time of both and their ratio, the
 steps recomputed (``steps_lost`` of the ``restart`` events: steps trained after the checkpoint the
-next attempt resumed from), the restarts, and whether every logged loss equals the uninterrupted
-run's (float64: bitwise).
+next attempt resumed from), the restarts, whether every logged loss equals the uninterrupted
+run's (float64: bitwise), and both runs' goodput accounting (``ndtrain.fault.goodput``: the final
+``goodput`` event and the printed line).
 
 Each restart costs one start-up of every rank (interpreter, ``import torch``, model build) plus the
 steps since the last checkpoint; on a tiny model the start-up dominates.
@@ -74,6 +75,10 @@ def main() -> None:
         restarts = read_events(tmp / "chaos", "restart")
         want, got = _losses(tmp / "ref"), _losses(tmp / "chaos")
         same = sorted(got) == sorted(want) and all(got[s] == want[s] for s in want)
+        goodput = {name: ([e for e in read_events(tmp / name, "goodput") if e.get("final")] or [None])[-1]
+                   for name in ("ref", "chaos")}
+        lines = {name: next((x for x in out.splitlines() if x.startswith("goodput ")), None)
+                 for name, out in (("ref", ref.stdout), ("chaos", res.output))}
     result = {
         "config": {k: getattr(args, k) for k in ("kills", "save_kills", "steps", "every", "nproc", "seed",
                                                  "max_delay_s", "async_save")},
@@ -82,7 +87,7 @@ def main() -> None:
         "kills_during_save": sum(k["during_save"] for k in res.kills), "restarts": len(restarts),
         "steps_recomputed": sum(e.get("steps_lost") or 0 for e in restarts),
         "overhead_s_per_restart": round((res.wall_s - ref_s) / max(1, len(restarts)), 2),
-        "losses_equal_uninterrupted": same, "kill_log": res.kills,
+        "losses_equal_uninterrupted": same, "goodput": goodput, "goodput_line": lines, "kill_log": res.kills,
         "note": "2-core shared CPU machine: wall times include other jobs' load; the ratio is indicative",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace, extra: list[str], flags: list[str] = ()) ->
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     launch(cfg, run_dir, args.nproc, announce=os.environ.get("RANK", "0") == "0",
-           max_restarts=args.max_restarts)
+           max_restarts=args.max_restarts, elastic=args.elastic)
     return 0
 
 
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-restarts", type=int, default=0,
                     help="restart all local ranks from the newest checkpoint after one dies, at most this "
                          "many times (events in RUN_DIR/events.jsonl; under torchrun use torchrun's flag)")
+    tr.add_argument("--elastic", action="store_true",
+                    help="with --max-restarts: when a rank is lost for good (RUN_DIR/elastic/lost_rank<r>, or "
+                         "the same rank failing twice in a row), continue on the survivors in a layout the "
+                         "planner picks, global batch kept (docs/fault_tolerance.md)")
     from ndtrain.train.profiling import DEFAULT_WINDOW
 
     tr.add_argument("--profile-steps", "--profile", dest="profile_steps", nargs="?", const=DEFAULT_WINDOW,
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command == "train":
-            return _train(args, extra, parser.train_flags)
+            from ndtrain.fault.goodput import job_clock  # the job's wall time starts here
+
+            with job_clock():
+                return _train(args, extra, parser.train_flags)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "config":

@@ -114,10 +114,11 @@ def _already_finished(cfg: Config, run_dir: Path, announce: bool) -> bool:
 
 
 def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool = False,
-           max_restarts: int = 0) -> None:
+           max_restarts: int = 0, elastic: bool = False) -> None:
     """Train ``cfg`` with ``nproc`` local ranks (or under torchrun when ``nproc`` is None);
     ``announce`` prints the run directory once the checks passed; ``max_restarts`` restarts all
-    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag).
+    local ranks after one dies (``ndtrain.fault.supervisor``; torchrun has its own flag);
+    ``elastic`` continues on the surviving ranks when one is lost (``ndtrain.fault.elastic``).
 
     Returns at once, starting nothing, when the run directory already reached this job's end
     (one line; ``ndtrain.cli.rerun``). The run directory is locked for the whole call
@@ -133,12 +134,18 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         world = int(os.environ["WORLD_SIZE"])
         if max_restarts:
             raise ConfigError("--max-restarts restarts local ranks; under torchrun use torchrun's --max-restarts")
+        if elastic:  # torchrun restarted the workers at another world size: the planner's layout
+            from ndtrain.fault.elastic import replan_for_world
+
+            cfg = replan_for_world(cfg, world, Path(run_dir), int(os.environ["RANK"]))
     else:
         world = 1 if nproc is None else nproc
         if world < 1:
             raise ConfigError(f"--nproc ({world}) must be >= 1")
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts ({max_restarts}) must be >= 0")
+        if elastic and not max_restarts:  # (under torchrun, torchrun's own restarts; see above)
+            raise ConfigError("--elastic continues after a lost rank by restarting: give --max-restarts K (K >= 1)")
     validate(cfg, world)
     preflight(cfg, Path(run_dir), world)
     lock = _lock(Path(run_dir), under_torchrun)
@@ -149,7 +156,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         if under_torchrun:
             _join_torchrun(cfg, Path(run_dir), world)
         else:
-            _run_local(cfg, Path(run_dir), world, max_restarts)
+            _run_local(cfg, Path(run_dir), world, max_restarts, elastic)
     finally:
         if lock is not None:
             lock.release()
@@ -198,8 +205,9 @@ def _join_torchrun(cfg: Config, run_dir: Path, world: int) -> None:
             dist.destroy_process_group()
 
 
-def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int) -> None:
-    """``nproc`` local ranks (this process alone for one rank without restarts)."""
+def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int, elastic: bool = False) -> None:
+    """``nproc`` local ranks (this process alone for one rank without restarts); ``elastic``: after a
+    rank is lost for good, go on with the survivors (``ndtrain.fault.elastic.Elastic``)."""
     data_path = prepare_checked(cfg)
     if nproc == 1 and not max_restarts:
         from ndtrain.train.loop import run
@@ -207,12 +215,17 @@ def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int) -> Non
         with _sigterm_as_interrupt(True):
             run(cfg, run_dir, data_path)
         return
+    from ndtrain.fault.elastic import Elastic
     from ndtrain.fault.supervisor import supervise
     from ndtrain.train.outputs import refresh_plot
 
+    def attempt(c: Config, n: int):
+        return spawn(_train_rank, n, (c, str(run_dir), str(data_path)), threads=_threads_per_rank(n))
+
+    el = Elastic(cfg, nproc, Path(run_dir), attempt) if elastic else None
     try:
-        supervise(lambda: spawn(_train_rank, nproc, (cfg, str(run_dir), str(data_path)),
-                                threads=_threads_per_rank(nproc)), max_restarts, Path(run_dir))
+        supervise(el.start if el else lambda: attempt(cfg, nproc), max_restarts, Path(run_dir),
+                  on_failure=el.after_failure if el else None)
     except (KeyboardInterrupt, SpawnError):  # the ranks are stopped: the launcher draws their curve
         refresh_plot(run_dir, cfg.logging.plot, safe=True)
         raise

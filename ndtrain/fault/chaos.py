@@ -1,5 +1,7 @@
 """A chaos driver for supervised runs: start ``ndtrain train --max-restarts K`` and ``kill -9`` its
-ranks at seeded random moments, at least once while a checkpoint is being written.
+ranks at seeded random moments, at least once while a checkpoint is being written; with ``lose``,
+some kills first mark the rank lost for good (``ndtrain.fault.elastic.mark_lost``), so an
+``--elastic`` run continues without it.
 
 Used by the chaos test (``tests/integration/test_fault_tolerance.py``) and ``bench/chaos.py``. Linux
 only (ranks are found in ``/proc`` as the launcher's ``multiprocessing`` children).
@@ -21,7 +23,7 @@ _POLL_S = 0.002  # a tiny model's save lasts ~0.1 s: poll often enough to land i
 @dataclass
 class ChaosResult:
     """What happened: ``returncode`` of the launcher, ``wall_s``, ``kills`` (one dict per kill:
-    ``kind`` random | save, ``rank``, ``pid``, ``during_save`` (a ``.tmp`` checkpoint folder existed
+    ``kind`` random | save | lose, ``rank``, ``pid``, ``during_save`` (a ``.tmp`` checkpoint folder existed
     right after the kill), ``at_s`` since start) and the launcher's ``output``."""
 
     returncode: int
@@ -118,18 +120,22 @@ def _wait_for(cond, proc, deadline: float, poll_s: float = 0.05) -> bool:
 
 def chaos_run(cmd: list[str], run_dir: Path, nproc: int, kills: int, seed: int, *, save_kills: int = 1,
               max_delay_s: float = 1.0, timeout_s: float = 600.0, env: dict | None = None,
-              after_checkpoint: bool = True) -> ChaosResult:
+              after_checkpoint: bool = True, lose: int = 0) -> ChaosResult:
     """Run ``cmd`` (an ``ndtrain train --nproc NPROC --max-restarts K --run-dir RUN_DIR`` command)
     and kill one random rank ``kills`` times with SIGKILL. ``save_kills`` of them (chosen at random
     positions) wait for a ``.tmp`` checkpoint folder and kill at once; a save kill that missed the
     save (the folder was already renamed) is retried at the next chance, up to 3 times. The others
     wait until the attempt made progress (``after_checkpoint``: completed a new checkpoint, so every
-    attempt moves the run on; else: trained a step), then ``uniform(0, max_delay_s)`` seconds. Returns after
-    the launcher exits (killed, with its process group, after ``timeout_s``)."""
+    attempt moves the run on; else: trained a step), then ``uniform(0, max_delay_s)`` seconds.
+    ``lose`` of the other kills (the first ones) write the rank's lost marker right before the
+    kill; the attempts after it have one rank fewer. Returns after the launcher exits (killed,
+    with its process group, after ``timeout_s``)."""
     rng = random.Random(seed)
     kinds = ["random"] * kills
     for i in rng.sample(range(kills), min(save_kills, kills)):
         kinds[i] = "save"
+    for i in [i for i, k in enumerate(kinds) if k == "random"][:lose]:
+        kinds[i] = "lose"
     run_dir, t0 = Path(run_dir), time.monotonic()
     deadline = t0 + timeout_s
     log_path = run_dir.with_name(run_dir.name + ".chaos.log")
@@ -157,7 +163,7 @@ def _kill_loop(proc, run_dir, nproc, kinds, rng, max_delay_s, deadline, result, 
     save_misses = 0
     while kinds and proc.poll() is None and time.monotonic() < deadline:
         # a fresh attempt: all its ranks up (none of the pids killed or seen before)
-        if not _wait_for(lambda: len(set(rank_pids(proc.pid).values()) - seen) >= nproc, proc, deadline):
+        if not _wait_for(lambda n=nproc: len(set(rank_pids(proc.pid).values()) - seen) >= n, proc, deadline):
             return
         pids, up_at = rank_pids(proc.pid), time.time()
         seen.update(pids.values())
@@ -176,10 +182,15 @@ def _kill_loop(proc, run_dir, nproc, kinds, rng, max_delay_s, deadline, result, 
         if not ok or proc.poll() is not None:
             return
         rank = rng.choice(sorted(pids))
+        if kind == "lose":
+            from ndtrain.fault.elastic import mark_lost
+
+            mark_lost(run_dir, rank)  # before the kill: the launcher reads it when the attempt fails
         try:
             os.kill(pids[rank], signal.SIGKILL)
         except ProcessLookupError:
             continue  # it ended by itself in the meantime: try again in the next attempt
+        nproc -= kind == "lose"  # the next attempts run without it
         during = kind == "save" and bool(saving & _tmp_ids(ckpt_root))
         result.kills.append({"kind": kind, "rank": rank, "pid": pids[rank], "during_save": during,
                              "at_s": round(time.monotonic() - t0, 3)})

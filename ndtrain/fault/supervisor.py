@@ -14,6 +14,9 @@ Never retried: ``ConfigError`` (also raised before any rank starts), ``Checkpoin
 (checkpoints exist but none verifies) and ``StorageError`` (a write failed: a full disk), which
 fail the same way every time.
 
+With ``--elastic`` (``ndtrain.fault.elastic``) a rank that does not come back (marked lost, or
+blamed twice in a row) is left out: the next attempt runs the survivors in the planner's layout.
+
 This is the restart-from-checkpoint recovery of large runs (Llama 3, Dubey et al. 2024, section
 3.3.4: 419 unexpected interruptions in 54 days, recovered by automated restarts) and of
 TorchElastic; it does not replace a rank in place.
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ndtrain.events import log_event
+from ndtrain.fault.goodput import mark_attempt
 from ndtrain.spawn import SpawnError
 
 NEVER_RETRY = ("ConfigError", "CheckpointUnusableError", "StorageError")
@@ -80,17 +84,21 @@ def restart_event(run_dir: Path, error: SpawnError, attempt: int, max_restarts: 
 
 
 def supervise(start: Callable[[], object], max_restarts: int, run_dir: Path,
-              say: Callable[[str], None] = print) -> int:
+              say: Callable[[str], None] = print, on_failure: Callable | None = None) -> int:
     """Call ``start()`` (one attempt: start every rank, return when all finished) until it succeeds;
     after a retryable ``SpawnError`` log a ``restart`` event, say one line and start again, at most
-    ``max_restarts`` times. When it gives up, a ``failed`` event (``reason``, ``rank``, ``restarts``,
-    ``retryable``) records why. Returns the number of restarts used.
+    ``max_restarts`` times. ``on_failure(rank, step, last_step)`` runs before each restart (the
+    elastic policy: ``ndtrain.fault.elastic.Elastic.after_failure`` may shrink the world there).
+    When it gives up, a ``failed`` event (``reason``, ``rank``, ``restarts``, ``retryable``)
+    records why. Returns the number of restarts used.
 
     Raises:
-        SpawnError: the last attempt's failure, or a failure that is never retried.
+        SpawnError: the last attempt's failure, a failure that is never retried, or (elastic) one
+            after which no layout of the surviving ranks validates (the message says so).
     """
     for attempt in range(max_restarts + 1):
         try:
+            mark_attempt(attempt)  # the ranks' goodput accounting: which attempt, since when
             start()
             return attempt
         except SpawnError as e:
@@ -99,7 +107,19 @@ def supervise(start: Callable[[], object], max_restarts: int, run_dir: Path,
                 raise
             ev = restart_event(Path(run_dir), e, attempt + 1, max_restarts)
             say(f"ndtrain: {e}; restart {attempt + 1} of {max_restarts} from step {ev['step']}")
+            if on_failure is not None:
+                _shrink(on_failure, e, ev, run_dir, attempt)
     raise AssertionError("unreachable")
+
+
+def _shrink(on_failure: Callable, error: SpawnError, ev: dict, run_dir: Path, attempt: int) -> None:
+    from ndtrain.errors import ConfigError
+
+    try:
+        on_failure(error.rank, ev["step"], ev["last_step"])
+    except ConfigError as c:  # no survivors, or no layout of them validates: the job ends here
+        log_event(run_dir, "failed", reason=str(c), rank=error.rank, restarts=attempt, retryable=False)
+        raise SpawnError(f"{error}; {c}", error.rank, error.details, error.exitcode) from None
 
 
 def note_torchrun_restart(run_dir: Path, rank: int) -> dict | None:

@@ -95,11 +95,13 @@ class Combo:
     dtype: str = "float64"
     tier: str = "layout"  # which part of the sweep generated it (see ``enumerate_combos``)
     fused: bool = False  # training.fused_loss (output head + cross-entropy, chunked)
+    extra: tuple = ()  # sorted ("section.key", value) overrides beyond the above (resume sweep)
 
     @property
     def key(self) -> str:
         return (f"{self.feature} | {self.layout} | zero{self.zero} | ac={self.ac} | {self.dtype}"
-                + (" | fused_loss" if self.fused else ""))
+                + (" | fused_loss" if self.fused else "")
+                + "".join(f" | {k.split('.', 1)[1]}={_fmt(v)}" for k, v in self.extra))
 
     def overrides(self) -> dict:
         """``section.key`` overrides of the ``debug`` preset for this combination."""
@@ -109,13 +111,14 @@ class Combo:
                     "training.fused_loss": self.fused, "data.seq_len": T, "parallel.zero_stage": self.zero,
                     "parallel.dp_shard": -1, "parallel.bucket_size_bytes": 4096})
         out.update({f"parallel.{k}": v for k, v in self.par})
+        out.update(dict(self.extra))
         return out
 
     def command(self) -> str:
         """The ``ndtrain train`` command line of this combination (debug preset's corpus)."""
         extra = {"model.n_layers": BASE_MODEL["n_layers"],  # the debug preset has 2: too few for pp4
                  **{f"model.{k}": v for k, v in FEATURES[self.feature].items()},
-                 **{f"parallel.{k}": v for k, v in self.par}}
+                 **{f"parallel.{k}": v for k, v in self.par}, **dict(self.extra)}
         if self.zero:
             extra["parallel.zero_stage"] = self.zero
         if self.ac != "none":
@@ -129,6 +132,12 @@ class Combo:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Combo:
+        """Inverse of ``to_dict`` after a JSON round trip (lists back to tuples)."""
+        return cls(**{**d, "par": tuple(tuple(p) for p in d["par"]),
+                      "extra": tuple(tuple(p) for p in d.get("extra", ()))})
 
 
 def _fmt(v) -> str:

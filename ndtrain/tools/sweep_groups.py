@@ -23,6 +23,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -99,17 +100,22 @@ def _native_threads() -> int:
         return threading.active_count()
 
 
-def _run_one(combo: Combo, world: int) -> dict:
-    """Train one combination on this rank; the outcome as a JSON-able dict (``ok``, ``rows`` or
-    ``error`` / ``tb``, ``seconds``, ``threads``)."""
+def _run_one(combo: Combo, world: int, mode: str = "layout", workdir: Path | None = None) -> dict:
+    """Train one combination on this rank; the outcome as a JSON-able dict (``ok``, ``rows`` (mode
+    ``layout``) or ``verdict`` (mode ``resume``: ``ndtrain.tools.resume_sweep.run_resume`` with its
+    checkpoints under ``workdir``) or ``error`` / ``tb``, ``seconds``, ``threads``)."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
     before = set(c10d._world.pg_map) if world > 1 else set()
     t0 = time.perf_counter()
     try:
-        rows = train_steps(build_config(combo), world)
-        out = {"ok": True, "rows": rows}
+        if mode == "resume":
+            from ndtrain.tools.resume_sweep import run_resume
+
+            out = {"ok": True, "verdict": run_resume(combo, world, workdir)}
+        else:
+            out = {"ok": True, "rows": train_steps(build_config(combo), world)}
     except BaseException as e:  # noqa: BLE001 - any failure of the combination is a result
         tb = traceback.format_exc().strip().splitlines()
         out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600], "tb": "\n".join(tb[-12:])}
@@ -133,7 +139,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, gen: int, combos: list[dict],
-            timeout_s: float, parent: int) -> None:
+            timeout_s: float, parent: int, mode: str = "layout") -> None:
     import torch
     import torch.distributed as dist
 
@@ -145,11 +151,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gen: int, combos: li
                                 timeout=datetime.timedelta(seconds=timeout_s))
     out = Path(out_dir)
     for k, c in enumerate(combos):
-        res = _run_one(Combo(**{**c, "par": tuple(tuple(p) for p in c["par"])}), world)
+        workdir = out / f"g{gen}_c{k}_ckpt"
+        res = _run_one(Combo.from_dict(c), world, mode, workdir)
         _write(out / f"g{gen}_c{k}_r{rank}.json", res)
         peers = [out / f"g{gen}_c{k}_r{r}.json" for r in range(world)]
         while not all(p.exists() for p in peers):  # the parent kills the group on a hang
             time.sleep(0.005)
+        if rank == 0:  # every rank is done with this combination's checkpoints
+            shutil.rmtree(workdir, ignore_errors=True)
         outs = [json.loads(p.read_text()) for p in peers]
         # every rank reads the same files, so all take the same decision
         if not all(o["ok"] for o in outs) or max(o["threads"] for o in outs) > MAX_THREADS:
@@ -157,7 +166,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gen: int, combos: li
     os._exit(0)  # no teardown collectives: they could hang after a failure
 
 
-def _judge(combo: Combo, outs: list[dict | None]) -> Result:
+def _judge(combo: Combo, outs: list[dict | None], mode: str = "layout") -> Result:
     """``outs``: each rank's outcome, None for a rank that never reported (stuck behind a failure)."""
     secs = max(o["seconds"] for o in outs if o is not None)
     failed = [(r, o) for r, o in enumerate(outs) if o is not None and not o["ok"]]
@@ -168,17 +177,25 @@ def _judge(combo: Combo, outs: list[dict | None]) -> Result:
         if stuck:
             extra["stuck_ranks"] = stuck
         return Result(combo, "error", detail=f"rank {r}: {o['error']}", seconds=secs, extra=extra)
+    if mode == "resume":
+        from ndtrain.tools.resume_sweep import judge
+
+        status, detail, extra = judge([o["verdict"] for o in outs])
+        return Result(combo, status, detail=detail, seconds=secs, extra=extra)
     status, rel, where = compare(combo, [o["rows"] for o in outs], reference(combo.feature, combo.dtype))
     return Result(combo, status, rel, where, secs)
 
 
-def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=print) -> list[Result]:
+def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=print,
+              mode: str = "layout") -> list[Result]:
     """Train ``combos`` (all of world size ``world``) on as few gloo groups as failures allow;
     return one ``Result`` per combination, in order. ``timeout_s``: the longest a combination may
-    run before its group is declared hung. ``log(result)`` is called as each one ends."""
+    run before its group is declared hung. ``log(result)`` is called as each one ends. ``mode``:
+    ``layout`` (judged against the single-process reference) or ``resume`` (stopped and resumed:
+    ``ndtrain.tools.resume_sweep``)."""
     import torch.multiprocessing as mp
 
-    for c in combos:  # references first, in this process (world 1, no process group)
+    for c in combos if mode == "layout" else ():  # references first, in this process (world 1)
         reference(c.feature, c.dtype)
     results: list[Result] = []
     todo, gen = list(combos), 0
@@ -186,11 +203,11 @@ def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=pri
     with tempfile.TemporaryDirectory() as tmp:
         while todo:
             dicts, port = [c.to_dict() for c in todo], free_port()
-            args = (world, port, tmp, gen, dicts, timeout_s, os.getpid())
+            args = (world, port, tmp, gen, dicts, timeout_s, os.getpid(), mode)
             procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(world)]
             for p in procs:
                 p.start()
-            done, state = _watch(procs, Path(tmp), gen, todo, timeout_s, results, log)
+            done, state = _watch(procs, Path(tmp), gen, todo, timeout_s, results, log, mode)
             # a finished group is exiting by itself; a hung or broken one is killed at once
             stop_processes(procs, grace_s=0.0 if state in ("timeout", "stuck") else 5.0)
             if state in ("timeout", "crash"):
@@ -204,7 +221,8 @@ def run_group(world: int, combos: list[Combo], timeout_s: float = 120.0, log=pri
     return results
 
 
-def _watch(procs, tmp: Path, gen: int, todo: list[Combo], timeout_s: float, results: list, log):
+def _watch(procs, tmp: Path, gen: int, todo: list[Combo], timeout_s: float, results: list, log,
+           mode: str = "layout"):
     """Collect the outcomes of group ``gen`` as they appear. Returns (combinations finished, how the
     group ended: "done" | "restart" (a failure, or too many threads) | "stuck" (a failure whose
     peers never reported: kill the group) | "timeout" | "crash")."""
@@ -214,7 +232,7 @@ def _watch(procs, tmp: Path, gen: int, todo: list[Combo], timeout_s: float, resu
         files = [tmp / f"g{gen}_c{done}_r{r}.json" for r in range(world)]
         outs = [json.loads(f.read_text()) if f.exists() else None for f in files]  # os.replace: whole files
         if all(o is not None for o in outs):
-            results.append(_judge(todo[done], outs))
+            results.append(_judge(todo[done], outs, mode))
             log(results[-1])
             done, last, failed_at = done + 1, time.monotonic(), None
             if not all(o["ok"] for o in outs) or max(o["threads"] for o in outs) > MAX_THREADS:
@@ -222,7 +240,7 @@ def _watch(procs, tmp: Path, gen: int, todo: list[Combo], timeout_s: float, resu
         elif any(o is not None and not o["ok"] for o in outs):
             failed_at = failed_at or time.monotonic()
             if time.monotonic() - failed_at > FAILED_GRACE_S:
-                results.append(_judge(todo[done], outs))
+                results.append(_judge(todo[done], outs, mode))
                 log(results[-1])
                 return done + 1, "stuck"
             time.sleep(0.02)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import Config, save_config
 from ndtrain.data import GlobalBatchSampler, TokenData
-from ndtrain.fault import bad_steps, straggler
+from ndtrain.fault import bad_steps, goodput, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.parallel import comm, flight_recorder
 from ndtrain.train import console, metrics, outputs
@@ -126,14 +126,17 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     """``run``'s phases after set-up; ``con`` echoes rows and draws the progress (rank 0)."""
     cfg = r.cfg
     t, trainer = cfg.training, r.trainer
-    _start(r)
+    gp = goodput.Goodput(r.run_dir, r.rank)  # where the job's wall time goes (ndtrain.fault.goodput)
+    with gp.phase("checkpoint_load"):
+        _start(r)
     log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count, echo=con.row)
     fpt = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
     peak = metrics.peak_flops(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)
     basis = metrics.peak_basis(r.device, t.dtype, cfg.logging.peak_flops_per_s, fp8=t.fp8)  # rows' mfu_peak
     _print_header(r, fpt, peak, basis)
     if trainer.step_count == 0:
-        log.log({"step": 0, "val_loss": _val_loss(r)})
+        with gp.phase("eval"):
+            log.log({"step": 0, "val_loss": _val_loss(r)})
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
     window = [0.0, 0]  # seconds, steps since the last logged row
     r.mesh.reset_stats()
@@ -142,6 +145,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     guard = bad_steps.BadStepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
     strag = straggler.StragglerMonitor(trainer.world, r.device)
     prof = StepProfiler(cfg.logging.profile_steps, r.run_dir, r.rank, r.device.type)  # --profile-steps
+    gp.begin_steps()
     while trainer.step_count < stop:
         step = trainer.step_count + 1
         prof.begin(step)
@@ -153,8 +157,9 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         prof.end(step)
         con.step(step, out)
         strag.record(dt, t_data)
+        gp.step(step, dt + t_data)
         if bad_steps.after_step(guard, step, out, r.run_dir, r.rank,
-                                lambda why: bad_steps.rollback(r, why, step)):
+                                lambda why, s=step: gp.redo(s, bad_steps.rollback, r, why, s)):
             log = metrics.MetricsLog(r.run_dir, enabled=r.rank == 0, keep_through_step=trainer.step_count,
                                      echo=con.row)
             window = [0.0, 0]  # the rows past the checkpoint are redone (metrics.prev.jsonl keeps them)
@@ -169,12 +174,15 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
             window = [0.0, 0]
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             row = row or {"step": step, "loss": out["loss"]}
-            row["val_loss"] = _val_loss(r)
+            with gp.phase("eval"):
+                row["val_loss"] = _val_loss(r)
         if row:
             log.log(row)
         saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop)
         if saved:
-            _save(r, step)
+            with gp.phase("checkpoint_save"):
+                _save(r, step)
+            gp.report()
         if (saved or (row and "val_loss" in row)) and step != stop:
             _plot(r)  # the job's last step is drawn once, below
         if t.sample_every and step % t.sample_every == 0:
@@ -184,9 +192,11 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         _sample(r, "sample", quiet=False)
     _plot(r, quiet=False)  # every job's end, a stop_at_step too
     if r.saver is not None:
-        r.saver.wait()  # an asynchronous save still writing is finalised before the group goes
+        with gp.phase("checkpoint_save"):
+            r.saver.wait()  # an asynchronous save still writing is finalised before the group goes
     if dist.is_initialized():  # nobody tears the process group down while rank 0 still samples
         dist.barrier()
+    gp.finish(r.say)  # the job's goodput line (rank 0; every attempt of a supervised job)
     return log.rows
 
 

@@ -1,5 +1,6 @@
 """The configuration sweep's share of the default suite (the full sweep is
-``python scripts/sweep.py``, which writes ``docs/compatibility.md``).
+``python scripts/sweep.py``, which writes ``docs/compatibility.md``; the resume sweep is
+``python scripts/sweep.py --resume``).
 
 ``ndtrain.tools.sweep.SUBSET``: 17 combinations on 2 gloo ranks covering every axis (dp_replicate,
 dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule including DualPipeV, ep,
@@ -15,6 +16,12 @@ norm and MoE aux / MTP losses on every rank and step to 1e-9 relative (``ndtrain
 layout only reorders float64 sums, ~1e-14 after 2 steps; a fault moves them by far more than 1e-6);
 float32 to 1e-5 (3e-7 seen at most; ``ndtrain.tools.sweep.TOLERANCE``). bfloat16 / float16 have no exact
 reference: they must run with a finite loss.
+
+Resume (``ndtrain.tools.resume_sweep``): ``resume_subset()`` on 2 ranks, each stopped after step 2
+(DiLoCo: also inside an interval, step 3) and resumed with the run loop's own save / resume; the
+same layout must replay the uninterrupted run bitwise (every step's values and the whole final
+state, any dtype), another layout must load the state bitwise and continue within the layout
+tolerance. The check itself must fail when a resume forgets a piece of state (sabotaged resumes).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import re
 
 import pytest
 
+from ndtrain.tools import resume_sweep as RS
 from ndtrain.tools import sweep as S
 from ndtrain.tools.sweep_groups import compare, run_group
 
@@ -142,3 +150,81 @@ def test_subset_trains_2_steps_equal_to_one_process():
         assert r.status == want, (r.combo.key, r.status, r.detail, r.extra.get("traceback"))
         if want == "pass":
             assert r.rel <= S.TOLERANCE[r.combo.dtype], (r.combo.key, r.rel)
+
+
+def test_resume_subset_replays_the_uninterrupted_run_bitwise():
+    combos = RS.resume_subset()
+    assert {c.feature for c in combos} >= {"dense", "moe", "hybrid", "mtp"}
+    assert {c.dtype for c in combos} >= {"float64", "float16"}
+    extras = {k for c in combos for k, _ in c.extra}
+    assert {"training.local_sgd_steps", "training.stop_at_step", "checkpoint.async_save"} <= extras
+    assert all(S.check(c) is None for c in combos)
+    results = run_group(2, combos, timeout_s=240.0, log=lambda r: None, mode="resume")
+    assert [r.combo for r in results] == combos
+    bad = [(r.combo.key, r.status, r.detail, r.extra.get("traceback", "")[-300:]) for r in results
+           if r.status != "pass"]
+    assert not bad, "\n".join(map(str, bad))
+    assert all(r.extra["same"] == "pass" for r in results)
+    assert sum(r.extra["other"] == "pass" for r in results) >= len(combos) - 2  # DiLoCo on 2 ranks: none
+
+
+def _drop_sampler(real):
+    def resume(r, path):
+        consumed = r.sampler.consumed
+        real(r, path)
+        r.sampler.consumed = consumed  # the data position is not restored
+    return resume
+
+
+def _drop_expert_bias(real):
+    def resume(r, path):
+        real(r, path)
+        for name, buf in r.trainer.model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.zero_()
+    return resume
+
+
+def _drop_loss_scale(real):
+    def resume(r, path):
+        real(r, path)
+        r.trainer.scaler.scale *= 2
+    return resume
+
+
+@pytest.mark.parametrize("feature,dtype,sabotage,want", [
+    ("dense", "float64", _drop_sampler, r"step 3 (loss|n_tokens)"),
+    ("moe", "float64", _drop_expert_bias, r"step 3 \w+: .*final state: .*expert_bias|step 3"),
+    ("dense", "float16", _drop_loss_scale, r"step 3 (loss_scale|grad_norm|loss)"),
+], ids=["sampler", "expert_bias", "loss_scale"])
+def test_resume_check_fails_when_the_resume_forgets_state(tmp_path, monkeypatch, feature, dtype, sabotage, want):
+    from ndtrain.train import loop
+
+    combo = S.make_combo(feature, 1, {}, dtype=dtype, extra=(("training.loss_scale_growth_interval", 1),)
+                         if dtype == "float16" else ())
+    if sabotage is _drop_sampler:  # the same combination passes unsabotaged (the others: the subset)
+        assert RS.run_resume(combo, 1, tmp_path / "ok") == {
+            "same": {"status": "pass", "detail": ""}, "other": {"status": "pass", "detail": ""},
+            "other_layout": "dense | single | zero3 | ac=none | float64"}
+    monkeypatch.setattr(loop, "_resume", sabotage(loop._resume))
+    v = RS.run_resume(combo, 1, tmp_path / "bad")
+    assert v["same"]["status"] == "mismatch" and re.search(want, v["same"]["detail"]), v
+    assert v["other"]["status"] == "mismatch", v  # the other layout resumes through it too
+
+
+def test_compare_rows_and_states_are_bitwise_or_within_tolerance():
+    import torch
+
+    rows = [{"loss": 4.0, "grad_norm": 1.5}]
+    assert RS.compare_rows([{"loss": 4.0, "grad_norm": 1.5}], rows, 0.0, 3) is None
+    one_ulp = [{"loss": math.nextafter(4.0, 5.0), "grad_norm": 1.5}]
+    assert RS.compare_rows(one_ulp, rows, 0.0, 3).startswith("step 3 loss: 4.000000000000001 vs 4.0")
+    assert RS.compare_rows(one_ulp, rows, 1e-9, 3) is None
+    assert "not finite" in RS.compare_rows([{"loss": math.inf, "grad_norm": 1.0}], rows, None, 3)
+    w = {"a": torch.ones(3, dtype=torch.float64), "b": 2}
+    assert RS.compare_states({"a": torch.ones(3, dtype=torch.float64), "b": 2}, w, 0.0) is None
+    g = {"a": torch.tensor([1.0, 1.0, 1.0 + 2**-52], dtype=torch.float64), "b": 2}
+    assert RS.compare_states(g, w, 0.0) == "1 of 2 state entries differ; worst a: max |diff| 2.22e-16"
+    assert RS.compare_states(g, w, 1e-9) is None
+    assert RS.compare_states({"b": 2}, w, 0.0) == "1 of 2 state entries differ; worst a missing"
+    assert RS.compare_states(g, w, 0.0, skip={"a"}) is None
