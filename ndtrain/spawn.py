@@ -69,7 +69,7 @@ def _spawn_once(fn, nprocs, args, backend, threads, timeout_s, env, group_timeou
             for rank in range(nprocs):
                 procs.append(ctx.Process(target=_rank_entry, name=f"ndtrain-rank{rank}", args=(
                     rank, nprocs, out_dir, fn, args, backend, threads, group_timeout_s, os.getpid())))
-                with _environ(dict(base, RANK=str(rank), LOCAL_RANK=str(rank))), _sigint_ignored():
+                with environ(dict(base, RANK=str(rank), LOCAL_RANK=str(rank))), _sigint_ignored():
                     procs[-1].start()  # the child inherits this environment and the ignored SIGINT
             _wait(procs, out_dir, timeout_s)
         except BaseException as e:  # a failed / hung rank, Ctrl-C: no rank may outlive this call
@@ -124,7 +124,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 @contextmanager
-def _environ(updates: dict[str, str]):
+def environ(updates: dict[str, str]):
+    """``os.environ`` updated by ``updates`` inside the block, restored (or unset) after it."""
     old = {k: os.environ.get(k) for k in updates}
     os.environ.update(updates)
     try:

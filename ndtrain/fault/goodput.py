@@ -35,6 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ndtrain.events import log_event, read_events
+from ndtrain.spawn import environ
 
 CATEGORIES = ("steps", "recomputed", "startup", "eval", "checkpoint_save", "checkpoint_load", "restarts", "other")
 _ENV_JOB, _ENV_ATTEMPT, _ENV_ATTEMPT_T0 = "NDTRAIN_JOB_T0", "NDTRAIN_ATTEMPT", "NDTRAIN_ATTEMPT_T0"
@@ -44,18 +45,9 @@ _ENV_JOB, _ENV_ATTEMPT, _ENV_ATTEMPT_T0 = "NDTRAIN_JOB_T0", "NDTRAIN_ATTEMPT", "
 def job_clock():
     """``ndtrain train``, around everything: the job (and its ranks, which inherit the
     environment) starts now, attempt 0; the variables are restored afterwards."""
-    keys = (_ENV_JOB, _ENV_ATTEMPT, _ENV_ATTEMPT_T0)
-    saved = {k: os.environ.get(k) for k in keys}
     now = repr(time.time())
-    os.environ.update({_ENV_JOB: now, _ENV_ATTEMPT: "0", _ENV_ATTEMPT_T0: now})
-    try:
+    with environ({_ENV_JOB: now, _ENV_ATTEMPT: "0", _ENV_ATTEMPT_T0: now}):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def mark_attempt(attempt: int) -> None:

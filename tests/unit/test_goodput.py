@@ -37,6 +37,7 @@ def test_steps_reached_before_a_restart_or_a_rollback_are_recomputed(tmp_path, m
             first.step(s, 0.1)
         first.report()
         log_event(tmp_path, "restart", step=4, last_step=7)  # killed after step 7, resumes at 4
+        time.sleep(0.01)  # the clock must move, so the attempt's own start is later than the job's
         G.mark_attempt(1)
         second = G.Goodput(tmp_path)
         assert second.attempt == 1 and second.high == 7 and second.t0 > job

@@ -20,14 +20,37 @@ NEG = -1.0e30  # a finite "minus infinity": fully masked rows stay NaN-free
 
 
 @triton.jit
+def _span(cu_ptr, pid_sh, H, GROUP):
+    """(query head h, kv head g, first token, length) of this program's (document, head)."""
+    seq, h = pid_sh // H, pid_sh % H
+    start = tl.load(cu_ptr + seq)
+    return h, h // GROUP, start, tl.load(cu_ptr + seq + 1) - start
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, start, rn, g, s_kt, s_kh, rd, col_ok):
+    """K and V tiles (BLOCK_N, D) of kv head g, zero past the document's end."""
+    at = (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :]
+    return (tl.load(k_ptr + at, mask=col_ok[:, None], other=0.0),
+            tl.load(v_ptr + at, mask=col_ok[:, None], other=0.0))
+
+
+@triton.jit
+def _probs(q, k, lse, rm, rn, row_ok, col_ok, scale, CAUSAL: tl.constexpr):
+    """The backward's recomputed P = exp(S - lse) (BLOCK_M, BLOCK_N), zero where masked."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    valid = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        valid = valid & (rm[:, None] >= rn[None, :])
+    return tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+
+
+@triton.jit
 def _flash_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, scale, N, H, GROUP,
                            s_qt, s_qh, s_kt, s_kh, s_ot, s_oh,
                            CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_sh = tl.program_id(0), tl.program_id(1)
-    seq, h = pid_sh // H, pid_sh % H
-    g = h // GROUP
-    start = tl.load(cu_ptr + seq)
-    length = tl.load(cu_ptr + seq + 1) - start
+    h, g, start, length = _span(cu_ptr, pid_sh, H, GROUP)
     if pid_m * BLOCK_M < length:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rd = tl.arange(0, D)
@@ -40,8 +63,7 @@ def _flash_attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, scale, N
         for n0 in range(0, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             col_ok = rn < length
-            k = tl.load(k_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
+            k, v = _load_kv(k_ptr, v_ptr, start, rn, g, s_kt, s_kh, rd, col_ok)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N) fp32
             valid = col_ok[None, :]
             if CAUSAL:
@@ -66,16 +88,12 @@ def _flash_attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
                                 CAUSAL: tl.constexpr, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n, pid_sh = tl.program_id(0), tl.program_id(1)
-    seq, h = pid_sh // H, pid_sh % H
-    g = h // GROUP
-    start = tl.load(cu_ptr + seq)
-    length = tl.load(cu_ptr + seq + 1) - start
+    h, g, start, length = _span(cu_ptr, pid_sh, H, GROUP)
     if pid_n * BLOCK_N < length:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rd = tl.arange(0, D)
         col_ok = rn < length
-        k = tl.load(k_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, start, rn, g, s_kt, s_kh, rd, col_ok)
         dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -88,11 +106,7 @@ def _flash_attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
                          other=0.0)
             lse = tl.load(lse_ptr + h * N + start + rm, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + h * N + start + rm, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
-            valid = row_ok[:, None] & col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (rm[:, None] >= rn[None, :])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            p = _probs(q, k, lse, rm, rn, row_ok, col_ok, scale, CAUSAL)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
             ds = p * (dp - delta[:, None])
@@ -108,10 +122,7 @@ def _flash_attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
                               CAUSAL: tl.constexpr, D: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_sh = tl.program_id(0), tl.program_id(1)
-    seq, h = pid_sh // H, pid_sh % H
-    g = h // GROUP
-    start = tl.load(cu_ptr + seq)
-    length = tl.load(cu_ptr + seq + 1) - start
+    h, g, start, length = _span(cu_ptr, pid_sh, H, GROUP)
     if pid_m * BLOCK_M < length:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rd = tl.arange(0, D)
@@ -126,13 +137,8 @@ def _flash_attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
         for n0 in range(0, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             col_ok = rn < length
-            k = tl.load(k_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + (start + rn)[:, None] * s_kt + g * s_kh + rd[None, :], mask=col_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            valid = row_ok[:, None] & col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (rm[:, None] >= rn[None, :])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            k, v = _load_kv(k_ptr, v_ptr, start, rn, g, s_kt, s_kh, rd, col_ok)
+            p = _probs(q, k, lse, rm, rn, row_ok, col_ok, scale, CAUSAL)
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
