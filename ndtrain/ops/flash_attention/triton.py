@@ -36,6 +36,16 @@ def _load_kv(k_ptr, v_ptr, start, rn, g, s_kt, s_kh, rd, col_ok):
 
 
 @triton.jit
+def _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, start, rm, h, N, s_qt, s_qh, rd, row_ok):
+    """The backward's per-query tiles of head h: Q, dO (BLOCK_M, D), lse, delta (BLOCK_M,)."""
+    rows = (start + rm)[:, None] * s_qt + h * s_qh + rd[None, :]
+    at = h * N + start + rm
+    return (tl.load(q_ptr + rows, mask=row_ok[:, None], other=0.0),
+            tl.load(do_ptr + rows, mask=row_ok[:, None], other=0.0),
+            tl.load(lse_ptr + at, mask=row_ok, other=0.0), tl.load(delta_ptr + at, mask=row_ok, other=0.0))
+
+
+@triton.jit
 def _probs(q, k, lse, rm, rn, row_ok, col_ok, scale, CAUSAL: tl.constexpr):
     """The backward's recomputed P = exp(S - lse) (BLOCK_M, BLOCK_N), zero where masked."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -100,12 +110,7 @@ def _flash_attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
         for m0 in range(lo, length, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             row_ok = rm < length
-            q = tl.load(q_ptr + (start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            do = tl.load(do_ptr + (start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=row_ok[:, None],
-                         other=0.0)
-            lse = tl.load(lse_ptr + h * N + start + rm, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + h * N + start + rm, mask=row_ok, other=0.0)
+            q, do, lse, delta = _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, start, rm, h, N, s_qt, s_qh, rd, row_ok)
             p = _probs(q, k, lse, rm, rn, row_ok, col_ok, scale, CAUSAL)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -127,11 +132,8 @@ def _flash_attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, d
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rd = tl.arange(0, D)
         row_ok = rm < length
+        q, do, lse, delta = _load_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, start, rm, h, N, s_qt, s_qh, rd, row_ok)
         rows = (start + rm)[:, None] * s_qt + h * s_qh + rd[None, :]
-        q = tl.load(q_ptr + rows, mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_ptr + rows, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + h * N + start + rm, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + h * N + start + rm, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         hi = tl.minimum(length, (pid_m + 1) * BLOCK_M) if CAUSAL else length
         for n0 in range(0, hi, BLOCK_N):
