@@ -41,6 +41,8 @@ _MOVED = {
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports ``ndtrain.<old>`` as the module at its new path (the same module object)."""
 
+    specs: dict = {}
+
     def find_spec(self, fullname, path=None, target=None):
         old = fullname.removeprefix("ndtrain.")
         if fullname.startswith("ndtrain.") and old in _MOVED:
@@ -51,10 +53,13 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = "ndtrain." + _MOVED[spec.name.removeprefix("ndtrain.")]
         warnings.warn(f"{spec.name} moved to {new}; the old path goes in the next release",
                       DeprecationWarning, stacklevel=3)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self.specs[new] = module.__spec__  # import machinery stamps the old name's spec on it next
+        return module
 
     def exec_module(self, module):
-        pass  # the new module already ran
+        module.__spec__ = self.specs[module.__name__]  # the new module already ran: only undo the stamp
+        module.__loader__ = module.__spec__.loader
 
 
 def _forward(package: str, target: str, names: set[str]):

@@ -180,6 +180,10 @@ def _convert(args) -> int:
         return 0
     if args.run_dir is None or args.to_hf is None:
         _usage("give --run-dir D --to-hf OUT_DIR, or --from-hf HF_DIR --out CKPT_DIR")
+    out = Path(args.to_hf)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file()):
+        _usage(f"--to-hf {out}: exists and is not an earlier Hugging Face export (no config.json); "
+               "give a new or empty folder")
     step = to_hf(RunDir.open(args.run_dir), args.to_hf, args.checkpoint, args.max_shard_bytes)
     print(f"wrote {args.to_hf} (step {step}): load it with transformers' AutoModelForCausalLM / "
           "AutoTokenizer.from_pretrained")

@@ -138,7 +138,8 @@ def check_resume_compatible(cfg: Config, run_dir: Path) -> None:
 
 def check_start_checkpoint_shapes(cfg: Config, run_dir: Path) -> None:
     """The checkpoint the run starts from, unless it resumes its own (``ndtrain.train.loop._start``:
-    own > ``load_from`` > ``init_weights_from``), has this model's tensors and shapes.
+    own > ``load_from`` > ``init_weights_from``), passes its manifest and has this model's tensors
+    and shapes.
 
     Raises ConfigError naming the key, the first tensor (in the model's order) that is missing,
     extra or of another shape, and up to three model keys that differ from the checkpoint's config
@@ -154,6 +155,10 @@ def check_start_checkpoint_shapes(cfg: Config, run_dir: Path) -> None:
         return
     path = Path(getattr(c, key))
     if (path / "meta.json").is_file():
+        from ndtrain.checkpoint.integrity import verify
+
+        if (problem := verify(path)) is not None:  # before launch: no rank starts, nothing is written
+            raise ConfigError(f"checkpoint.{key}={path}: the checkpoint is damaged ({problem})")
         there, saved_model = _dcp_model_shapes(path, key), _run_model_config(path)
     else:  # a Hugging Face folder (check_checkpoint_paths allowed nothing else)
         from ndtrain.hf.folder import config_from_hf_folder

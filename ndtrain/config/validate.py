@@ -80,6 +80,9 @@ def _validate_training(cfg) -> None:
     _check(t.schedule in ("cosine", "wsd", "constant"), f"training.schedule ({t.schedule}) unknown")
     _check(0.0 <= t.min_lr_ratio <= 1.0, f"training.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
     _check(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) must be >= 0")
+    _check(t.lr > 0, f"training.lr ({t.lr}) must be > 0")
+    _check(0 <= t.stop_at_step <= t.steps, f"training.stop_at_step ({t.stop_at_step}) must be in [0, "
+           f"training.steps ({t.steps})]: it pauses the job before its last step (0 = run to the end)")
     _check(t.grad_clip >= 0, f"training.grad_clip ({t.grad_clip}) must be >= 0")
     check_activation_checkpoint(t.activation_checkpoint)
     muon_rules.check(t)

@@ -32,7 +32,7 @@ from ndtrain.events import log_event
 from ndtrain.fault.goodput import mark_attempt
 from ndtrain.spawn import SpawnError
 
-NEVER_RETRY = ("ConfigError", "CheckpointUnusableError", "StorageError")
+NEVER_RETRY = ("ConfigError", "CheckpointUnusableError", "CheckpointDamagedError", "StorageError")
 
 
 def retryable(error: SpawnError) -> bool:

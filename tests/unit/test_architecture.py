@@ -184,3 +184,11 @@ def test_planner_imports_nothing_of_the_trainer():
     bad = [f"{n} imports {d}" for n, deps in GRAPH.items() if n.startswith("ndtrain.planner")
            for d in sorted(deps) if d.startswith(TRAINER_SIDE) or d == "ndtrain.parallel.parallelize"]
     assert not bad, "\n".join(bad)
+
+
+def test_every_module_is_in_the_architecture_doc():
+    """docs/architecture.md's "Every module" table names each module of the package (its rows:
+    "| `<path relative to ndtrain/>` | <first sentence of the module docstring> |")."""
+    doc = (PKG.parent / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(PKG)) for p in MODULES.values() if f"| `{p.relative_to(PKG)}` |" not in doc]
+    assert not missing, "modules missing from docs/architecture.md's module table:\n" + "\n".join(missing)

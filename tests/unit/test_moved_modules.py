@@ -16,7 +16,7 @@ def test_old_module_path_is_the_new_module(old):
         warnings.simplefilter("always")
         mod = importlib.import_module(f"ndtrain.{old}")
     new = f"ndtrain.{ndtrain._MOVED[old]}"
-    assert mod is importlib.import_module(new)
+    assert mod is importlib.import_module(new) and mod.__spec__.name == new  # its own spec kept
     assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
 
 
