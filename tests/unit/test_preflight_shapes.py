@@ -94,3 +94,23 @@ def test_a_fine_tune_may_drop_the_mtp_head_but_not_keep_one_the_checkpoint_lacks
     cfg = load_config("debug", {"checkpoint.init_weights_from": str(plain), "model.mtp_depth": 1})
     with pytest.raises(ConfigError, match=r"holds another model: it has no mtp\.\S+ .*\(model.mtp_depth: 0 there, 1 here\)"):
         check_start_checkpoint_shapes(cfg, tmp_path / "run")
+
+
+@pytest.mark.parametrize("key", ["init_weights_from", "load_from"])
+def test_a_damaged_start_checkpoint_is_one_line_before_launch(tmp_path, key):
+    """4 bytes overwritten in a shard: refused by preflight (the launcher's exit 2, no rank starts,
+    so neither a restart nor an elastic shrink can follow), naming the key, the folder and the file."""
+    from ndtrain.checkpoint.integrity import write_manifest
+
+    path = _checkpoint(tmp_path / "a")
+    write_manifest(path)
+    shard = next(path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4] = b"\xff\xff\xff\xff"
+    shard.write_bytes(bytes(data))
+    cfg = load_config("debug", {f"checkpoint.{key}": str(path)})
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, tmp_path / "run", 1)
+    assert str(info.value) == (f"checkpoint.{key}={path}: the checkpoint is damaged ({shard.name}: checksum "
+                               "mismatch (corrupted))")
+    assert not (tmp_path / "run" / "config.yaml").exists()
