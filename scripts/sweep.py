@@ -70,7 +70,7 @@ def run(combos: list[Combo], timeout_s: float, mode: str = "layout") -> list[Res
     results: list[Result] = []
     todo = []
     for c in combos:  # validation first: cheap, no processes
-        rule = S.check(c)
+        rule = RS.check_resume(c) if mode == "resume" else S.check(c)
         if rule is None:
             todo.append(c)
         else:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ndtrain.config import Config
-from ndtrain.tools.sweep import TOLERANCE, Combo, T, V, build_config, check, layout_name, make_combo
+from ndtrain.config import Config, ConfigError
+from ndtrain.tools.sweep import TOLERANCE, Combo, T, V, build_config, layout_name, make_combo
 
 RESUME_STEPS, RESUME_STOP = 4, 2  # N optimizer steps; checkpoint (stop) after step k
 N_SEQ = 32  # sequences of the fixed table the sampler draws from (8 global batches)
@@ -63,6 +63,16 @@ def resume_config(combo: Combo) -> Config:
     return build_config(c)
 
 
+def check_resume(combo: Combo) -> str | None:
+    """None if the config the resume sweep runs (``resume_config``: ``RESUME_STEPS`` steps, its stop
+    step) passes validation, else the rule that rejected it."""
+    try:
+        resume_config(combo)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def other_layout(combo: Combo) -> Combo | None:
     """Another layout of ``combo``'s world size for the same model, dtype, checkpointing and extra
     settings, or None when none validates (one rank: the other ZeRO stage of the single process).
@@ -84,7 +94,7 @@ def other_layout(combo: Combo) -> Combo | None:
 def _variant(combo: Combo, par: dict, zero: int) -> Combo | None:
     other = make_combo(combo.feature, combo.world, par, combo.tier, zero=zero, ac=combo.ac, dtype=combo.dtype,
                        fused=combo.fused, extra=combo.extra)
-    return other if check(other) is None else None
+    return other if check_resume(other) is None else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_resume_subset_replays_the_uninterrupted_run_bitwise():
     assert {c.dtype for c in combos} >= {"float64", "float16"}
     extras = {k for c in combos for k, _ in c.extra}
     assert {"training.local_sgd_steps", "training.stop_at_step", "checkpoint.async_save"} <= extras
-    assert all(S.check(c) is None for c in combos)
+    assert all(RS.check_resume(c) is None for c in combos)
     results = run_group(2, combos, timeout_s=240.0, log=lambda r: None, mode="resume")
     assert [r.combo for r in results] == combos
     bad = [(r.combo.key, r.status, r.detail, r.extra.get("traceback", "")[-300:]) for r in results
