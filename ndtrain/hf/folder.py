@@ -10,10 +10,16 @@ from pathlib import Path
 import torch
 
 from ndtrain.config import ModelConfig
-from ndtrain.hf.common import DEFAULT_SHARD_BYTES, model_from_state_dict, read_safetensors, write_hf_folder
+from ndtrain.hf.common import (
+    DEFAULT_SHARD_BYTES,
+    model_from_state_dict,
+    read_safetensors,
+    with_family_defaults,
+    write_hf_folder,
+)
 from ndtrain.hf.llama import config_from_hf, state_dict_from_hf
 from ndtrain.hf.mamba2 import config_from_hf_mamba2, state_dict_from_hf_mamba2
-from ndtrain.hf.moe import load_hf_moe_checkpoint
+from ndtrain.hf.moe import config_from_hf_moe, state_dict_from_hf_moe
 from ndtrain.hf.qwen3_moe import config_from_hf_qwen3_moe, state_dict_from_hf_qwen3_moe
 from ndtrain.hf.qwen3_next import config_from_hf_qwen3_next, state_dict_from_hf_qwen3_next
 from ndtrain.model import Transformer
@@ -27,18 +33,26 @@ _IMPORTERS = {"qwen3_moe": (config_from_hf_qwen3_moe, state_dict_from_hf_qwen3_m
 def load_hf_checkpoint(folder: str | Path, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Transformer]:
     """Read config.json and (possibly sharded) safetensors from ``folder`` into a ``Transformer``.
-    Mixtral and DeepSeek-V3 checkpoints are delegated to ``ndtrain.hf.moe``.
+    The family comes from ``model_type`` (``_importer``).
 
     Returns (cfg, model) with parameters in ``dtype`` on ``device``.
     Raises FileNotFoundError, ValueError (unsupported config) or KeyError (missing weights).
     """
     folder = Path(folder)
-    hf = json.loads((folder / "config.json").read_text())
-    if hf.get("model_type") in ("mixtral", "deepseek_v3"):  # MoE families: ndtrain.hf.moe
-        return load_hf_moe_checkpoint(folder, device, dtype)
-    to_cfg, to_sd = _IMPORTERS.get(hf.get("model_type"), (config_from_hf, state_dict_from_hf))
-    cfg = to_cfg(hf)
+    to_cfg, to_sd = _importer(json.loads((folder / "config.json").read_text()))
+    cfg = to_cfg()
     return cfg, model_from_state_dict(cfg, to_sd(read_safetensors(folder), cfg), device, dtype)
+
+
+def _importer(hf: dict):
+    """The family of config.json dict ``hf`` as (() -> ModelConfig, (HF state dict, cfg) -> ndtrain
+    state dict); the one place a folder's ``model_type`` picks its family."""
+    if hf.get("model_type") in ("mixtral", "deepseek_v3"):  # ndtrain.hf.moe, with its family's defaults
+        hf = with_family_defaults(hf)
+        interleave = bool(hf.get("rope_interleave", True))
+        return (lambda: config_from_hf_moe(hf)), (lambda sd, cfg: state_dict_from_hf_moe(sd, cfg, interleave))
+    to_cfg, to_sd = _IMPORTERS.get(hf.get("model_type"), (config_from_hf, state_dict_from_hf))
+    return (lambda: to_cfg(hf)), to_sd
 
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path, tokenizer=None,
@@ -73,10 +87,4 @@ def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, folder: str | Path,
 def config_from_hf_folder(folder: str | Path) -> ModelConfig:
     """The ``ModelConfig`` that ``load_hf_checkpoint`` builds for ``folder``, from its config.json
     alone (no weights read). Raises FileNotFoundError, ValueError (a config it cannot express)."""
-    hf = json.loads((Path(folder) / "config.json").read_text())
-    if hf.get("model_type") in ("mixtral", "deepseek_v3"):
-        from ndtrain.hf.common import with_family_defaults
-        from ndtrain.hf.moe import config_from_hf_moe
-
-        return config_from_hf_moe(with_family_defaults(hf))
-    return _IMPORTERS.get(hf.get("model_type"), (config_from_hf, None))[0](hf)
+    return _importer(json.loads((Path(folder) / "config.json").read_text()))[0]()
