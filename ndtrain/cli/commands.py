@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ndtrain.cli import after as cli_after  # generate / eval / convert
 
     cli_after.add_parsers(sub)
+    from ndtrain.cli import data as cli_data  # data prepare
+
+    cli_data.add_parser(sub)
     return parser
 
 
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             from ndtrain.cli.after import main as after_main
 
             return after_main(args)
+        if args.command == "data":
+            from ndtrain.cli.data import run as data_run
+
+            return data_run(args)
         if args.command == "plan":
             from ndtrain.cli.plan import run_plan
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 def _coerce(value: Any, current: Any, key: str) -> Any:
     """Convert a YAML / CLI value to the type of the field's default."""
+    if isinstance(current, str) and isinstance(value, (list, dict)):  # data.sources as YAML: kept as JSON
+        return json.dumps(value)
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value

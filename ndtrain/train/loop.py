@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import Config, save_config
 from ndtrain.data import GlobalBatchSampler, TokenData
+from ndtrain.data.mixture import open_training_data
 from ndtrain.fault import bad_steps, goodput, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.parallel import comm, flight_recorder
@@ -66,7 +67,7 @@ class _Run:
     def local(self, indices, split: str):
         """This rank's (inputs, labels) of the global batch ``indices`` of ``split``."""
         dp = self.mesh.group("dp")
-        return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)
+        return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)[:2]
 
     def say(self, text: str) -> None:
         if self.rank == 0:
@@ -211,10 +212,9 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
-    data = TokenData(data_path)
+    data, sampler = open_training_data(cfg, data_path)  # token shards, or a mixture of sources
     if rank == 0:  # the run directory alone is enough to use the run (ndtrain.train.rundir)
         write_run_files(run_dir, data, cfg)
-    sampler = GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), t.global_batch_size, t.seed)
     trainer = Trainer(cfg, mesh, device)
     return _Run(cfg, rank, world, device, dims, mesh, trainer, data, sampler, run_dir)
 
@@ -330,6 +330,7 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
         row["hfu"] += ns() * n_steps / seconds / peak
     row.update({k: v for k, v in out.items()
                 if k.startswith(("moe_", "aux_", "mtp_", "mem_", "loss_scale", "skipped"))})
+    row.update(r.data.log_fields(r.sampler.consumed) if hasattr(r.data, "log_fields") else {})  # mixture shares
     return row
 
 
