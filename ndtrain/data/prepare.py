@@ -2,7 +2,7 @@
 
 The documents of the sources (``ndtrain.data.corpus``; txt / JSONL / parquet, globs, folders) are cut
 into parts of ``chunk_docs`` documents in reading order, so the parts, and the files merged from
-them, are the same for any number of workers. Worker ``spawn`` processes tokenize parts (each
+them, are the same for any number of workers. Worker processes (forked where the platform can, else spawned) tokenize parts (each
 document followed by the EOS id) into ``OUT/parts/part-NNNNNN.{bin,len.npy}``, each published by a
 rename; a re-run skips the parts already there. When all are done they are merged into
 ``OUT/data.bin`` / ``OUT/data.idx`` (one sequence per document) and ``OUT/manifest.json`` is written
@@ -156,7 +156,9 @@ def prepare(sources: list[str], out: str | Path, workers: int = 1, tokenizer: st
         results = map(_tokenize_part, pending())
         pool = None
     else:
-        pool = mp.get_context("spawn").Pool(workers)
+        # fork where there is one (as torch's DataLoader workers): a spawned worker pays seconds of imports
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        pool = mp.get_context(method).Pool(workers)
         results = pool.imap(_tokenize_part, pending())
     try:
         for i, _, n_tok in results:

@@ -125,7 +125,7 @@ def resolve(spec: SourceSpec, cfg: DataConfig, tokenizer_spec: str, vocab_size: 
     if spec.kind == "hf":
         from ndtrain.data.hf_source import prepare_hf
 
-        return {**out, "kind": "megatron", "path": str(prepare_hf(spec, cfg, tokenizer_spec, vocab_size))}
+        return {**out, "kind": "megatron", "path": str(prepare_hf(spec, cfg, tokenizer_spec, vocab_size) / "data")}
     path = Path(spec.path).expanduser()
     if spec.kind == "megatron":
         from ndtrain.data.megatron_index import MegatronIndex
