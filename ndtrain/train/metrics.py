@@ -165,6 +165,8 @@ def format_line(row: dict) -> str:
         parts.append(_moe_part(row))
     if "peak_mem_bytes" in row:
         parts.append(f"mem {row['peak_mem_bytes'] / 2**20:,.0f} MiB")
+    if shares := {k[len("data_share_"):]: v for k, v in row.items() if k.startswith("data_share_")}:
+        parts.append("mix " + " ".join(f"{n} {100 * v:.1f}%" for n, v in shares.items()))  # data.sources
     return " | ".join(parts)
 
 
