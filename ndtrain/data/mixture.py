@@ -3,8 +3,9 @@
 The stream is cut into blocks of B positions. Block ``b`` holds exactly
 ``A_s(b+1) - A_s(b)`` windows of source ``s``, where ``A_s(b) = floor(b*B*C_s) - floor(b*B*C_{s-1})``
 and ``C_s`` is the cumulative weight; so after any whole block each source's share is within
-``2 / (b*B)`` of its weight (B is at least ``2 / min weight``, which keeps every quota >= 0). Their
-order inside a block is a seeded permutation. The k-th window drawn from a source is item k of its
+``2 / (b*B)`` of its weight (B is at least ``2 / min weight``, which keeps every quota >= 0). Inside
+a block the order is seeded jittered strata (source s's j-th window at time ``(j + U) / q_s``), so a
+prefix of a block is near the weights too. The k-th window drawn from a source is item k of its
 own epoch-shuffled stream (train) or window ``k mod N`` (validation). Nothing depends on the dp
 degree, world size or microbatching, and the state is the number of positions consumed
 (``MixtureSampler``, the ``GlobalBatchSampler`` contract), so a run resumes and reshards exactly.
@@ -59,8 +60,11 @@ class MixturePlan:
             self._cache.move_to_end(b)
             return self._cache[b]
         quota = self.before(b + 1) - self.before(b)
-        src = np.repeat(np.arange(len(quota)), quota)
-        src = src[np.random.default_rng(_seed(self.seed, self.salt, b)).permutation(self.block)]
+        rng = np.random.default_rng(_seed(self.seed, self.salt, b))
+        # jittered strata: source s's j-th window of the block sits at time (j + U) / q_s, U ~ [0, 1),
+        # so every prefix of the block holds each source's share to about one window
+        times = np.concatenate([(np.arange(q) + rng.random(q)) / q for q in quota if q])
+        src = np.repeat(np.arange(len(quota)), quota)[np.argsort(times, kind="stable")]
         draw = np.empty(self.block, dtype=np.int64)
         start = self.before(b)
         for s in range(len(quota)):
@@ -180,6 +184,11 @@ class MixtureData:
         tok = open_tokenizer(self.meta["tokenizer"], eos_id=self.meta["eos_id"])
         tok.eos_id = int(self.meta["eos_id"])
         return tok
+
+    @property
+    def description(self) -> str:
+        """``mixture docs 70% + code 30%`` (the start-up summary's source)."""
+        return "mixture " + " + ".join(f"{s['name']} {100 * s['weight']:.4g}%" for s in self.sources)
 
     def __repr__(self) -> str:
         return f"MixtureData({str(self.path)!r}, sources={self.names})"

@@ -54,7 +54,7 @@ def data_summary(data, cfg: Config) -> dict:
     t = cfg.training
     train_tokens = int(meta["num_tokens"]["train"])
     consumed = t.steps * t.global_batch_size * cfg.data.seq_len
-    return {"source": cfg.data.source, "tokenizer": cfg.data.tokenizer,
+    return {"source": getattr(data, "description", cfg.data.source), "tokenizer": cfg.data.tokenizer,
             "vocab_size": int(meta["tokenizer_vocab_size"]), "eos_id": int(meta["eos_id"]),
             "bytes_read": n_bytes, "truncated": truncated, "train_tokens": train_tokens,
             "val_tokens": int(meta["num_tokens"]["val"]), "epochs": consumed / max(train_tokens, 1)}

@@ -63,6 +63,16 @@ def test_block_quotas_never_negative_and_exact_after_each_block():
         assert np.all(np.abs(plan.before(b) - b * plan.block * plan.weights) <= 2)
 
 
+def test_every_prefix_is_near_the_weights():
+    plan = MixturePlan([0.5, 0.3, 0.15, 0.05], seed=4)
+    src, draw = plan.locate(range(3 * plan.block))
+    counts = np.cumsum(np.eye(4, dtype=np.int64)[src], axis=0)  # (n, S) windows per source in each prefix
+    n = np.arange(1, len(src) + 1)[:, None]
+    assert np.abs(counts - n * plan.weights).max() <= 4  # about one window per source, never more than S
+    for s in range(4):  # draw numbers count each source's windows 0, 1, 2, ... in stream order
+        assert draw[src == s].tolist() == list(range(int((src == s).sum())))
+
+
 def _global_batches(data, sampler, steps, dp):
     """Each step's global batch as the dp ranks see it: their local slices, concatenated in rank order."""
     out = []
