@@ -159,17 +159,15 @@ class MixtureData:
     def get(self, split: str, positions: Sequence[int], seq_len: int):
         """Windows at stream ``positions``: inputs / labels int64 (n, T), documents int32 (n, T) or None."""
         src, win = self.locate(split, positions, seq_len)
-        n = len(src)
-        inputs = torch.empty(n, seq_len, dtype=torch.int64)
-        labels = torch.empty(n, seq_len, dtype=torch.int64)
-        docs = torch.empty(n, seq_len, dtype=torch.int32)
         vocab = self.meta.get("model_vocab_size")
-        for s in np.unique(src):
+        tokens = np.empty((len(src), seq_len + 1), dtype=np.int64)
+        docs = np.empty((len(src), seq_len), dtype=np.int32)
+        for s in np.unique(src):  # numpy gathers: torch indexing of small tensors is slower here
             at = np.flatnonzero(src == s)
-            i, l, d = self.streams[s][split].windows(win[at], seq_len, vocab)
-            t = torch.from_numpy(at)
-            inputs[t], labels[t], docs[t] = i, l, d
-        return inputs, labels, (docs if self.document_mask else None)
+            tokens[at], docs[at] = self.streams[s][split].windows_np(win[at], seq_len, vocab)
+        t = torch.from_numpy(tokens)
+        return (t[:, :-1].contiguous(), t[:, 1:].contiguous(),
+                torch.from_numpy(docs) if self.document_mask else None)
 
     def log_fields(self, consumed: int) -> dict[str, float]:
         """``data_share_<name>``: each source's share of the training tokens seen in ``[0, consumed)``."""

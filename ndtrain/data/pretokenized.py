@@ -30,6 +30,12 @@ class TokenStream:
         """``(inputs, labels, documents)`` of windows ``idx``: int64 (n, T), int64 (n, T), int32 (n, T)
         (0-based per row, a new id at each document start). Raises IndexError for a window outside
         the split, ValueError for a token id >= ``vocab_size``."""
+        win, doc = self.windows_np(idx, seq_len, vocab_size)
+        w = torch.from_numpy(win)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous(), torch.from_numpy(doc)
+
+    def windows_np(self, idx: Sequence[int], seq_len: int, vocab_size: int | None = None):
+        """numpy ``(tokens int64 (n, T + 1), documents int32 (n, T))`` of ``windows``."""
         idx = np.asarray(idx, dtype=np.int64)
         n_seq = self.num_sequences(seq_len)
         if idx.size and (idx.min() < 0 or idx.max() >= n_seq):
@@ -46,9 +52,7 @@ class TokenStream:
             doc = np.cumsum(is_eos, axis=1) - is_eos  # the id moves on after each EOS
         else:
             doc = np.zeros_like(inp)
-        doc = (doc - doc[:, :1]).astype(np.int32)
-        w = torch.from_numpy(win)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous(), torch.from_numpy(doc)
+        return win, (doc - doc[:, :1]).astype(np.int32)
 
 
 def split_bounds(n_tokens: int, val_fraction: float, name: str) -> tuple[int, int]:
