@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -70,7 +71,7 @@ def main() -> None:
            "document_mask": True, "sources": "megatron 0.7 + npy with offsets 0.3, page cache warm",
            "train_step_tokens_per_s": need_tps, "train_step_source": "bench/results/step_time_single.json "
            f"(preset {need['config']}, {need['ndtrain_step_s']:.3f} s per step, one CPU process)",
-           "loader_over_need": loader_tps / need_tps}
+           "loader_over_need": loader_tps / need_tps, "load_average_1min_after": os.getloadavg()[0]}
     path = ROOT / "bench" / "results" / "data_loader.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))

@@ -65,15 +65,10 @@ def prepare_checked(cfg: Config) -> Path:
     from ndtrain.data import TokenData, prepare_data
 
     try:
-        if cfg.data.sources:  # a mixture (ndtrain.data.mixture): each source prepared, checked below
-            from ndtrain.data.mixture import MixtureData, prepare_mixture
+        if cfg.data.sources:  # a mixture: every source prepared and checked (ndtrain.data.mixture)
+            from ndtrain.data.mixture import prepare_mixture
 
-            path = prepare_mixture(cfg.data, cfg.model.vocab_size)
-            data = MixtureData(path)
-            if min(data.num_sequences(s, cfg.data.seq_len) for s in ("train", "val")) < 1:
-                raise ValueError(f"a source of data.sources has no window of data.seq_len + 1 "
-                                 f"({cfg.data.seq_len + 1}) tokens in a split")
-            return path
+            return prepare_mixture(cfg.data, cfg.model.vocab_size)
         path = prepare_data(cfg.data, cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data: {e}") from None

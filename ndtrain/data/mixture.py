@@ -194,7 +194,8 @@ class MixtureData:
 
 def prepare_mixture(cfg, vocab_size: int) -> Path:
     """Resolve ``cfg.sources`` (tokenizing text and hf sources into the cache) and write
-    ``<cache>/mixtures/<key>/mixture.json``; return that folder. Raises ValueError from the sources."""
+    ``<cache>/mixtures/<key>/mixture.json``; return that folder. Raises ValueError from the sources,
+    or naming a source with a split shorter than one sequence of ``cfg.seq_len + 1`` tokens."""
     from ndtrain.data.sources import mixture_key, parse_sources, resolve
     from ndtrain.data.tokenizer import cache_root, load_tokenizer
 
@@ -205,9 +206,13 @@ def prepare_mixture(cfg, vocab_size: int) -> Path:
             "eos_id": tok.eos_id, "tokenizer_vocab_size": tok.vocab_size, "model_vocab_size": vocab_size}
     folder = cache_root(cfg) / "mixtures" / mixture_key(resolved, {k: meta[k] for k in meta if k != "sources"})
     folder.mkdir(parents=True, exist_ok=True)
-    data = MixtureData.__new__(MixtureData)  # token counts for the summary, without a plan
-    data.streams = [open_streams(s, cfg.val_fraction) for s in resolved]
-    meta["num_tokens"] = {s: MixtureData.num_tokens(data, s) for s in ("train", "val")}
+    streams = [open_streams(s, cfg.val_fraction) for s in resolved]
+    for entry, st in zip(resolved, streams):
+        for split in ("train", "val"):
+            if st[split].num_sequences(cfg.seq_len) < 1:
+                raise ValueError(f"source {entry['name']}: the {split} split has {len(st[split].tokens)} tokens, "
+                                 f"fewer than one sequence of data.seq_len + 1 ({cfg.seq_len + 1})")
+    meta["num_tokens"] = {sp: sum(len(st[sp].tokens) for st in streams) for sp in ("train", "val")}
     meta["dtype"] = "mixture"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:

@@ -132,6 +132,14 @@ def resolve(spec: SourceSpec, cfg: DataConfig, tokenizer_spec: str, vocab_size: 
 
         prefix = path / "data" if path.is_dir() else path
         MegatronIndex(prefix)  # checks the files now, before any rank starts
+        manifest = path / "manifest.json"
+        if path.is_dir() and manifest.is_file():  # a data prepare folder: its tokenizer must be the run's
+            from ndtrain.data.prepare import tokenizer_id
+
+            made, ours = json.loads(manifest.read_text()).get("tokenizer"), tokenizer_id(tokenizer_spec)
+            if made != ours:
+                raise ValueError(f"data.sources {spec.name}: {path} was prepared with tokenizer {made}, "
+                                 f"this run's data.tokenizer is {ours}")
         return {**out, "kind": "megatron", "path": str(prefix.resolve())}
     if not path.is_file():
         raise ValueError(f"data.sources {spec.name}: token file {path} does not exist")

@@ -178,3 +178,20 @@ def test_unreadable_source_is_a_config_error_before_start(tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_checked(cfg)
     assert str(e.value) == f"data: data.sources s0: token file {tmp_path}/none.npy does not exist"
+
+
+def test_short_source_and_foreign_tokenizer_are_named(tmp_path):
+    np.save(tmp_path / "short.npy", np.arange(40, dtype=np.uint16))
+    cfg = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), seq_len=T, val_fraction=0.25,
+                     sources=f"tokens:{tmp_path}/short.npy@1")
+    with pytest.raises(ValueError) as e:
+        prepare_mixture(cfg, 300)
+    assert str(e.value) == "source s0: the val split has 10 tokens, fewer than one sequence of data.seq_len + 1 (17)"
+    (tmp_path / "p").mkdir()
+    write_dataset(tmp_path / "p" / "data", [np.arange(100)])
+    (tmp_path / "p" / "manifest.json").write_text('{"tokenizer": "sha256:abc"}')
+    cfg.sources = f"megatron:{tmp_path}/p@1"
+    with pytest.raises(ValueError) as e:
+        prepare_mixture(cfg, 300)
+    assert str(e.value) == (f"data.sources s0: {tmp_path}/p was prepared with tokenizer sha256:abc, "
+                            "this run's data.tokenizer is bytes")
