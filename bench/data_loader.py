@@ -23,9 +23,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.config import DataConfig, load_config  # noqa: E402
-from ndtrain.data.megatron_index import write_index  # noqa: E402
-from ndtrain.data.mixture import MixtureData, MixtureSampler, prepare_mixture  # noqa: E402
+from ndtrain.config import DataConfig, load_config
+from ndtrain.data.megatron_index import write_index
+from ndtrain.data.mixture import MixtureData, MixtureSampler, prepare_mixture
 
 
 def _docs(rng, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:

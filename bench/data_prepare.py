@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ndtrain.data.corpus import stdlib_files  # noqa: E402
-from ndtrain.data.prepare import prepare  # noqa: E402
+from ndtrain.data.corpus import stdlib_files
+from ndtrain.data.prepare import prepare
 
 
 def _corpus(path: Path, mbytes: int) -> tuple[int, int]:

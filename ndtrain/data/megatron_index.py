@@ -65,8 +65,7 @@ def write_dataset(prefix: str | Path, documents: list, dtype=np.uint16) -> None:
     """``PREFIX.bin`` / ``PREFIX.idx`` holding ``documents`` (each a 1-D int array), one sequence each."""
     prefix = Path(prefix)
     with open(prefix.with_suffix(".bin"), "wb") as f:
-        for doc in documents:
-            f.write(np.asarray(doc).astype(dtype).tobytes())
+        f.writelines(np.asarray(doc).astype(dtype).tobytes() for doc in documents)
     write_index(prefix.with_suffix(".idx"), [len(d) for d in documents], np.arange(len(documents) + 1), dtype)
 
 

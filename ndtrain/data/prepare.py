@@ -195,7 +195,7 @@ def _merge(out: Path, parts: Path, dtype, tok, inputs: dict) -> dict:
     if tok.spec != "bytes":
         shutil.copyfile(tok.spec, out / "tokenizer.json")
     manifest = {"format": "megatron", "prefix": "data", **inputs, "tokenizer_vocab_size": tok.vocab_size,
-                "num_documents": int(len(all_len)), "num_tokens": int(all_len.sum()), "num_parts": n_parts}
+                "num_documents": len(all_len), "num_tokens": int(all_len.sum()), "num_parts": n_parts}
     _publish(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     shutil.rmtree(parts)
     return manifest

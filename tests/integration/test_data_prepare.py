@@ -71,9 +71,9 @@ def test_cli_prepare_and_train_source(corpus, tmp_path, capsys):
                      sources=f"megatron:{tmp_path / 'p'}@1")
     data = MixtureData(prepare_mixture(cfg, 300), document_mask=True)
     flat = np.concatenate([list(t.encode()) + [256] for t in docs[:70]])
-    n_train = len(flat) - int(round(len(flat) * 0.1))
-    inputs, labels, ids = data.get("train", range(20), 8)
-    src, win = data.locate("train", range(20), 8)
+    n_train = len(flat) - round(len(flat) * 0.1)
+    inputs = data.get("train", range(20), 8)[0]
+    win = data.locate("train", range(20), 8)[1]
     for r in range(20):
         assert inputs[r].tolist() == flat[win[r] * 8:win[r] * 8 + 8].tolist()
         assert win[r] * 8 + 9 <= n_train
@@ -100,7 +100,7 @@ def test_hf_sources_text_and_tokens(tmp_path):
     tok_flat = np.concatenate(toks)
     assert len(data.streams[0]["train"].tokens) + len(data.streams[0]["val"].tokens) == len(text_flat)
     assert np.array_equal(np.asarray(data.streams[1]["train"].tokens), tok_flat[:len(data.streams[1]["train"].tokens)])
-    src, win = data.locate("train", range(30), 8)
+    src = data.locate("train", range(30), 8)[0]
     inputs, _, ids = data.get("train", range(30), 8)
     for r in np.flatnonzero(src == 1):  # token documents keep their boundaries: ids change with the token value
         row = inputs[r].numpy()

@@ -9,9 +9,9 @@ import torch
 
 from ndtrain.config import ConfigError, DataConfig, config_from_dict, load_config
 from ndtrain.data.megatron_index import MAGIC, MegatronIndex, write_dataset
-from ndtrain.data.mixture import MixtureData, MixtureSampler, MixturePlan, prepare_mixture
-from ndtrain.data.sources import parse_sources
+from ndtrain.data.mixture import MixtureData, MixturePlan, MixtureSampler, prepare_mixture
 from ndtrain.data.pretokenized import TokenStream
+from ndtrain.data.sources import parse_sources
 
 T = 16
 
@@ -57,7 +57,7 @@ def test_shares_within_one_percent_over_10000_sequences(mixture):
 def test_block_quotas_never_negative_and_exact_after_each_block():
     plan = MixturePlan([0.998, 0.001, 0.001], seed=0)
     assert plan.block >= 2000
-    for b in range(0, 40):
+    for b in range(40):
         q = plan.before(b + 1) - plan.before(b)
         assert q.min() >= 0 and q.sum() == plan.block
         assert np.all(np.abs(plan.before(b) - b * plan.block * plan.weights) <= 2)
@@ -111,7 +111,7 @@ def test_document_ids_start_at_each_boundary():
 def test_mixture_documents_when_masking(mixture):
     data = MixtureData(mixture, seed=0, document_mask=True)
     src, win = data.locate("train", range(64), T)
-    inputs, _, docs = data.get("train", range(64), T)
+    docs = data.get("train", range(64), T)[2]
     row = int(np.flatnonzero(src == 0)[0])
     start = int(win[row]) * T  # source 0 has a document every 50 tokens
     want = (np.arange(start, start + T) // 50) - start // 50
@@ -145,8 +145,8 @@ def test_config_forms_agree():
     ('[{"kind": "tokens", "path": "a", "weight": 1, "budget_tokens": 5}]',
      "data.sources entry 0 (s0): give exactly one of weight > 0 or budget_tokens > 0 (weight=1, budget_tokens=5)"),
     ('[{"kind": "tokens", "path": "a", "wieght": 1}]',
-     "data.sources entry 0: unknown key 'wieght'; keys: budget_tokens, dtype, eos_id, field, kind, name, "
-     "offsets, path, streaming, weight"),
+     ("data.sources entry 0: unknown key 'wieght'; keys: budget_tokens, dtype, eos_id, field, kind, name, "
+      "offsets, path, streaming, weight")),
 ])
 def test_bad_sources_are_one_line_errors(text, error):
     with pytest.raises(ValueError) as e:
