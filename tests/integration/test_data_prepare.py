@@ -94,7 +94,8 @@ def test_hf_sources_text_and_tokens(tmp_path):
     (tmp_path / "folder" / "train.jsonl").write_text("".join(json.dumps({"tokens": t}) + "\n" for t in toks))
     sources = [{"kind": "hf", "path": str(tmp_path / "disk"), "weight": 1},
                {"kind": "hf", "path": str(tmp_path / "folder"), "field": "tokens", "weight": 1, "streaming": True}]
-    cfg = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "cache"), seq_len=8, sources=json.dumps(sources))
+    cfg = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "cache"), seq_len=8, val_fraction=0.1,
+                     sources=json.dumps(sources))
     data = MixtureData(prepare_mixture(cfg, 2048), document_mask=True)
     text_flat = np.concatenate([list(t.encode()) + [256] for t in texts])
     tok_flat = np.concatenate(toks)
