@@ -1,6 +1,7 @@
 """Mixtures of sources: shares, exact resume / reshard, document ids, the config forms, Megatron files."""
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -195,3 +196,17 @@ def test_short_source_and_foreign_tokenizer_are_named(tmp_path):
         prepare_mixture(cfg, 300)
     assert str(e.value) == (f"data.sources s0: {tmp_path}/p was prepared with tokenizer sha256:abc, "
                             "this run's data.tokenizer is bytes")
+
+
+def test_raw_uint32_token_file_with_eos_documents(tmp_path):
+    ids = np.tile(np.array([70000, 5, 6, 9, 7, 9], dtype=np.uint32), 20)  # EOS 9 ends each document
+    ids.tofile(tmp_path / "raw.bin")
+    cfg = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), seq_len=6, val_fraction=0.2,
+                     sources=json.dumps([{"kind": "tokens", "path": f"{tmp_path}/raw.bin", "dtype": "uint32",
+                                          "eos_id": 9, "weight": 1}]))
+    data = MixtureData(prepare_mixture(cfg, 100_000), document_mask=True)
+    assert data.num_tokens("train") == 96 and data.num_tokens("val") == 24
+    win = data.locate("train", range(5), 6)[1]
+    inputs, labels, docs = data.get("train", range(5), 6)
+    assert inputs.tolist() == [[70000, 5, 6, 9, 7, 9]] * 5 and labels[:, -1].tolist() == [70000] * 5
+    assert docs.tolist() == [[0, 0, 0, 0, 1, 1]] * 5 and sorted(win.tolist()) == sorted(set(win.tolist()))
