@@ -12,7 +12,8 @@ Prepared folder ``<cache>/chat/<key>/`` (key: source fingerprint, tokenizer, tem
 ``{train,val}.mask.bin`` one ``uint8`` per token (1 = assistant), ``{train,val}.docs.npy`` int64
 conversation offsets (n + 1), ``meta.json`` (``format: "chat"``, token and supervised counts),
 ``tokenizer.json`` and ``corpus_bytes.json`` (the rendered text's bytes). The validation split is
-the last ``val_fraction`` of the conversations (at least one). Published with one ``os.rename``.
+the last ``val_fraction`` of the conversations (at least one). ``max_corpus_bytes`` keeps the whole
+conversations whose rendered text fits under it. Published with one ``os.rename``.
 
 Packing (``ChatData``): conversations in file order fill rows of T + 1 tokens greedily, never split
 across rows; one longer than T + 1 is cut to T + 1 (counted in ``truncated``); the rest of a row is
@@ -97,21 +98,32 @@ def chat_key(cfg: DataConfig, tok: Tokenizer, template: ChatTemplate, fingerprin
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _render(cfg: DataConfig, template: ChatTemplate) -> tuple[list[tuple[str, list]], int, bool]:
+    """Rendered conversations with their assistant spans, whole ones only while their UTF-8 bytes
+    stay within ``cfg.max_corpus_bytes`` (0 = all); returns them, their bytes, whether the cap cut."""
+    out, n_bytes = [], 0
+    for msgs in read_conversations(cfg):
+        text, spans = template.assistant_spans(msgs)
+        size = len(text.encode("utf-8"))
+        if cfg.max_corpus_bytes and n_bytes + size > cfg.max_corpus_bytes:
+            return out, n_bytes, True
+        out.append((text, spans))
+        n_bytes += size
+    return out, n_bytes, False
+
+
 def _write(cfg: DataConfig, tok: Tokenizer, template: ChatTemplate, out: Path) -> dict:
-    convs = read_conversations(cfg)
+    convs, n_bytes, cut = _render(cfg, template)
     if len(convs) < 2:
-        raise ValueError(f"data.source {cfg.source!r} has {len(convs)} conversation: need >= 2 "
-                         "(one for each split)")
+        raise ValueError(f"data.source {cfg.source!r} gives {len(convs)} conversation(s) (data.max_corpus_bytes="
+                         f"{cfg.max_corpus_bytes}): need >= 2, one for each split")
     n_val = min(len(convs) - 1, max(1, round(len(convs) * cfg.val_fraction)))
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
     counts = {"num_tokens": {}, "supervised_tokens": {}, "num_documents": {}}
-    n_bytes = 0
     for split, part in (("train", convs[:len(convs) - n_val]), ("val", convs[len(convs) - n_val:])):
         offsets, n_sup = [0], 0
         with open(out / f"{split}.bin", "wb") as ft, open(out / f"{split}.mask.bin", "wb") as fm:
-            for msgs in part:
-                text, spans = template.assistant_spans(msgs)
-                n_bytes += len(text.encode("utf-8"))
+            for text, spans in part:
                 ids, mask = encode_with_mask(tok, text, spans)
                 ft.write(ids.astype(dtype).tobytes())
                 fm.write(mask.tobytes())
@@ -120,8 +132,8 @@ def _write(cfg: DataConfig, tok: Tokenizer, template: ChatTemplate, out: Path) -
         np.save(out / f"{split}.docs.npy", np.asarray(offsets, np.int64))
         counts["num_tokens"][split], counts["supervised_tokens"][split] = offsets[-1], n_sup
         counts["num_documents"][split] = len(part)
-    (out / "corpus_bytes.json").write_text(json.dumps({"bytes_read": n_bytes, "truncated": False}))
-    return dict(counts, dtype=np.dtype(dtype).name)
+    (out / "corpus_bytes.json").write_text(json.dumps({"bytes_read": n_bytes, "truncated": cut}))
+    return dict(counts, dtype=np.dtype(dtype).name, max_corpus_bytes=cfg.max_corpus_bytes)
 
 
 def prepare_chat(cfg: DataConfig, vocab_size: int) -> Path:

@@ -204,3 +204,12 @@ def test_bad_conversation_and_missing_template_are_one_line(tmp_path):
     assert type(open_data(prepare_chat(DataConfig(
         source=str(_write(tmp_path / "ok.jsonl", [_conv(1), _conv(2)])), tokenizer="bytes",
         chat_template="chatml", cache_dir=str(tmp_path / "c")), 512))) is ChatData
+
+
+def test_max_corpus_bytes_keeps_whole_conversations(tmp_path):
+    convs = [_conv(i) for i in range(8)]  # 198 bytes each for i < 3 (the ChatML text of _conv)
+    cap = 3 * 198 + 197  # three whole conversations fit, not a fourth
+    data = _chat(tmp_path, convs, max_corpus_bytes=cap)
+    assert data.meta["num_documents"] == {"train": 2, "val": 1}
+    assert data.num_tokens("train") + data.num_tokens("val") == 3 * 198
+    assert json.loads((data.path / "corpus_bytes.json").read_text()) == {"bytes_read": 3 * 198, "truncated": True}
