@@ -23,6 +23,7 @@ token t + 1 when that token is supervised and in the same conversation, else -10
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -84,7 +85,7 @@ def encode_with_mask(tok: Tokenizer, text: str, spans: list[tuple[int, int]]) ->
         return ids, mask
     cuts = sorted({0, len(text), *(x for s in spans for x in s)})
     ids, mask = [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         piece = tok.encode(text[a:b])
         ids += piece
         mask += [int(any(s <= a < e for s, e in spans))] * len(piece)

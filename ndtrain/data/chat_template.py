@@ -127,8 +127,8 @@ def load_chat_template(spec: str, tokenizer_spec: str) -> ChatTemplate:
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    if not isinstance(source, str):
-        raise ValueError(f"data.chat_template is empty and tokenizer {tokenizer_spec!r} has no chat template "
-                         f"(no chat_template in tokenizer_config.json); name a built-in ({', '.join(BUILTIN)}) "
-                         "or a .jinja file")
-    return ChatTemplate(source, str(config_path), special)
+    if isinstance(source, str):
+        return ChatTemplate(source, str(config_path), special)
+    raise ValueError(f"data.chat_template is empty and tokenizer {tokenizer_spec!r} has no chat template "
+                     f"(no chat_template in tokenizer_config.json); name a built-in ({', '.join(BUILTIN)}) "
+                     "or a .jinja file")

@@ -16,7 +16,7 @@ import torch
 
 from ndtrain.config import ConfigError, DataConfig, validate
 from ndtrain.data.chat import ChatData, encode_with_mask, open_data, prepare_chat
-from ndtrain.data.chat_template import load_chat_template
+from ndtrain.data.chat_template import ChatTemplate, load_chat_template
 from tests.utils import tiny_config
 
 END = "<|im_end|>\n"
@@ -213,3 +213,20 @@ def test_max_corpus_bytes_keeps_whole_conversations(tmp_path):
     assert data.meta["num_documents"] == {"train": 2, "val": 1}
     assert data.num_tokens("train") + data.num_tokens("val") == 3 * 198
     assert json.loads((data.path / "corpus_bytes.json").read_text()) == {"bytes_read": 3 * 198, "truncated": True}
+
+
+def test_where_the_tokenizers_own_template_comes_from(tmp_path):
+    folder = tmp_path / "tok"
+    _tiny_hf_folder(folder)
+    spec = str(folder / "tokenizer.json")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template("", spec).render(msgs) == "D<s>"  # the list form: its "default"
+    (folder / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert load_chat_template("", spec).render(msgs) == "J2"  # the .jinja file beside it wins
+    assert load_chat_template("chatml", spec).render(msgs).startswith("<|im_start|>user\nhi")
+    last_only = ChatTemplate("{{ messages[-1]['content'] }}", "last-only")
+    with pytest.raises(ValueError, match="chat template last-only: the render up to message 1 is not a prefix"):
+        last_only.assistant_spans(msgs + [{"role": "user", "content": "bye"}])
