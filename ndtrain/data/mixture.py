@@ -199,6 +199,9 @@ def prepare_mixture(cfg, vocab_size: int) -> Path:
     from ndtrain.data.sources import mixture_key, parse_sources, resolve
     from ndtrain.data.tokenizer import cache_root, load_tokenizer
 
+    if getattr(cfg, "format", "text") != "text":
+        raise ValueError(f"data.sources mixes text and token sources; data.format={cfg.format} reads one "
+                         "data.source (leave data.sources empty)")
     specs = parse_sources(cfg.sources)
     tok = load_tokenizer(cfg, vocab_size)
     resolved = [resolve(s, cfg, tok.spec, vocab_size) for s in specs]
@@ -224,12 +227,14 @@ def prepare_mixture(cfg, vocab_size: int) -> Path:
 
 def open_training_data(cfg, data_path: str | Path):
     """(data, sampler) of a run: a mixture folder gives ``MixtureData`` + ``MixtureSampler``, a token
-    shard folder ``TokenData`` + ``GlobalBatchSampler``."""
-    from ndtrain.data.shards import TokenData
+    shard or chat folder ``TokenData`` / ``ChatData`` (``ndtrain.data.chat.open_data``) +
+    ``GlobalBatchSampler``."""
+    from ndtrain.data.chat import open_data
 
     t, T = cfg.training, cfg.data.seq_len
+    documents = bool(getattr(cfg.data, "document_mask", False))
     if (Path(data_path) / "mixture.json").is_file():
-        data = MixtureData(data_path, t.seed, bool(getattr(cfg.data, "document_mask", False)))
+        data = MixtureData(data_path, t.seed, documents)
         return data, MixtureSampler(max(1, data.num_sequences("train", T)), t.global_batch_size, t.seed)
-    data = TokenData(data_path)
+    data = open_data(data_path, documents)
     return data, GlobalBatchSampler(data.num_sequences("train", T), t.global_batch_size, t.seed)

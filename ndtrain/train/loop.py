@@ -67,7 +67,7 @@ class _Run:
     def local(self, indices, split: str):
         """This rank's (inputs, labels) of the global batch ``indices`` of ``split``."""
         dp = self.mesh.group("dp")
-        return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)[:2]
+        return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)
 
     def say(self, text: str) -> None:
         if self.rank == 0:
@@ -151,7 +151,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         step = trainer.step_count + 1
         prof.begin(step)
         t_data = time.perf_counter()
-        inputs, labels = r.local(r.sampler.next_global(), "train")
+        inputs, labels = r.local(r.sampler.next_global(), "train")[:2]  # a chat batch also has documents
         t_data = time.perf_counter() - t_data
         trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
         out, dt = _timed_step(r, inputs, labels)
@@ -212,7 +212,9 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
-    data, sampler = open_training_data(cfg, data_path)  # token shards, or a mixture of sources
+    data, sampler = open_training_data(cfg, data_path)  # token shards, chat rows, or a mixture of sources
+    if cfg.data.format == "chat" and rank == 0:  # whole conversations per row (ndtrain.data.chat)
+        print(data.console_line(cfg.data.seq_len), flush=True)
     if rank == 0:  # the run directory alone is enough to use the run (ndtrain.train.rundir)
         write_run_files(run_dir, data, cfg)
     trainer = Trainer(cfg, mesh, device)
@@ -325,6 +327,8 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
            "comm_bytes": comm_bytes}
     row["hfu"] = row["mfu"] and row["mfu"] * metrics.hfu_factor(r.cfg.model, r.cfg.data.seq_len,
                                                                 t.activation_checkpoint)  # + recompute
+    if r.cfg.data.format == "chat":  # this step's labels with a loss, over its label positions
+        row["supervised_share"] = out["n_tokens"] / (t.global_batch_size * r.cfg.data.seq_len)
     ns = getattr(r.trainer.optimizer, "ns_flops_per_step", None)  # Muon's Newton-Schulz (this rank's)
     if row["hfu"] and ns is not None:
         row["hfu"] += ns() * n_steps / seconds / peak
@@ -338,7 +342,7 @@ def _val_loss(r: _Run) -> float:
     """Token-weighted loss over ``eval_batches`` fixed global batches of the validation split."""
     t, T = r.cfg.training, r.cfg.data.seq_len
     nval = r.data.num_sequences("val", T)
-    batches = [r.local([(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)], "val")
+    batches = [r.local([(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)], "val")[:2]
                for b in range(t.eval_batches)]
     return r.trainer.eval_loss(batches)
 
