@@ -71,13 +71,13 @@ def parse_sources(value) -> list[SourceSpec]:
                 raise ValueError(f"data.sources: invalid JSON ({e})") from None
         else:
             value = _compact(text)
-    if not isinstance(value, list):
-        raise ValueError(f"data.sources must be a list of sources, not {type(value).__name__}")
+    if not isinstance(value, list):  # ValueError, as every bad data setting: launch makes it a ConfigError
+        raise ValueError(f"data.sources must be a list of sources, not {type(value).__name__}")  # noqa: TRY004
     names = {f.name for f in dataclasses.fields(SourceSpec)}
     specs = []
     for i, entry in enumerate(value):
         if not isinstance(entry, dict):
-            raise ValueError(f"data.sources entry {i} must be a mapping, not {type(entry).__name__}")
+            raise ValueError(f"data.sources entry {i} must be a mapping, not {type(entry).__name__}")  # noqa: TRY004
         unknown = sorted(set(entry) - names)
         if unknown:
             raise ValueError(f"data.sources entry {i}: unknown key {unknown[0]!r}; keys: {', '.join(sorted(names))}")
