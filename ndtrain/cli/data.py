@@ -14,9 +14,12 @@ def add_parser(sub) -> None:
                                     "re-running the same command continues an interrupted run.")
     p.add_argument("sources", nargs="+", help="paths, globs or folders of txt / JSONL / parquet")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (the files do not depend on it)")
-    p.add_argument("--tokenizer", default="bytes", help="bytes, a tokenizer.json path, or bpe (trained on the sources)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="bpe: vocabulary to train; else the ids must fit")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes (the files do not depend on it)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes, a tokenizer.json path, or bpe (trained on the sources)")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="bpe: vocabulary to train; else the ids must fit")
     p.add_argument("--text-field", default="text", help="JSONL / parquet column holding the text")
     p.add_argument("--chunk-docs", type=int, default=1024, help="documents per part (the unit of resume)")
     p.add_argument("--cache-dir", default="", help="where a trained bpe tokenizer is cached")
