@@ -3,8 +3,9 @@
 The documents of the sources (``ndtrain.data.corpus``; txt / JSONL / parquet, globs, folders) are cut
 into parts of ``chunk_docs`` documents in reading order, so the parts, and the files merged from
 them, are the same for any number of workers. Worker processes (forked where the platform can,
-else spawned) tokenize parts (each document followed by the EOS id) into ``OUT/parts/part-NNNNNN.{bin,len.npy}``, each published by a
-rename; a re-run skips the parts already there. When all are done they are merged into
+else spawned) tokenize parts (each document followed by the EOS id) into
+``OUT/parts/part-NNNNNN.{bin,len.npy}``, each published by a rename; a re-run skips the parts
+already there. When all are done they are merged into
 ``OUT/data.bin`` / ``OUT/data.idx`` (one sequence per document) and ``OUT/manifest.json`` is written
 last: its presence means the folder is complete. ``OUT/prepare.json`` pins the inputs, so a re-run with
 other inputs is refused rather than mixed in.
