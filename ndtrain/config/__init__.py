@@ -17,6 +17,7 @@ from ndtrain.config.load import (
 )
 from ndtrain.config.schema import (
     CheckpointConfig,
+    FinetuneConfig,
     Config,
     DataConfig,
     LoggingConfig,
@@ -26,6 +27,6 @@ from ndtrain.config.schema import (
 )
 from ndtrain.errors import ConfigError
 
-__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
+__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FinetuneConfig", "LoggingConfig",
            "ModelConfig", "ParallelConfig", "TrainingConfig", "apply_overrides", "config_from_dict",
            "did_you_mean", "load_config", "parse_cli_overrides", "resolve_preset", "save_config", "validate"]

@@ -67,6 +67,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     parse_profile_steps(lg.profile_steps)  # "A:B" or ""
     check_mixers(m)
     _validate_block_options(m, cfg.parallel)
+    _validate_finetune(cfg)
     _validate_axes(cfg, world_size)
 
 
@@ -286,6 +287,24 @@ def _validate_block_options(m, p) -> None:
     if not m.block_ffn:
         _check(not m.is_moe and m.mtp_depth == 0, "model.block_ffn false (mixer-only blocks) needs "
                                                   "moe_experts == 0 and mtp_depth == 0")
+
+
+def _validate_finetune(cfg) -> None:
+    """LoRA (``finetune.*``): the numbers, and the combinations the adapters are not built for."""
+    f, t, p = cfg.finetune, cfg.training, cfg.parallel
+    _check(f.lora_rank >= 0, f"finetune.lora_rank ({f.lora_rank}) must be >= 0 (0 = off)")
+    if not f.lora_rank:
+        return
+    _check(f.lora_alpha > 0, f"finetune.lora_alpha ({f.lora_alpha}) must be > 0")
+    _check(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout ({f.lora_dropout}) must be in [0, 1)")
+    _check(any(x.strip() for x in f.lora_targets.split(",")),
+           "finetune.lora_targets is empty: give module patterns such as *.wq,*.wv")
+    _check(not (f.lora_dropout and p.tp > 1), f"finetune.lora_dropout > 0 needs tp == 1 (got tp={p.tp}): "
+           "tp ranks would draw different masks for the same whole input")
+    _check(t.optimizer == "adamw", f"finetune.lora_rank > 0 needs training.optimizer=adamw (got {t.optimizer})")
+    _check(not t.fp8, "finetune.lora_rank > 0 excludes training.fp8 (the float8 linears replace the adapted ones)")
+    _check(not t.local_sgd_steps, "finetune.lora_rank > 0 excludes training.local_sgd_steps (DiLoCo)")
+    _check(not cfg.model.is_moe, "finetune.lora_rank > 0 is built for dense models (MoE experts are not linears)")
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
