@@ -71,6 +71,9 @@ def apply_lora_parallel(model: nn.Module, mesh: Mesh, cfg: Config, reduce_dtype:
             a, b = lora.init_adapter(name, mod.in_features, mod.out_features, f.lora_rank, seed, dt)
             lora.attach(mod, a.to(dev), b.to(dev), scale, f.lora_dropout)
     lora.freeze_base(model)
+    if hasattr(model, "ndtrain_tp_specs"):  # the checkpoint adapter's record of every tp split
+        model.ndtrain_tp_specs.update({n: getattr(p, TP_SHARD_ATTR) for n, p in model.named_parameters()
+                                       if lora.is_adapter(n) and hasattr(p, TP_SHARD_ATTR)})
     return names
 
 
