@@ -225,6 +225,10 @@ def gather_model(trainer, cfg: Config) -> nn.Module | None:
         if dist.get_rank() != 0:
             return None
         whole = {k: v for part in parts for k, v in part.items()}
+    if cfg.finetune.lora_rank:  # the sampled model is the plain one with the adapters folded in
+        from ndtrain.model.lora import merged_state
+
+        whole = merged_state(whole, cfg.finetune.lora_alpha / cfg.finetune.lora_rank)
     model = build_empty_model(cfg, trainer.device, trainer.param_dtype)
     if cfg.model.tie_embeddings:
         whole.pop("output.weight", None)  # the same tensor as the embedding, stored by the last stage
