@@ -120,5 +120,7 @@ def to_peft(run: RunDir, out_dir: str | Path, step: int | None = None) -> int:
     if not run.cfg.finetune.lora_rank:
         raise RunDirError(f"--to-peft: {run.path} is not a LoRA run (finetune.lora_rank is 0)")
     model, step = run.load_model(step, merge_lora=False)
-    save_peft_folder(model.state_dict(), run.cfg, out_dir, run.cfg.checkpoint.init_weights_from)
+    src = Path(run.cfg.checkpoint.init_weights_from) if run.cfg.checkpoint.init_weights_from else None
+    hf_base = str(src.resolve()) if src is not None and (src / "config.json").is_file() else ""
+    save_peft_folder(model.state_dict(), run.cfg, out_dir, hf_base)
     return step

@@ -22,6 +22,7 @@ from ndtrain.model import lora
 from ndtrain.train.rundir import RunDir, build_empty_model, load_state_into
 from tests.corpus import source_text
 
+pytestmark = pytest.mark.slow  # two ranks started through the CLI, ~80 s on a loaded 2-core machine
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = "*.wq,*.wv,*.wo,*.w2"
 

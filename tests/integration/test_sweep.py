@@ -51,6 +51,8 @@ REJECTED = [  # (feature, world, parallel, zero / ac / fused, the rule's text mu
     ("hybrid", 2, {"cp": 2, "cp_impl": "ring", "cp_layout": "load_balanced"}, {},
      r"layer_pattern.*cp \(2\).*cp_layout contiguous"),
     ("mtp", 2, {"dp_shard": 2}, {"fused": True}, r"fused_loss.*mtp_depth \(1\)"),
+    ("lora", 2, {"dp_shard": 2}, {"extra": (("training.optimizer", "muon"),)},
+     r"lora_rank > 0 needs training.optimizer=adamw \(got muon\)"),
 ]
 
 
