@@ -17,9 +17,9 @@ from ndtrain.config.load import (
 )
 from ndtrain.config.schema import (
     CheckpointConfig,
-    FinetuneConfig,
     Config,
     DataConfig,
+    FinetuneConfig,
     LoggingConfig,
     ModelConfig,
     ParallelConfig,
@@ -27,6 +27,6 @@ from ndtrain.config.schema import (
 )
 from ndtrain.errors import ConfigError
 
-__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FinetuneConfig", "LoggingConfig",
-           "ModelConfig", "ParallelConfig", "TrainingConfig", "apply_overrides", "config_from_dict",
+__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FinetuneConfig",
+           "LoggingConfig", "ModelConfig", "ParallelConfig", "TrainingConfig", "apply_overrides", "config_from_dict",
            "did_you_mean", "load_config", "parse_cli_overrides", "resolve_preset", "save_config", "validate"]

@@ -141,10 +141,10 @@ def merged_state(sd: dict[str, torch.Tensor], scale: float) -> dict[str, torch.T
     """A whole state dict with adapters -> the merged one (``X.weight + scale * X.lora_B @ X.lora_A``,
     float64 accumulate, the weight's dtype back), adapters dropped."""
     out = {k: v for k, v in sd.items() if not is_adapter(k)}
-    for k in sd:
+    for k, a in sd.items():
         if k.endswith(".lora_A"):
             base = k[: -len(".lora_A")]
             w = sd[base + ".weight"]
-            delta = sd[base + ".lora_B"].double() @ sd[k].double()
+            delta = sd[base + ".lora_B"].double() @ a.double()
             out[base + ".weight"] = (w.double() + scale * delta).to(w.dtype)
     return out

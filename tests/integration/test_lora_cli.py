@@ -73,7 +73,7 @@ def test_base_is_the_hf_folder_and_merged_checkpoint_matches(finetuned, capsys):
                                                                 "feed_forward.w2") for x in "AB")
     assert min(sd[k].abs().max() for k in sd if k.endswith("lora_B")) > 1e-4  # trained off zero
     rc, out, err = _cli(capsys, "convert", "--merge-lora", run_dir, "--out", tmp / "merged")
-    assert rc == 0, err
+    assert rc == 0 and "adapters merged" in out, err
     merged_cfg = RunDir.open(run_dir).cfg
     merged_cfg.finetune.lora_rank = 0
     merged = build_empty_model(merged_cfg)
