@@ -100,3 +100,19 @@ def test_merged_logits_equal_unmerged():
         from_sd = fresh(ids)
     assert (merged - adapted).abs().max() < 1e-6 * adapted.abs().max()
     assert torch.equal(from_sd, merged)
+
+
+def test_reading_the_state_before_step_one_leaves_the_optimizer_fresh():
+    """``checkpoint.init_weights_from`` reads ``tensor_state()`` as its template before step 1; the
+    run must then take the same first steps as one that never read it (bitwise)."""
+    cfg = tiny_config(LORA, world=1)
+    runs = []
+    for read_first in (False, True):
+        tr = Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+        if read_first:
+            tr.tensor_state()
+            assert not tr.optimizer.state
+        for step in range(2):
+            tr.step(*global_batch(step))
+        runs.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
