@@ -13,6 +13,7 @@ calls ``validate`` from ``load_config``), so config, validate and mesh form no i
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -305,6 +306,19 @@ def _validate_finetune(cfg) -> None:
     _check(not t.fp8, "finetune.lora_rank > 0 excludes training.fp8 (the float8 linears replace the adapted ones)")
     _check(not t.local_sgd_steps, "finetune.lora_rank > 0 excludes training.local_sgd_steps (DiLoCo)")
     _check(not cfg.model.is_moe, "finetune.lora_rank > 0 is built for dense models (MoE experts are not linears)")
+    targets = [x.strip() for x in f.lora_targets.split(",") if x.strip()]
+
+    def hits(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, x) for x in targets)
+
+    _check(p.tp == 1 or not hits("output"), f"finetune.lora_targets matches the output head, which tp ({p.tp}) "
+           "splits by vocabulary: adapt the blocks' linears only")
+    _check(not (t.fused_loss and hits("output")), "finetune.lora_targets matches the output head, which "
+           "training.fused_loss computes without it: adapt the blocks' linears only")
+    kv = cfg.model.kv_heads
+    _check(p.tp == 1 or kv % p.tp == 0 or not (hits("layers.0.attention.wk") or hits("layers.0.attention.wv")),
+           f"finetune.lora_targets matches wk / wv, which tp ({p.tp}) replicates (n_kv_heads {kv} < tp): "
+           "drop *.wk / *.wv from the targets or lower tp")
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:

@@ -21,6 +21,7 @@ LAYOUTS = {  # name: parallel section on 2 ranks
     "tp2": {"tp": 2},
     "tp2_sp": {"tp": 2, "sequence_parallel": True},
     "pp2": {"pp": 2},
+    "cp2": {"cp": 2, "cp_impl": "ring"},
 }
 
 
@@ -67,7 +68,7 @@ def _world2(rank: int, world: int) -> dict:
 
 
 def test_lora_adapters_match_single_process_and_base_stays_frozen():
-    """DDP, ZeRO-1, ZeRO-3 (+ full activation checkpointing), tp2, tp2 + SP and pp2 train the
+    """DDP, ZeRO-1, ZeRO-3 (+ full activation checkpointing), tp2, tp2 + SP, pp2 and cp2 train the
     same adapters as one process to 1e-8; no base tensor changes by a single bit."""
     res = run_ranks(_world2, 2, timeout_s=400)
     ref_keys = res[0].pop("ref_keys")

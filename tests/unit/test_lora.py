@@ -25,6 +25,12 @@ LORA = {"finetune.lora_rank": 4, "finetune.lora_alpha": 8.0}
     ({**LORA, "finetune.lora_dropout": 0.1, "parallel.tp": 2}, r"^finetune.lora_dropout > 0 needs tp == 1 \(got tp=2\)"),
     ({**LORA, "training.optimizer": "muon"}, r"needs training.optimizer=adamw \(got muon\)$"),
     ({**LORA, "training.local_sgd_steps": 2, "parallel.dp_replicate": 2}, r"excludes training.local_sgd_steps \(DiLoCo\)$"),
+    ({**LORA, "parallel.tp": 2, "finetune.lora_targets": "*.wq,output"},
+     r"^finetune.lora_targets matches the output head, which tp \(2\) splits by vocabulary"),
+    ({**LORA, "training.fused_loss": True, "finetune.lora_targets": "output"},
+     r"^finetune.lora_targets matches the output head, which training.fused_loss computes without it"),
+    ({**LORA, "parallel.tp": 2, "model.n_kv_heads": 1},
+     r"^finetune.lora_targets matches wk / wv, which tp \(2\) replicates \(n_kv_heads 1 < tp\)"),
 ])
 def test_config_rejects_what_lora_does_not_support(over, match):
     with pytest.raises(ConfigError, match=match):
