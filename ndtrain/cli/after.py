@@ -5,6 +5,8 @@
     ndtrain eval     --run-dir D [--checkpoint STEP] [--data SOURCE] [--batches N] [--json PATH]
     ndtrain convert  --run-dir D [--checkpoint STEP] --to-hf OUT_DIR
     ndtrain convert  --from-hf HF_DIR --out CKPT_DIR
+    ndtrain convert  --merge-lora RUN_DIR --out CKPT_DIR     (LoRA adapters folded into the base)
+    ndtrain convert  --run-dir D --to-peft OUT_DIR          (LoRA adapters as a PEFT folder)
 
 Every command works from the run directory alone (``ndtrain.train.rundir``) and on one process, whatever
 layout trained the checkpoint. ``main`` returns the exit code: 0 done, 2 a user error (no run
@@ -53,7 +55,10 @@ def add_parsers(sub) -> None:
     c.add_argument("--to-hf", default=None, help="output Hugging Face folder")
     c.add_argument("--max-shard-bytes", type=int, default=None, help="safetensors shard size (default 5 GiB)")
     c.add_argument("--from-hf", default=None, help="Hugging Face folder to import")
-    c.add_argument("--out", default=None, help="output ndtrain checkpoint folder (for --from-hf)")
+    c.add_argument("--out", default=None, help="output ndtrain checkpoint folder (for --from-hf, --merge-lora)")
+    c.add_argument("--merge-lora", default=None, metavar="RUN_DIR",
+                   help="a LoRA run: fold its adapters into the base weights, write an ndtrain checkpoint to --out")
+    c.add_argument("--to-peft", default=None, help="a LoRA run's adapters as a PEFT folder (with --run-dir)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -85,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # a read-only or full --to-hf / --out / --json target: one line, exit 1
         from ndtrain.train.outputs import write_failure
 
-        target = args.to_hf or args.out if args.command == "convert" else getattr(args, "json", None)
+        target = args.to_hf or args.out or args.to_peft if args.command == "convert" else getattr(args, "json", None)
         kept = "the result is printed above" if args.command == "eval" else "the source is unchanged"
         line = write_failure(e, target or "?", kept)
         if line is None:
@@ -172,6 +177,8 @@ def _convert(args) -> int:
     from ndtrain.cli.convert import from_hf, to_hf
     from ndtrain.train.rundir import RunDir
 
+    if args.merge_lora is not None or args.to_peft is not None:
+        return _convert_lora(args)
     if args.from_hf is not None:
         if args.out is None or args.run_dir is not None or args.to_hf is not None:
             _usage("--from-hf HF_DIR needs --out CKPT_DIR (and no --run-dir / --to-hf)")
@@ -187,4 +194,23 @@ def _convert(args) -> int:
     step = to_hf(RunDir.open(args.run_dir), args.to_hf, args.checkpoint, args.max_shard_bytes)
     print(f"wrote {args.to_hf} (step {step}): load it with transformers' AutoModelForCausalLM / "
           "AutoTokenizer.from_pretrained")
+    return 0
+
+
+def _convert_lora(args) -> int:
+    """``--merge-lora RUN_DIR --out DIR`` or ``--run-dir D --to-peft DIR`` (``ndtrain.cli.convert``)."""
+    from ndtrain.cli.convert import merge_lora, to_peft
+    from ndtrain.train.rundir import RunDir
+
+    if args.merge_lora is not None:
+        if args.out is None or args.run_dir is not None or args.to_hf or args.from_hf or args.to_peft:
+            _usage("--merge-lora RUN_DIR needs --out CKPT_DIR (and no --run-dir / --to-hf / --from-hf / --to-peft)")
+        out, step = merge_lora(RunDir.open(args.merge_lora), args.out, args.checkpoint)
+        print(f"wrote {out} (step {step}, adapters merged; use it as --checkpoint.init_weights_from={out})")
+        return 0
+    if args.run_dir is None or args.to_hf or args.from_hf or args.out:
+        _usage("--to-peft OUT_DIR needs --run-dir D (and no --to-hf / --from-hf / --out)")
+    step = to_peft(RunDir.open(args.run_dir), args.to_peft, args.checkpoint)
+    print(f"wrote {args.to_peft} (step {step}): load it with peft.PeftModel.from_pretrained(base, "
+          f"{args.to_peft!r}) on the base model's Hugging Face folder")
     return 0

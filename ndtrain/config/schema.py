@@ -240,6 +240,14 @@ class LoggingConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    lora_rank: int = 0  # LoRA (Hu et al. 2021) adapter rank r on each target linear; 0 = off (train every weight)
+    lora_alpha: float = 16.0  # LoRA scaling numerator: the adapter's output is multiplied by lora_alpha / lora_rank
+    lora_targets: str = "*.wq,*.wk,*.wv,*.wo"  # comma-separated fnmatch patterns over module names (e.g. layers.0.attention.wq); each match must be a linear
+    lora_dropout: float = 0.0  # dropout on the adapter's input (training only; needs tp == 1)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -247,6 +255,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

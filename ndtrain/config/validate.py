@@ -13,6 +13,7 @@ calls ``validate`` from ``load_config``), so config, validate and mesh form no i
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     parse_profile_steps(lg.profile_steps)  # "A:B" or ""
     check_mixers(m)
     _validate_block_options(m, cfg.parallel)
+    _validate_finetune(cfg)
     _validate_axes(cfg, world_size)
 
 
@@ -289,6 +291,37 @@ def _validate_block_options(m, p) -> None:
     if not m.block_ffn:
         _check(not m.is_moe and m.mtp_depth == 0, "model.block_ffn false (mixer-only blocks) needs "
                                                   "moe_experts == 0 and mtp_depth == 0")
+
+
+def _validate_finetune(cfg) -> None:
+    """LoRA (``finetune.*``): the numbers, and the combinations the adapters are not built for."""
+    f, t, p = cfg.finetune, cfg.training, cfg.parallel
+    _check(f.lora_rank >= 0, f"finetune.lora_rank ({f.lora_rank}) must be >= 0 (0 = off)")
+    if not f.lora_rank:
+        return
+    _check(f.lora_alpha > 0, f"finetune.lora_alpha ({f.lora_alpha}) must be > 0")
+    _check(0.0 <= f.lora_dropout < 1.0, f"finetune.lora_dropout ({f.lora_dropout}) must be in [0, 1)")
+    _check(any(x.strip() for x in f.lora_targets.split(",")),
+           "finetune.lora_targets is empty: give module patterns such as *.wq,*.wv")
+    _check(not (f.lora_dropout and p.tp > 1), f"finetune.lora_dropout > 0 needs tp == 1 (got tp={p.tp}): "
+           "tp ranks would draw different masks for the same whole input")
+    _check(t.optimizer == "adamw", f"finetune.lora_rank > 0 needs training.optimizer=adamw (got {t.optimizer})")
+    _check(not t.fp8, "finetune.lora_rank > 0 excludes training.fp8 (the float8 linears replace the adapted ones)")
+    _check(not t.local_sgd_steps, "finetune.lora_rank > 0 excludes training.local_sgd_steps (DiLoCo)")
+    _check(not cfg.model.is_moe, "finetune.lora_rank > 0 is built for dense models (MoE experts are not linears)")
+    targets = [x.strip() for x in f.lora_targets.split(",") if x.strip()]
+
+    def hits(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, x) for x in targets)
+
+    _check(p.tp == 1 or not hits("output"), f"finetune.lora_targets matches the output head, which tp ({p.tp}) "
+           "splits by vocabulary: adapt the blocks' linears only")
+    _check(not (t.fused_loss and hits("output")), "finetune.lora_targets matches the output head, which "
+           "training.fused_loss computes without it: adapt the blocks' linears only")
+    kv = cfg.model.kv_heads
+    _check(p.tp == 1 or kv % p.tp == 0 or not (hits("layers.0.attention.wk") or hits("layers.0.attention.wv")),
+           f"finetune.lora_targets matches wk / wv, which tp ({p.tp}) replicates (n_kv_heads {kv} < tp): "
+           "drop *.wk / *.wv from the targets or lower tp")
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:

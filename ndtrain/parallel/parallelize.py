@@ -6,6 +6,9 @@ Order (each step sees the result of the previous ones):
   2. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
   3. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel, expert_tp)
   4. context parallel                     (parallel.cp, cp_impl, cp_layout)
+     LoRA adapters                        (finetune.lora_rank; parallel.lora: split like their base
+                                           linear, the rest frozen; base matrices lowered to the
+                                           autocast dtype after step 8)
   5. fused loss head                      (training.fused_loss; parallel.fused_head: after tp's
                                            vocab-parallel head, before ZeRO-3 builds its units)
   6. activation checkpointing             (training.activation_checkpoint)
@@ -95,6 +98,10 @@ def parallelize(model: nn.Module | None, mesh: Mesh, cfg: Config,
     apply_kernels(model, kernels)  # before cp, whose ring / Ulysses core replaces the kernel
     batch = BatchPlan(mesh, cfg, fused_impl="triton" if kernels == "triton" else "chunk")
     grad_sync = _apply_axes(model, mesh, cfg, batch)
+    if cfg.finetune.lora_rank:  # after data parallel, which holds the trainable parameters in one dtype
+        from ndtrain.parallel.lora import lower_frozen
+
+        lower_frozen(model, compute_dtype(cfg.training.dtype))
     pipeline = _build_pipeline(model, grad_sync, batch, mesh, cfg, device)  # pp == 1: one stage
     return _plan(model, grad_sync, batch, pipeline, mesh, cfg, device)
 
@@ -197,6 +204,10 @@ def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config, batch: BatchPlan) -> 
         from ndtrain.parallel.cp.context_parallel import apply_cp
 
         apply_cp(model, mesh, p.cp_impl, p.cp_layout)
+    if cfg.finetune.lora_rank:
+        from ndtrain.parallel.lora import apply_lora_parallel
+
+        apply_lora_parallel(model, mesh, cfg, grad_reduce_dtype(cfg.training.dtype, p.grad_reduce_dtype))
     if cfg.training.fused_loss:
         from ndtrain.parallel.fused_head import apply_fused_loss
 

@@ -69,6 +69,8 @@ FEATURES: dict[str, dict] = {
     # a shared expert beside the routed ones (DeepSeekMoE); its expert-parallel layouts run again
     # with the shared expert under the dispatch all-to-all (parallel.moe_shared_overlap)
     "moe_shared": {**_MOE, "moe_shared_experts": 1},
+    # LoRA adapters on every linear of the blocks, the base frozen (keys with a section: not model.*)
+    "lora": {"finetune.lora_rank": 4, "finetune.lora_targets": "*.wq,*.wk,*.wv,*.wo,*.w1,*.w2,*.w3"},
 }
 # features crossed with every layout of the layout tier; the others only with REPRESENTATIVE there
 FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
@@ -105,7 +107,7 @@ class Combo:
 
     def overrides(self) -> dict:
         """``section.key`` overrides of the ``debug`` preset for this combination."""
-        out = {f"model.{k}": v for k, v in {**BASE_MODEL, **FEATURES[self.feature]}.items()}
+        out = {k if "." in k else f"model.{k}": v for k, v in {**BASE_MODEL, **FEATURES[self.feature]}.items()}
         out.update({f"training.{k}": v for k, v in TRAINING.items()})
         out.update({"training.dtype": self.dtype, "training.activation_checkpoint": self.ac,
                     "training.fused_loss": self.fused, "data.seq_len": T, "parallel.zero_stage": self.zero,
@@ -117,7 +119,7 @@ class Combo:
     def command(self) -> str:
         """The ``ndtrain train`` command line of this combination (debug preset's corpus)."""
         extra = {"model.n_layers": BASE_MODEL["n_layers"],  # the debug preset has 2: too few for pp4
-                 **{f"model.{k}": v for k, v in FEATURES[self.feature].items()},
+                 **{k if "." in k else f"model.{k}": v for k, v in FEATURES[self.feature].items()},
                  **{f"parallel.{k}": v for k, v in self.par}, **dict(self.extra)}
         if self.zero:
             extra["parallel.zero_stage"] = self.zero
@@ -336,6 +338,8 @@ SUBSET = (
     ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
     ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),
     ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit
+    ("lora", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # adapters split like their base
+    ("lora", 2, {"dp_shard": 2}, {"zero": 3, "ac": "full"}),
 )
 
 

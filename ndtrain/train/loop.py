@@ -35,6 +35,7 @@ from ndtrain.data import GlobalBatchSampler, TokenData
 from ndtrain.data.mixture import open_training_data
 from ndtrain.fault import bad_steps, goodput, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
+from ndtrain.model.lora import is_adapter
 from ndtrain.parallel import comm, flight_recorder
 from ndtrain.train import console, metrics, outputs
 from ndtrain.train.profiling import StepProfiler
@@ -266,7 +267,9 @@ def _resume(r: _Run, path: Path) -> None:
 def _init_weights(r: _Run, path: Path) -> None:
     """Weights only: an ndtrain checkpoint (DCP reshards any layout) or a Hugging Face folder
     (``config.json`` + safetensors, converted by ``ndtrain.hf.folder``)."""
-    template = r.trainer.tensor_state()["model"]
+    state = r.trainer.tensor_state()["model"]
+    # LoRA adapters are new: the source holds the base only, the adapters keep their initial values
+    template = {k: v for k, v in state.items() if not is_adapter(k)}
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         from ndtrain.hf.folder import load_hf_checkpoint
 
@@ -284,7 +287,7 @@ def _init_weights(r: _Run, path: Path) -> None:
     else:
         _read_meta(path, "checkpoint.init_weights_from")
         ckpt.load_tensors(path, {"model": template}, key="checkpoint.init_weights_from")  # verifies
-    r.trainer.load_model_state(template)
+    r.trainer.load_model_state({**state, **template})
 
 
 def _fill(value, src: torch.Tensor):

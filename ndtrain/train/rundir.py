@@ -158,12 +158,22 @@ class RunDir:
             raise RunDirError(str(e)) from None
 
     def load_model(self, step: int | None = None, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> tuple[nn.Module, int]:
+                   dtype: torch.dtype = torch.float32, merge_lora: bool = True) -> tuple[nn.Module, int]:
         """(single-process ``Transformer`` in eval mode, its step) from checkpoint ``step`` (newest
-        when None), whatever layout saved it. Raises RunDirError (no / incompatible checkpoint)."""
+        when None), whatever layout saved it. A LoRA run's adapters (``finetune.lora_rank``) are
+        folded into the base weights unless ``merge_lora`` is False (then they stay attached,
+        ``ndtrain.model.lora``). Raises RunDirError (no / incompatible checkpoint)."""
         step, path = self.checkpoint(step)
         model = build_empty_model(self.cfg, device, dtype)
+        if self.cfg.finetune.lora_rank:
+            from ndtrain.model import lora
+
+            lora.apply_lora(model, self.cfg.finetune, self.cfg.training.seed)  # values come from the checkpoint
         load_state_into(model, path)
+        if merge_lora:
+            from ndtrain.model.lora import merge_lora as merge
+
+            merge(model)
         return model.eval(), step
 
 
@@ -215,6 +225,10 @@ def gather_model(trainer, cfg: Config) -> nn.Module | None:
         if dist.get_rank() != 0:
             return None
         whole = {k: v for part in parts for k, v in part.items()}
+    if cfg.finetune.lora_rank:  # the sampled model is the plain one with the adapters folded in
+        from ndtrain.model.lora import merged_state
+
+        whole = merged_state(whole, cfg.finetune.lora_alpha / cfg.finetune.lora_rank)
     model = build_empty_model(cfg, trainer.device, trainer.param_dtype)
     if cfg.model.tie_embeddings:
         whole.pop("output.weight", None)  # the same tensor as the embedding, stored by the last stage

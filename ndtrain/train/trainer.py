@@ -264,8 +264,15 @@ class Trainer:
     def tensor_state(self) -> dict:
         """``{"model", "optim"}``: every tensor whole (or a DTensor of global shape) under its
         single-process name (``ndtrain.parallel.state``); the outer loop's state too (DiLoCo:
-        ``"inner"``, per-replica ``"optim"``, ``"outer"``; ``ndtrain.parallel.dp.diloco``). Collective."""
-        return self.plan.state.state(self.optimizer)
+        ``"inner"``, per-replica ``"optim"``, ``"outer"``; ``ndtrain.parallel.dp.diloco``). Collective.
+        Before the first step the optimizer stays fresh: torch's ``get_optimizer_state_dict`` makes
+        a lazy optimizer's state by a zero-LR step, which would leave AdamW at step 1 (a fine-tune's
+        first update, after ``init_weights_from`` read this template, 26% too small)."""
+        fresh = not self.optimizer.state
+        state = self.plan.state.state(self.optimizer)
+        if fresh:  # the tree keeps its zero tensors as a template; the first step makes them anew
+            self.optimizer.state.clear()
+        return state
 
     def load_tensor_state(self, state: dict) -> None:
         """Load a tree shaped like ``tensor_state()`` (model, optimizer, outer loop). Collective."""

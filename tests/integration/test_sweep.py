@@ -2,7 +2,7 @@
 ``python scripts/sweep.py``, which writes ``docs/compatibility.md``; the resume sweep is
 ``python scripts/sweep.py --resume``).
 
-``ndtrain.tools.sweep.SUBSET``: 17 combinations on 2 gloo ranks covering every axis (dp_replicate,
+``ndtrain.tools.sweep.SUBSET``: 20 combinations on 2 gloo ranks covering every axis (dp_replicate,
 dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule including DualPipeV, ep,
 expert_tp), every model feature (dense, tied head, MoE, MLA, MTP, the LMGA hybrid of linear-family
 mixers, DeepSeek's MLA + MoE + MTP), ZeRO 0-3, each activation-checkpointing policy, each dtype and
@@ -51,6 +51,8 @@ REJECTED = [  # (feature, world, parallel, zero / ac / fused, the rule's text mu
     ("hybrid", 2, {"cp": 2, "cp_impl": "ring", "cp_layout": "load_balanced"}, {},
      r"layer_pattern.*cp \(2\).*cp_layout contiguous"),
     ("mtp", 2, {"dp_shard": 2}, {"fused": True}, r"fused_loss.*mtp_depth \(1\)"),
+    ("lora", 2, {"dp_shard": 2}, {"extra": (("training.optimizer", "muon"),)},
+     r"lora_rank > 0 needs training.optimizer=adamw \(got muon\)"),
 ]
 
 
