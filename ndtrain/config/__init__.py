@@ -19,6 +19,7 @@ from ndtrain.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    EvalConfig,
     LoggingConfig,
     ModelConfig,
     ParallelConfig,
@@ -26,6 +27,6 @@ from ndtrain.config.schema import (
 )
 from ndtrain.errors import ConfigError
 
-__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
+__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig",
            "ModelConfig", "ParallelConfig", "TrainingConfig", "apply_overrides", "config_from_dict",
            "did_you_mean", "load_config", "parse_cli_overrides", "resolve_preset", "save_config", "validate"]
