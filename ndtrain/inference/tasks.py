@@ -68,7 +68,7 @@ def load_task(path: str | Path) -> Task:
 
 def _check_example(ex, where: str) -> str:
     if not isinstance(ex, dict) or not isinstance(ex.get("context"), str):
-        raise ValueError(f"{where}: an example needs a string \"context\"")
+        raise ValueError(f"{where}: an example needs a string \"context\"")  # noqa: TRY004 (bad input, not a bug)
     if "choices" in ex:
         ch, ans = ex["choices"], ex.get("answer")
         if not (isinstance(ch, list) and ch and all(isinstance(c, str) and c for c in ch)):

@@ -60,11 +60,11 @@ def test_ndtrain_eval_reproduces_a_set(runs, capsys):
 
 
 @pytest.mark.parametrize("sets, message", [
-    ("other", "eval.sets entry 'other': expected NAME=SOURCE with NAME of letters, digits, '_', '.', '-' "
-              "(entries separated by ';')"),
+    ("other", ("eval.sets entry 'other': expected NAME=SOURCE with NAME of letters, digits, '_', '.', '-' "
+               "(entries separated by ';')")),
     ("a=val;a=x.txt", "eval.sets: the name 'a' is given twice"),
-    ("bad name=val", "eval.sets entry 'bad name=val': expected NAME=SOURCE with NAME of letters, digits, "
-                     "'_', '.', '-' (entries separated by ';')"),
+    ("bad name=val", ("eval.sets entry 'bad name=val': expected NAME=SOURCE with NAME of letters, digits, "
+                      "'_', '.', '-' (entries separated by ';')")),
 ])
 def test_malformed_sets_are_config_errors(tmp_path, sets, message):
     with pytest.raises(ConfigError) as e:
@@ -76,5 +76,5 @@ def test_an_unreadable_set_fails_before_launch(tmp_path):
     cfg = _cfg(tmp_path, **{"eval.sets": f"gone={tmp_path / 'missing.txt'}"})
     with pytest.raises(ConfigError) as e:
         launch(cfg, tmp_path / "run", nproc=2)
-    assert str(e.value).startswith(f"eval.sets gone: ") and "missing.txt" in str(e.value)
+    assert str(e.value).startswith("eval.sets gone: data.source: ") and "missing.txt" in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

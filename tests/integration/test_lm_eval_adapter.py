@@ -16,8 +16,8 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install "
                                                 "'ndtrain[lm-eval]')")
 
-from ndtrain.cli.commands import main  # noqa: E402
-from tests.eval_run import MAX_LEN, tiny_run_dir  # noqa: E402
+from ndtrain.cli.commands import main
+from tests.eval_run import MAX_LEN, tiny_run_dir
 
 pytestmark = pytest.mark.slow  # importing the harness and its datasets stack alone takes ~20 s
 
