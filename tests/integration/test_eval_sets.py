@@ -78,3 +78,18 @@ def test_an_unreadable_set_fails_before_launch(tmp_path):
         launch(cfg, tmp_path / "run", nproc=2)
     assert str(e.value).startswith("eval.sets gone: data.source: ") and "missing.txt" in str(e.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # two more 2-rank runs
+@pytest.mark.parametrize("layout", [{"parallel.pp": 2}, {"parallel.dp_shard": 2, "parallel.zero_stage": 3}],
+                         ids=["pp2", "zero3"])
+def test_sets_match_one_process_under_pp_and_zero3(runs, layout):
+    tmp, one, _ = runs
+    run_dir = tmp / "_".join(f"{k.split('.')[1]}{v}" for k, v in layout.items())
+    launch(_cfg(tmp, **layout), run_dir, nproc=2)
+    theirs = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    ours = [r for r in one if "val_loss" in r]
+    assert [r["step"] for r in theirs] == [r["step"] for r in ours]
+    for a, b in zip(ours, theirs):
+        for key in ("val_loss", "val_loss/other", "val_loss/held"):
+            assert b[key] == pytest.approx(a[key], abs=1e-10, rel=0), (a["step"], key)
