@@ -95,10 +95,14 @@ def test_generation_exact_match_equals_a_hand_count(run, capsys):
     tmp, run_dir = run
     model, _ = RunDir.open(run_dir).load_model()
     eos = RunDir.open(run_dir).tokenizer().eos_id
-    greedy = [_hand_greedy(model, eos, c, 6, ["e"]) for c in ("def ", "import ")]
-    rows = [{"context": "def ", "target": f"  {greedy[0]} ", "stop": ["e"], "max_new_tokens": 6},  # strip: a match
-            {"context": "import ", "target": greedy[1] + "#", "stop": ["e"], "max_new_tokens": 6},  # no match
-            {"context": "import ", "target": ["nope", greedy[1]], "stop": ["e"], "max_new_tokens": 6}]  # 2nd
+    ctxs = ("def ", "import ")
+    full = [_hand_greedy(model, eos, c, 8, []) for c in ctxs]
+    stops = [[next(ch for ch in f[1:] if ch != "\ufffd")] for f in full]  # a character each does generate
+    greedy = [_hand_greedy(model, eos, c, 8, s) for c, s in zip(ctxs, stops)]
+    assert all(0 < len(g) < len(f) for g, f in zip(greedy, full)), (full, greedy)  # each cut by its stop
+    rows = [{"context": "def ", "target": f"  {greedy[0]} ", "stop": stops[0], "max_new_tokens": 8},  # a match
+            {"context": "import ", "target": greedy[1] + "#", "stop": stops[1], "max_new_tokens": 8},  # none
+            {"context": "import ", "target": ["nope", greedy[1]], "stop": stops[1], "max_new_tokens": 8}]
     (tmp / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc, out = _eval(capsys, "--tasks", tmp / "gen.jsonl", "--details", run_dir)
     assert rc == 0, out
