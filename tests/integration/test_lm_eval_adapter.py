@@ -86,6 +86,7 @@ def test_generation_equals_ndtrain_eval(harness, capsys):
     ours = _ndtrain(capsys, "--tasks", tmp / "gen_same.jsonl", "--details", run_dir)["tasks"]["gen_same"]
     samples = sorted(res["samples"]["nd_gen"], key=lambda s: s["doc_id"])
     assert [s["resps"][0][0] for s in samples] == [d["output"] for d in ours["details"]]
+    assert any(d["output"] for d in ours["details"])  # text to compare, not empty strings
     assert res["results"]["nd_gen"]["exact_match,none"] == ours["exact_match"]
 
 
