@@ -31,7 +31,7 @@ def prepare_eval_set(cfg: DataConfig, source: str, tok: Tokenizer) -> Path | Non
     tokenizing. Raises ValueError (unreadable source, as ``iter_documents``; fewer than 2 tokens)."""
     if source == HELD_OUT:
         return None
-    sub = dataclasses.replace(cfg, source=source, max_corpus_bytes=0)
+    sub = _one_source(cfg, source)
     fingerprint = source_fingerprint(sub)
     root = cache_root(cfg) / "evalsets"
     final = root / shard_key(sub, tok, fingerprint)
@@ -67,6 +67,14 @@ def prepare_eval_set(cfg: DataConfig, source: str, tok: Tokenizer) -> Path | Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _one_source(cfg: DataConfig, source: str) -> DataConfig:
+    """``cfg`` reading ``source`` alone, uncapped: any other source setting (a mixture's list)
+    back at its default, so the set is its own text and not the training corpus."""
+    reset = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(cfg) if f.name == "sources"}
+    return dataclasses.replace(cfg, source=source, max_corpus_bytes=0, **reset)
 
 
 def prepare_eval_sets(cfg, tok: Tokenizer) -> dict[str, Path | None]:

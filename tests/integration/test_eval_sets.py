@@ -93,3 +93,22 @@ def test_sets_match_one_process_under_pp_and_zero3(runs, layout):
     for a, b in zip(ours, theirs):
         for key in ("val_loss", "val_loss/other", "val_loss/held"):
             assert b[key] == pytest.approx(a[key], abs=1e-10, rel=0), (a["step"], key)
+
+
+def test_a_set_is_tokenized_once_and_again_when_its_text_changes(tmp_path, monkeypatch):
+    from ndtrain.config import DataConfig
+    from ndtrain.data import TokenData, eval_sets
+    from ndtrain.data.tokenizer import ByteTokenizer
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "héllo"}\n{"text": "world"}\n')
+    cfg, tok = DataConfig(cache_dir=str(tmp_path / "cache"), tokenizer="bytes"), ByteTokenizer()
+    folder = eval_sets.prepare_eval_set(cfg, str(src), tok)
+    assert TokenData(folder).tokens("val").tolist() == [*"héllo".encode(), 256, *b"world", 256]
+    assert eval_sets.prepare_eval_set(cfg, "val", tok) is None
+    with monkeypatch.context() as mp:
+        mp.setattr(eval_sets, "_doc_chunks", lambda _cfg: pytest.fail("tokenized a cached set again"))
+        assert eval_sets.prepare_eval_set(cfg, str(src), tok) == folder
+    src.write_text('{"text": "other"}\n')
+    again = eval_sets.prepare_eval_set(cfg, str(src), tok)
+    assert again != folder and TokenData(again).tokens("val").tolist() == [*b"other", 256]
