@@ -1,4 +1,4 @@
-"""Every command of the user guides (``docs/guides/*.md``, ``docs/evaluation.md``) runs, on a tiny model.
+"""Every command of the user guides (``docs/guides/*.md``) runs, on a tiny model.
 
 How a guide marks its commands (the HTML comments are invisible on a rendered page):
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GUIDES = ["quickstart.md", "own_data.md", "finetune_hf.md", "export.md", "multinode.md", "../evaluation.md"]
+GUIDES = ["quickstart.md", "own_data.md", "finetune_hf.md", "export.md", "multinode.md"]
 CAPS = {"training.steps": 6, "data.seq_len": 32, "training.warmup_steps": 2}
 TINY = {"data.source": "my_corpus.txt", "data.seq_len": "32", "training.steps": "4",
         "training.global_batch_size": "4", "training.micro_batch_size": "0", "training.warmup_steps": "1",
@@ -234,7 +234,7 @@ def test_guides_run(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "eval.json").read_text())
 
 
-FEATURE_GUIDES = ["sft.md"]  # guides of docs/ itself, run one by one after the same fixtures
+FEATURE_GUIDES = ["sft.md", "evaluation.md"]  # guides of docs/ itself, run one by one after the same fixtures
 
 
 @pytest.mark.parametrize("name", FEATURE_GUIDES)
