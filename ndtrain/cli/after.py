@@ -3,6 +3,7 @@
     ndtrain generate --run-dir D [--checkpoint STEP] [--prompt TEXT | --prompt-file F]
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
     ndtrain eval     --run-dir D [--checkpoint STEP] [--data SOURCE] [--batches N] [--json PATH]
+    ndtrain eval     --tasks FILE [--tasks FILE ...] [--details] [--json PATH] RUN_DIR
     ndtrain convert  --run-dir D [--checkpoint STEP] --to-hf OUT_DIR
     ndtrain convert  --from-hf HF_DIR --out CKPT_DIR
     ndtrain convert  --merge-lora RUN_DIR --out CKPT_DIR     (LoRA adapters folded into the base)
@@ -37,10 +38,17 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-k", type=int, default=None, help="0 = off (default: the run's)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: training.seed)")
-    e = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run's checkpoint (JSON)",
-                       description="Evaluate a checkpoint on the run's validation split or on --data; "
-                                   "prints JSON (formulas: ndtrain/inference/evaluate.py).")
-    _common(e)
+    e = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run's checkpoint, or task "
+                                    "accuracy (JSON)",
+                       description="Evaluate a checkpoint on the run's validation split or on --data "
+                                   "(formulas: ndtrain/inference/evaluate.py), or on --tasks files "
+                                   "(ndtrain/inference/tasks.py); prints JSON.")
+    _common(e, required=False)
+    e.add_argument("run_dir_pos", nargs="?", default=None, metavar="RUN_DIR", help="the run directory "
+                                                                                  "(or --run-dir)")
+    e.add_argument("--tasks", action="append", default=None, metavar="FILE",
+                   help="JSONL task file (multiple choice or generation); repeat or comma-separate")
+    e.add_argument("--details", action="store_true", help="with --tasks: per-example results in the JSON")
     e.add_argument("--data", default=None, help="corpus to evaluate (as data.source); default: the "
                                                 "run's held-out validation split")
     e.add_argument("--batches", type=int, default=None,
@@ -61,8 +69,8 @@ def add_parsers(sub) -> None:
     c.add_argument("--to-peft", default=None, help="a LoRA run's adapters as a PEFT folder (with --run-dir)")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", required=True, help="the run directory (config.yaml, checkpoints/)")
+def _common(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--run-dir", required=required, help="the run directory (config.yaml, checkpoints/)")
     p.add_argument("--checkpoint", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the float32 model runs (auto: cuda when available)")
@@ -146,6 +154,15 @@ def _eval(args) -> int:
     from ndtrain.inference.evaluate import evaluate, stream_byte_counts, stream_tokens_of
     from ndtrain.train.rundir import RunDir
 
+    if args.run_dir_pos is not None and args.run_dir not in (None, args.run_dir_pos):
+        _usage(f"two run directories: --run-dir {args.run_dir} and {args.run_dir_pos}")
+    args.run_dir = args.run_dir or args.run_dir_pos
+    if args.run_dir is None:
+        _usage("give the run directory (RUN_DIR or --run-dir D)")
+    if args.tasks:
+        return _eval_tasks(args)
+    if args.details:
+        _usage("--details goes with --tasks")
     run = RunDir.open(args.run_dir)
     cfg = run.cfg
     if args.batches is not None and args.batches < 1:
@@ -166,11 +183,33 @@ def _eval(args) -> int:
     counts = stream_byte_counts(tok, tokens[:used], cfg.model.vocab_size)
     out = {"checkpoint_step": step, "data": what, "seq_len": T,
            **evaluate(model, tokens, T, G, counts, args.batches)}
+    _print_json(out, args.json)
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from ndtrain.inference.tasks import load_task, run_task
+    from ndtrain.train.rundir import RunDir
+
+    if args.data is not None or args.batches is not None:
+        _usage("--tasks scores task files; --data / --batches evaluate a corpus (give one or the other)")
+    tasks = [load_task(f) for spec in args.tasks for f in spec.split(",") if f]  # checked before loading
+    names = [t.name for t in tasks]
+    if len(set(names)) < len(names):
+        _usage(f"--tasks: two task files share a name (the file stem): {names}")
+    run = RunDir.open(args.run_dir)
+    model, step = run.load_model(args.checkpoint, _device(args.device))
+    tok = run.tokenizer()
+    out = {"checkpoint_step": step, "tasks": {t.name: run_task(model, tok, t, args.details) for t in tasks}}
+    _print_json(out, args.json)
+    return 0
+
+
+def _print_json(out: dict, path: str | None) -> None:
     text = json.dumps(out, indent=1)
     print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    if path:
+        Path(path).write_text(text + "\n")
 
 
 def _convert(args) -> int:

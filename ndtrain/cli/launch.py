@@ -82,6 +82,13 @@ def prepare_checked(cfg: Config) -> Path:
             raise
         raise StorageError(line) from None
     data, T = open_data(path), cfg.data.seq_len
+    if cfg.eval.sets:  # tokenized (cached) before any rank starts; a bad source is one line here
+        from ndtrain.data.eval_sets import prepare_eval_sets
+
+        try:
+            prepare_eval_sets(cfg, data.tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
     for split in ("train", "val"):
         if data.num_sequences(split, T) < 1:
             raise ConfigError(f"data: the {split} split has {data.num_tokens(split)} tokens, fewer than "

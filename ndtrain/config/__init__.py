@@ -19,6 +19,7 @@ from ndtrain.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    EvalConfig,
     FinetuneConfig,
     LoggingConfig,
     ModelConfig,
@@ -27,6 +28,6 @@ from ndtrain.config.schema import (
 )
 from ndtrain.errors import ConfigError
 
-__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FinetuneConfig",
+__all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FinetuneConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "TrainingConfig", "apply_overrides", "config_from_dict",
            "did_you_mean", "load_config", "parse_cli_overrides", "resolve_preset", "save_config", "validate"]

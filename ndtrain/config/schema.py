@@ -1,5 +1,5 @@
 """The config schema: one dataclass per section (``model``, ``data``, ``training``, ``parallel``,
-``checkpoint``, ``logging``). Each field's trailing comment documents it (``ndtrain config keys``
+``checkpoint``, ``logging``, ``eval``). Each field's trailing comment documents it (``ndtrain config keys``
 prints them); units live in field names. Loading, overrides and validation are in ``ndtrain.config.load``.
 """
 from __future__ import annotations
@@ -248,6 +248,31 @@ class FinetuneConfig:
 
 
 @dataclass
+class EvalConfig:
+    sets: str = ""  # named validation sets evaluated every training.eval_every steps, "NAME=SOURCE;NAME=SOURCE" (SOURCE: a path / glob / comma list as data.source, tokenized with the run's tokenizer and cached; or val = the held-out slice); each logged as val_loss/NAME
+
+    def named_sets(self) -> list[tuple[str, str]]:
+        """``[(name, source), ...]`` of ``sets`` in order. Raises ConfigError for an entry that is
+        not ``NAME=SOURCE``, a name outside ``[A-Za-z0-9_.-]`` or a name given twice."""
+        import re
+
+        from ndtrain.errors import ConfigError
+
+        out: list[tuple[str, str]] = []
+        for entry in (e.strip() for e in self.sets.split(";")):
+            if not entry:
+                continue
+            name, eq, source = (part.strip() for part in entry.partition("="))
+            if not eq or not source or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(f"eval.sets entry {entry!r}: expected NAME=SOURCE with NAME of letters, "
+                                  "digits, '_', '.', '-' (entries separated by ';')")
+            if name in (n for n, _ in out):
+                raise ConfigError(f"eval.sets: the name {name!r} is given twice")
+            out.append((name, source))
+        return out
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -256,6 +281,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -69,6 +69,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(not lg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
            "logging.tensorboard=true needs the tensorboard package (pip install 'ndtrain[tensorboard]')")
     parse_profile_steps(lg.profile_steps)  # "A:B" or ""
+    cfg.eval.named_sets()  # "NAME=SOURCE;..." well formed, names unique
     check_mixers(m)
     _validate_block_options(m, cfg.parallel)
     _validate_finetune(cfg)

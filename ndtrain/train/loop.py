@@ -37,7 +37,7 @@ from ndtrain.fault import bad_steps, goodput, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.model.lora import is_adapter
 from ndtrain.parallel import comm, flight_recorder
-from ndtrain.train import console, metrics, outputs
+from ndtrain.train import console, metrics, outputs, validation
 from ndtrain.train.profiling import StepProfiler
 from ndtrain.train.rundir import sample_model, write_run_files
 from ndtrain.train.trainer import IGNORE_INDEX, Trainer
@@ -60,6 +60,7 @@ class _Run:
     sampler: GlobalBatchSampler
     run_dir: Path
     saver: ckpt.CheckpointSaver | None = None  # created by the first _save
+    eval_sets: dict | None = None  # eval.sets: name -> TokenData (None: the held-out split)
 
     @property
     def ckpt_root(self) -> Path:
@@ -138,7 +139,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     _print_header(r, fpt, peak, basis)
     if trainer.step_count == 0:
         with gp.phase("eval"):
-            log.log({"step": 0, "val_loss": _val_loss(r)})
+            log.log({"step": 0, **_val_loss(r)})
     stop = min(t.steps, t.stop_at_step) if t.stop_at_step else t.steps
     window = [0.0, 0]  # seconds, steps since the last logged row
     r.mesh.reset_stats()
@@ -177,7 +178,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             row = row or {"step": step, "loss": out["loss"]}
             with gp.phase("eval"):
-                row["val_loss"] = _val_loss(r)
+                row.update(_val_loss(r))
         if row:
             log.log(row)
         saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == stop)
@@ -219,7 +220,8 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
     if rank == 0:  # the run directory alone is enough to use the run (ndtrain.train.rundir)
         write_run_files(run_dir, data, cfg)
     trainer = Trainer(cfg, mesh, device)
-    return _Run(cfg, rank, world, device, dims, mesh, trainer, data, sampler, run_dir)
+    return _Run(cfg, rank, world, device, dims, mesh, trainer, data, sampler, run_dir,
+                eval_sets=validation.open_sets(cfg, data))
 
 
 def _read_meta(path: Path, key: str) -> dict:
@@ -341,13 +343,10 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
     return row
 
 
-def _val_loss(r: _Run) -> float:
-    """Token-weighted loss over ``eval_batches`` fixed global batches of the validation split."""
-    t, T = r.cfg.training, r.cfg.data.seq_len
-    nval = r.data.num_sequences("val", T)
-    batches = [r.local([(b * t.global_batch_size + j) % nval for j in range(t.global_batch_size)], "val")[:2]
-               for b in range(t.eval_batches)]
-    return r.trainer.eval_loss(batches)
+def _val_loss(r: _Run) -> dict[str, float]:
+    """``val_loss`` (the held-out split) and ``val_loss/NAME`` per ``eval.sets`` entry
+    (``ndtrain.train.validation``). Collective."""
+    return validation.val_losses(r.trainer, r.sampler, r.data, r.eval_sets or {}, r.cfg)
 
 
 def _save(r: _Run, step: int) -> None:

@@ -154,7 +154,9 @@ _LINE_FIELDS = (
 def format_line(row: dict) -> str:
     """One console line for a metrics row: step, losses, lr, throughput, MFU, MoE load, memory."""
     parts = [f"step {row['step']:>5}"]
-    parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[:5] if key in row]
+    parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[:2] if key in row]
+    parts += [f"val/{key[9:]} {value:.4f}" for key, value in row.items() if key.startswith("val_loss/")]
+    parts += [fmt.format(row[key]) for key, fmt in _LINE_FIELDS[2:5] if key in row]
     if "mfu" in row:
         basis = f" of {row['mfu_peak']} peak" if row.get("mfu_peak") and row["mfu"] is not None else ""
         parts.append("mfu unknown peak" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%{basis}")
@@ -215,6 +217,9 @@ def loss_figure(rows: list[dict], title: str):
     ax1.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train loss")
     if va:
         ax1.plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label="val loss")
+    for key in dict.fromkeys(k for r in rows for k in r if k.startswith("val_loss/")):  # eval.sets
+        ax1.plot([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], "o--",
+                 label=key.replace("_loss", ""))
     ax1.set_ylabel("loss (nats/token)")
     ax1.legend()
     lr = [r for r in tr if r.get("lr") is not None]
