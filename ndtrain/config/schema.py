@@ -137,6 +137,7 @@ class DataConfig:
     max_corpus_bytes: int = 0  # cap on text read from the source (0 = no cap)
     cache_dir: str = ""  # where tokenizers and token shards are cached ("" = ~/.cache/ndtrain)
     eos_id: int = -1  # EOS id for a tokenizer.json with no known EOS token (-1 = none: error)
+    document_mask: bool = False  # packed documents never see each other: attention, state and conv stop at each EOS, positions restart, the EOS token takes no loss (docs/packed_documents.md)
 
 
 @dataclass

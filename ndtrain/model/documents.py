@@ -68,16 +68,6 @@ def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (S + 1,) int32 cumulative document bounds over the flattened B*T tokens (the
-    FlashAttention varlen convention; a row boundary is always a bound)."""
-    starts = document_starts(documents)
-    starts[:, 0] = True
-    idx = starts.flatten().nonzero().flatten()
-    end = torch.tensor([documents.numel()], device=documents.device)
-    return torch.cat([idx, end]).to(torch.int32)
-
-
 def conv_document_mask(documents: torch.Tensor, width: int, prev: torch.Tensor | None = None) -> torch.Tensor:
     """Which taps of a width-W causal convolution stay in the token's document: (B, T) ids and ``prev``
     (B, W-1) ids of the left context (None: a different document) -> (B, T, W) bool, tap i reading

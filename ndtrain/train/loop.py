@@ -64,7 +64,7 @@ class _Run:
         return self.run_dir / "checkpoints"
 
     def local(self, indices, split: str):
-        """This rank's (inputs, labels) of the global batch ``indices`` of ``split``."""
+        """This rank's (inputs, labels, documents) of the global batch ``indices`` of ``split``."""
         dp = self.mesh.group("dp")
         return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)
 
@@ -150,10 +150,10 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         step = trainer.step_count + 1
         prof.begin(step)
         t_data = time.perf_counter()
-        inputs, labels = r.local(r.sampler.next_global(), "train")
+        inputs, labels, documents = r.local(r.sampler.next_global(), "train")
         t_data = time.perf_counter() - t_data
         trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
-        out, dt = _timed_step(r, inputs, labels)
+        out, dt = _timed_step(r, inputs, labels, documents)
         prof.end(step)
         con.step(step, out)
         strag.record(dt, t_data)
@@ -211,7 +211,7 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
-    data = TokenData(data_path)
+    data = TokenData(data_path, cfg.data.document_mask)
     if rank == 0:  # the run directory alone is enough to use the run (ndtrain.train.rundir)
         write_run_files(run_dir, data, cfg)
     sampler = GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), t.global_batch_size, t.seed)
@@ -300,11 +300,11 @@ def _print_header(r: _Run, fpt: float, peak: float | None, basis: str = "") -> N
                                                 fpt, peak, r.device.type, basis)))
 
 
-def _timed_step(r: _Run, inputs, labels) -> tuple[dict, float]:
+def _timed_step(r: _Run, inputs, labels, documents=None) -> tuple[dict, float]:
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda _d: None)
     sync(r.device)
     t0 = time.perf_counter()
-    out = r.trainer.step(inputs, labels)
+    out = r.trainer.step(inputs, labels, documents)
     sync(r.device)
     return out, time.perf_counter() - t0
 
