@@ -31,7 +31,7 @@ LAYOUTS = {"tp2_ac": {"tp": 2, "ac": "full"}, "cp2_ring": {"cp": 2}, "cp2_ulysse
 def _cfg(pattern: str, rows: int, world: int = 1, **par):
     cfg = tiny_config({"model.layer_pattern": pattern, "model.n_layers": len(pattern), "model.swa_window": 3,
                        "model.linear_chunk_size": 3, "model.linear_heads": 2, "model.linear_key_head_dim": 8,
-                       "model.mamba_state_dim": 8, "model.mamba_head_dim": 8, "model.vocab_size": V,
+                       "model.mamba_state_dim": 8, "model.mamba_head_dim": 8, "model.mamba_groups": 2, "model.vocab_size": V,
                        "training.global_batch_size": rows, "data.document_mask": True})
     cfg.training.activation_checkpoint = par.pop("ac", "none")
     if par.get("pp"):

@@ -102,11 +102,10 @@ CASES = {"softmax": ("A", {}), "sliding_window": ("S", {}), "gated_deltanet": ("
                                                             "model.mla_rope_dim": 4, "model.mla_nope_dim": 8})}
 
 
-@pytest.mark.parametrize("impl", ["chunk", "naive"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, impl", [(c, "chunk") for c in CASES] + [
+    pytest.param(c, "naive", marks=pytest.mark.slow) for c in ("gated_deltanet", "mamba2", "linear")])
 def test_packed_model_equals_documents_one_by_one(case, impl):
-    if impl == "naive" and case not in ("gated_deltanet", "mamba2", "linear"):
-        pytest.skip("the naive twin exists for the linear family only")
+    """``impl`` naive: the linear family's token-loop twin (slow)."""
     pattern, over = CASES[case]
     torch.manual_seed(2)
     m = _model(pattern, **over)
@@ -146,6 +145,6 @@ def test_token_data_numbers_documents(tmp_path):
 
 
 def test_rule_refuses_mtp_with_documents():
-    cfg = load_config("debug", {"data.document_mask": True, "model.mtp_depth": 1})
     with pytest.raises(ConfigError, match=r"data.document_mask=true with model.mtp_depth \(1\) > 0"):
-        validate(cfg)
+        load_config("debug", {"data.document_mask": True, "model.mtp_depth": 1})
+    validate(load_config("debug", {"data.document_mask": True}))
