@@ -29,7 +29,7 @@ def test_cu_seqlens_from_documents():
 def test_flash_packed_documents_match_block_causal_sdpa():
     docs = _documents()
     torch.manual_seed(3)
-    qkv = [torch.randn(3, h, 32, 16, device=DEVICE, requires_grad=True) for h in (4, 2, 2)]
+    qkv = [torch.randn(3, h, 32, 16, device=DEVICE, requires_grad=True) for h in (2, 1, 1)]
     y, g, dy = grads(lambda q, k, v: flash_attention_bhtd(q, k, v, (16, 16), documents=docs), qkv)
     y_ref, g_ref, _ = grads(lambda q, k, v: document_attention(q, k, v, docs), qkv, dy)
     errs = [rel_err(y, y_ref, "rms")] + [rel_err(a, b, "rms") for a, b in zip(g, g_ref)]
