@@ -62,10 +62,11 @@ def prepare_checked(cfg: Config) -> Path:
     """``prepare_data`` with its errors turned into ConfigError (a cache that cannot be written:
     StorageError), and the splits checked to hold at least one sequence of ``data.seq_len`` (+1)
     tokens, so a bad data setup fails before training."""
-    from ndtrain.data import TokenData, prepare_data
+    from ndtrain.data import prepare_data
+    from ndtrain.data.chat import open_data, prepare_chat
 
     try:
-        path = prepare_data(cfg.data, cfg.model.vocab_size)
+        path = (prepare_chat if cfg.data.format == "chat" else prepare_data)(cfg.data, cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data: {e}") from None
     except OSError as e:  # a full or read-only data.cache_dir: one line (StorageError), not a traceback
@@ -76,7 +77,7 @@ def prepare_checked(cfg: Config) -> Path:
         if line is None:
             raise
         raise StorageError(line) from None
-    data, T = TokenData(path), cfg.data.seq_len
+    data, T = open_data(path), cfg.data.seq_len
     for split in ("train", "val"):
         if data.num_sequences(split, T) < 1:
             raise ConfigError(f"data: the {split} split has {data.num_tokens(split)} tokens, fewer than "

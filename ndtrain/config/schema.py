@@ -137,6 +137,8 @@ class DataConfig:
     max_corpus_bytes: int = 0  # cap on text read from the source (0 = no cap)
     cache_dir: str = ""  # where tokenizers and token shards are cached ("" = ~/.cache/ndtrain)
     eos_id: int = -1  # EOS id for a tokenizer.json with no known EOS token (-1 = none: error)
+    format: str = "text"  # text (documents of text_field) | chat (JSONL "messages" conversations, loss on the assistant turns only; docs/sft.md)
+    chat_template: str = ""  # format=chat: "" (the tokenizer's own, tokenizer_config.json), a built-in (chatml) or a .jinja file
     document_mask: bool = False  # packed documents never see each other: attention, state and conv stop at each EOS, positions restart, the EOS token takes no loss (docs/packed_documents.md)
 
 

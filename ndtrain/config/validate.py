@@ -53,6 +53,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(d.seq_len <= m.max_seq_len,
            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction ({d.val_fraction}) must be in (0, 0.5)")
+    _check(d.format in ("text", "chat"), f"data.format ({d.format}) must be text|chat")
+    _check(d.format != "chat" or d.tokenizer != "bpe", "data.format=chat needs data.tokenizer = a tokenizer.json "
+           "(its folder's chat template) or bytes: a BPE is trained on text documents, not conversations")
     _validate_training(cfg)
     _check(p.grad_reduce_dtype in ("float32", "bfloat16"),
            f"parallel.grad_reduce_dtype ({p.grad_reduce_dtype}) must be float32|bfloat16")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ndtrain.checkpoint import dcp as ckpt
 from ndtrain.config import Config, save_config
 from ndtrain.data import GlobalBatchSampler, TokenData
+from ndtrain.data.chat import ChatData
 from ndtrain.fault import bad_steps, goodput, straggler
 from ndtrain.mesh import Mesh, ParallelDims, device_for_rank
 from ndtrain.parallel import comm, flight_recorder
@@ -212,6 +213,10 @@ def _setup(cfg: Config, run_dir: Path, data_path: Path, device: torch.device | N
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
     data = TokenData(data_path, cfg.data.document_mask)
+    if cfg.data.format == "chat":  # whole conversations per row, loss on assistant turns (ndtrain.data.chat)
+        data = ChatData(data_path, documents=cfg.data.document_mask)
+        if rank == 0:
+            print(data.console_line(cfg.data.seq_len), flush=True)
     if rank == 0:  # the run directory alone is enough to use the run (ndtrain.train.rundir)
         write_run_files(run_dir, data, cfg)
     sampler = GlobalBatchSampler(data.num_sequences("train", cfg.data.seq_len), t.global_batch_size, t.seed)
@@ -325,6 +330,8 @@ def _log_row(r: _Run, step: int, out: dict, window: list, fpt: float, peak: floa
            "comm_bytes": comm_bytes}
     row["hfu"] = row["mfu"] and row["mfu"] * metrics.hfu_factor(r.cfg.model, r.cfg.data.seq_len,
                                                                 t.activation_checkpoint)  # + recompute
+    if r.cfg.data.format == "chat":  # this step's labels with a loss, over its label positions
+        row["supervised_share"] = out["n_tokens"] / (t.global_batch_size * r.cfg.data.seq_len)
     ns = getattr(r.trainer.optimizer, "ns_flops_per_step", None)  # Muon's Newton-Schulz (this rank's)
     if row["hfu"] and ns is not None:
         row["hfu"] += ns() * n_steps / seconds / peak

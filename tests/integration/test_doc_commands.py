@@ -43,8 +43,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GUIDES = ["quickstart.md", "own_data.md", "finetune_hf.md", "export.md", "multinode.md",
-          "../packed_documents.md"]  # a guide kept beside its area's docs
+GUIDES = ["quickstart.md", "own_data.md", "finetune_hf.md", "export.md", "multinode.md"]
 CAPS = {"training.steps": 6, "data.seq_len": 32, "training.warmup_steps": 2}
 TINY = {"data.source": "my_corpus.txt", "data.seq_len": "32", "training.steps": "4",
         "training.global_batch_size": "4", "training.micro_batch_size": "0", "training.warmup_steps": "1",
@@ -233,3 +232,20 @@ def test_guides_run(tmp_path, monkeypatch):
     assert _run_guides(tmp_path, slow=False) >= 12
     assert (tmp_path / "runs" / "debug" / "checkpoints").is_dir()
     assert json.loads((tmp_path / "eval.json").read_text())
+
+
+FEATURE_GUIDES = ["sft.md", "packed_documents.md"]  # guides of docs/ itself, run one by one after the same fixtures
+
+
+@pytest.mark.parametrize("name", FEATURE_GUIDES)
+def test_feature_guide_runs(name, tmp_path, monkeypatch):
+    _fixtures(tmp_path, monkeypatch, hf=False)
+    ran = 0
+    for b in blocks(ROOT / "docs" / name):
+        assert b["marked"], f"docs/{name}:{b['line']}: mark the block runnable or not-runnable: reason"
+        if b["runnable"] and not b["slow"]:
+            out = _run_block(b, tmp_path)
+            ran += 1
+            if b["expect"]:
+                assert b["expect"] in out, f"docs/{name}:{b['line']}: {b['expect']!r} not in\n{out[-3000:]}"
+    assert ran >= 3
