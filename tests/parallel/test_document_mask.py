@@ -7,8 +7,9 @@ each row is that document's own forward; the token-weighted loss over the same v
 sum of the documents' losses over their count. The packed run (B rows, several documents each, with
 ``documents``) must give the same loss, gradient norm (clipping active) and parameters after every
 AdamW step, float64 to 1e-10, for softmax (``AA``), sliding-window (``SS``), Gated DeltaNet (``GG``)
-and Mamba-2 (``MM``) models, on one process and under tp2 (with full activation checkpointing),
-cp2 ring, cp2 Ulysses, pp2 and ZeRO-3 (dp2). Without ``documents`` the packed run differs.
+and Mamba-2 (``MM``) models, on one process and under tp2 (with full activation checkpointing; and
+with sequence parallel), cp2 ring, cp2 Ulysses, pp2 and ZeRO-3 (dp2). Without ``documents`` the
+packed run differs.
 
 One spawn of 2 gloo ranks runs every layout and model.
 """
@@ -24,8 +25,8 @@ from tests.utils import tiny_config
 
 V, T, B, STEPS = 61, 16, 4, 3
 PATTERNS = ("AA", "SS", "GG", "MM")
-LAYOUTS = {"tp2_ac": {"tp": 2, "ac": "full"}, "cp2_ring": {"cp": 2}, "cp2_ulysses": {"cp": 2, "cp_impl": "ulysses"},
-           "pp2": {"pp": 2}, "zero3": {"zero_stage": 3}}
+LAYOUTS = {"tp2_ac": {"tp": 2, "ac": "full"}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "cp2_ring": {"cp": 2},
+           "cp2_ulysses": {"cp": 2, "cp_impl": "ulysses"}, "pp2": {"pp": 2}, "zero3": {"zero_stage": 3}}
 
 
 def _cfg(pattern: str, rows: int, world: int = 1, **par):
