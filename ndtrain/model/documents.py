@@ -72,7 +72,7 @@ def conv_document_mask(documents: torch.Tensor, width: int, prev: torch.Tensor |
     """Which taps of a width-W causal convolution stay in the token's document: (B, T) ids and ``prev``
     (B, W-1) ids of the left context (None: a different document) -> (B, T, W) bool, tap i reading
     token t - (W-1) + i."""
-    b, t = documents.shape
+    b = documents.shape[0]
     left = (prev if prev is not None else documents.new_full((b, width - 1), -1)).to(documents.dtype)
     padded = torch.cat([left, documents], dim=1)  # (B, W-1+T)
     windows = padded.unfold(1, width, 1)  # (B, T, W)
