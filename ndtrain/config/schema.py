@@ -140,6 +140,7 @@ class DataConfig:
     format: str = "text"  # text (documents of text_field) | chat (JSONL "messages" conversations, loss on the assistant turns only; docs/sft.md)
     chat_template: str = ""  # format=chat: "" (the tokenizer's own, tokenizer_config.json), a built-in (chatml) or a .jinja file
     sources: str = ""  # weighted mixture (replaces source): YAML list of {kind, path, weight | budget_tokens, ...}, its JSON, or "KIND:PATH@WEIGHT;..." (kinds text | tokens | megatron | hf; docs/data.md)
+    document_mask: bool = False  # packed documents never see each other: attention, state and conv stop at each EOS, positions restart, the EOS token takes no loss (docs/packed_documents.md)
 
 
 @dataclass

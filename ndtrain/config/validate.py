@@ -45,6 +45,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(m.n_heads % m.kv_heads == 0,
            f"n_heads ({m.n_heads}) is not divisible by n_kv_heads ({m.kv_heads})")
     _validate_moe_mla_mtp(cfg)
+    _check(not (d.document_mask and m.mtp_depth),
+           f"data.document_mask=true with model.mtp_depth ({m.mtp_depth}) > 0: multi-token prediction's "
+           f"shifted targets would cross document boundaries (not built)")
     _check(m.rope_dim % 2 == 0 and m.rope_dim > 0,
            f"RoPE dims per head ({m.rope_dim}; head_dim = dim / n_heads, or mla_rope_dim) must be even and > 0")
     _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")

@@ -4,7 +4,7 @@
     data = TokenData(path)
     sampler = GlobalBatchSampler(data.num_sequences("train", T), G, seed)
     idx = local_slice(sampler.next_global(), dp_rank, dp_size)
-    inputs, labels = data.get("train", idx, T)                 # (G/dp, T) each, labels shifted
+    inputs, labels, docs = data.get("train", idx, T)           # (G/dp, T) each, labels shifted
 """
 from ndtrain.data.corpus import iter_documents, source_fingerprint
 from ndtrain.data.sampler import GlobalBatchSampler, local_slice, val_batches

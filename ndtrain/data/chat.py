@@ -287,4 +287,4 @@ def open_data(path: str | Path, documents: bool = False) -> TokenData:
     meta = Path(path) / "meta.json"
     if meta.is_file() and json.loads(meta.read_text()).get("format") == "chat":
         return ChatData(path, documents)
-    return TokenData(path)
+    return TokenData(path, documents)

@@ -146,10 +146,12 @@ class TokenData:
 
     Sequence ``i`` of a split is tokens ``[i*T, i*T + T + 1)`` (stride T, no overlap of inputs):
     inputs are its first T tokens, labels its last T (the next-token shift happens here, before any
-    data / context-parallel sharding).
+    data / context-parallel sharding). ``document_mask`` (``data.document_mask``): ``get`` also
+    numbers the packed documents (docs/packed_documents.md).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, document_mask: bool = False):
+        self.document_mask = document_mask
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
@@ -175,12 +177,16 @@ class TokenData:
             raise ValueError(f"seq_len ({seq_len}) must be >= 1")
         return max(0, (self.num_tokens(split) - 1) // seq_len)
 
-    def get(self, split: str, indices: Sequence[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, split: str, indices: Sequence[int], seq_len: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Sequences ``indices`` of ``split``.
 
         Returns:
-            ``(inputs, labels)``, both LongTensor (n, T) with ``labels[:, t] == inputs[:, t + 1]``
-            for t < T - 1 and n = len(indices), T = seq_len.
+            ``(inputs, labels, documents)``: inputs, labels LongTensor (n, T) with ``labels[:, t] ==
+            inputs[:, t + 1]`` for t < T - 1, n = len(indices), T = seq_len; documents None, or with
+            ``document_mask`` (n, T) int32 ids: 0 at t = 0, one more after each EOS input (each document
+            is followed by its EOS in the stream, so the EOS belongs to the document it ends), and
+            labels -100 at EOS inputs (their next token starts another document, which they cannot see).
         Raises:
             IndexError: an index outside ``[0, num_sequences(split, seq_len))``.
         """
@@ -191,7 +197,10 @@ class TokenData:
                              f"with seq_len {seq_len}: {idx.min()}..{idx.max()}")
         offsets = idx[:, None] * seq_len + np.arange(seq_len + 1)[None, :]  # (n, T+1)
         windows = torch.from_numpy(self.tokens(split)[offsets].astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if not self.document_mask:
+            return inputs, labels, None
+        return (inputs,) + packed_documents(inputs, labels, int(self.meta["eos_id"]))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -205,3 +214,12 @@ class TokenData:
 
     def __repr__(self) -> str:
         return f"TokenData({str(self.path)!r}, tokens={self.meta['num_tokens']}, dtype={self.dtype})"
+
+
+def packed_documents(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) inputs / labels -> (labels with -100 at EOS inputs, (B, T) int32 document ids: the
+    number of EOS inputs before each token)."""
+    eos = inputs == eos_id
+    documents = torch.zeros(inputs.shape, dtype=torch.int32)
+    documents[:, 1:] = eos[:, :-1].cumsum(1, dtype=torch.int32)
+    return labels.masked_fill(eos, -100), documents

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.model.documents import document_attention
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import apply_rope
 
@@ -69,10 +70,12 @@ class Attention(nn.Module):
         # a sigmoid gate per output channel, computed from the block input, before wo
         self.wg = nn.Linear(dim, n_heads * self.head_dim, bias=False) if output_gate else None  # (H*D, C)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention, one full sequence: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D). cp
-        overrides it."""
-        return causal_attention(q, k, v)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention, one full sequence: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D);
+        with ``documents`` (B, T) ids block-causal (``model.documents``). cp and kernels override it;
+        every override takes ``documents`` as a keyword."""
+        return causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents)
 
     def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
         """Decoding: q (B, H, T, D) after ``past`` cached tokens, k / v (B, G, past + T, D) -> (B, H, T, D).
@@ -101,10 +104,11 @@ class Attention(nn.Module):
         return self.wo(o)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+                kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        if kv_cache is None:
-            return self.merge(self.core(q, k, v), x)
+        if kv_cache is None:  # documents (B, T) packed ids: passed to the core only when present
+            out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
+            return self.merge(out, x)
         past = kv_cache.length
         k, v = kv_cache.update(self.layer_id, k, v)  # (B, G, past + T, D)
         return self.merge(self.cached_core(q, k, v, past), x)

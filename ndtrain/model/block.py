@@ -36,8 +36,11 @@ class TransformerBlock(nn.Module):
             self.feed_forward = MoE(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)  # (B, T, C)
+                kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: (B, T) packed document ids (``model.documents``) or None."""
+        a = self.attention_norm(x)
+        h = x + (self.attention(a, cos, sin, kv_cache) if documents is None
+                 else self.attention(a, cos, sin, kv_cache, documents))  # (B, T, C)
         if self.feed_forward is None:
             return h
         return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)

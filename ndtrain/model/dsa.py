@@ -15,15 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.model.attention import Attention
+from ndtrain.model.documents import same_document
 from ndtrain.model.rope import apply_rope
 
 
-def select_topk(index_scores: torch.Tensor, top_k: int, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topk(index_scores: torch.Tensor, top_k: int, q_offset: int = 0,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal top-k of ``index_scores`` (B, T, S) (query i at q_offset + i) -> idx (B, T, k') int64,
-    valid (B, T, k') bool (False where fewer keys precede), k' = min(top_k, S)."""
+    valid (B, T, k') bool (False where fewer keys precede), k' = min(top_k, S). ``documents`` (B, S)
+    ids (q_offset 0): keys of the query's document only."""
     t, s = index_scores.shape[1:]
     qi = torch.arange(t, device=index_scores.device)[:, None] + q_offset
     causal = torch.arange(s, device=index_scores.device)[None, :] <= qi  # (T, S)
+    if documents is not None:
+        causal = causal & same_document(documents, documents)[:, 0]  # (B, T, S)
     scores = index_scores.masked_fill(~causal, float("-inf"))
     top = scores.topk(min(top_k, s), dim=-1)
     return top.indices, torch.isfinite(top.values)
@@ -114,14 +119,14 @@ class SparseAttention(Attention):
         w = self.w_index(x) * self.index_heads ** -0.5  # (B, T, H_I)
         return torch.einsum("btj,btjs->bts", w, per_head), ki
 
-    def forward(self, x, cos, sin, kv_cache=None):
+    def forward(self, x, cos, sin, kv_cache=None, documents=None):
         q, k, v = self.project(x, cos, sin)  # (B, H|G, T, D)
         train_index = kv_cache is None and self.training and torch.is_grad_enabled()
         past = kv_cache.length if kv_cache is not None else 0
         prev = kv_cache.states.get(self.layer_id, {}).get("k_index") if past else None
         with torch.set_grad_enabled(train_index):  # the indexer learns only from its own loss
             scores, ki = self.index_scores(x.detach(), cos, sin, prev)  # (B, T, S)
-        idx, valid = select_topk(scores.detach(), self.top_k, q_offset=past)  # discrete: no gradient
+        idx, valid = select_topk(scores.detach(), self.top_k, past, documents)  # discrete: no gradient
         if train_index:
             out, probs = topk_attention(q, k, v, idx, valid, return_probs=True)
             out = AttachLoss.apply(out, indexer_kl(scores.gather(-1, idx), valid, probs, self.reduce_heads))

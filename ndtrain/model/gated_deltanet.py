@@ -20,6 +20,7 @@ from ndtrain.model.mixer_common import (
     GatedRMSNorm,
     causal_conv,
     conv_context,
+    document_context,
     get_state,
     identity_conv_,
     make_conv,
@@ -29,19 +30,20 @@ from ndtrain.ops.gated_delta import chunk_gated_delta, naive_gated_delta, recurr
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as Qwen3-Next's kernel does)."""
-    xf = x.float()
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as Qwen3-Next's kernel does; fp64 stays fp64)."""
+    xf = x if x.dtype == torch.float64 else x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def run_gated_delta(q, k, v, g, beta, state, chunk_size: int):
-    """q, k (B, H, T, K), v (B, H, T, V), g, beta (B, H, T), state | None -> o, final state."""
+def run_gated_delta(q, k, v, g, beta, state, chunk_size: int, resets=None):
+    """q, k (B, H, T, K), v (B, H, T, V), g, beta (B, H, T), state | None, resets (B, T) bool document
+    starts | None -> o, final state."""
     if q.shape[2] == 1 and state is not None:
         o, s = recurrent_gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], state)
         return o[:, :, None], s
     if LINEAR_IMPL["impl"] == "naive":
-        return naive_gated_delta(q, k, v, g, beta, state)
-    return chunk_gated_delta(q, k, v, g, beta, state, chunk_size)
+        return naive_gated_delta(q, k, v, g, beta, state, resets)
+    return chunk_gated_delta(q, k, v, g, beta, state, chunk_size, resets)
 
 
 class GatedDeltaNet(nn.Module):
@@ -84,12 +86,14 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(bsz, t, -1), k.reshape(bsz, t, -1), v.reshape(bsz, t, -1, dv),
                 z.reshape(bsz, t, -1, dv), bb.reshape(bsz, t, -1), a.reshape(bsz, t, -1))
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos=None, sin=None, kv_cache=None, documents=None) -> torch.Tensor:
         bsz, t, _ = x.shape
         q, k, v, z, bb, a = self._split(x)
         st, passer = get_state(kv_cache, self.layer_id), (self.state_passer if kv_cache is None else None)
+        prev_docs, resets = document_context(passer, documents, self.conv1d.weight.shape[-1])
         qkv = torch.cat([q, k, v.flatten(2)], dim=-1)  # (B, T, 2 H_k K + H_v V)
-        qkv, conv_state = causal_conv(qkv, self.conv1d, conv_context(passer, qkv, self.conv1d, st.get("conv")))
+        qkv, conv_state = causal_conv(qkv, self.conv1d, conv_context(passer, qkv, self.conv1d, st.get("conv")),
+                                      documents, prev_docs)
         q, k, v = F.silu(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.num_v_heads // self.num_k_heads
         q = q.view(bsz, t, self.num_k_heads, self.head_k_dim).repeat_interleave(r, dim=2)  # (B, T, H_v, K)
@@ -101,10 +105,10 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))).transpose(1, 2)
 
         def run(q_, k_, v_, s_):  # the local sequence op, from state s_
-            return run_gated_delta(q_, k_, v_, g, beta, s_, self.chunk_size)
+            return run_gated_delta(q_, k_, v_, g, beta, s_, self.chunk_size, resets)
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H_v, T, K|V)
-        o, state = run(q, k, v, st.get("s")) if passer is None else passer.scan(run, q, k, v, delta=True)
+        o, state = run(q, k, v, st.get("s")) if passer is None else passer.scan(run, q, k, v, delta=True, resets=resets)
         if kv_cache is not None:
             kv_cache.states[self.layer_id] = {"conv": conv_state, "s": state}
         o = self.norm(o.transpose(1, 2), z)  # (B, T, H_v, V)

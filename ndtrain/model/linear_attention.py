@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndtrain.model.mixer_common import get_state, scan_linear
+from ndtrain.model.mixer_common import document_context, get_state, scan_linear
 
 
 class LinearAttention(nn.Module):
@@ -28,14 +28,16 @@ class LinearAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, hd, bias=False)
         self.wo = nn.Linear(hd, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos=None, sin=None, kv_cache=None, documents=None) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
         q, k, v = (w(x).view(b, t, -1, d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))  # (B, H, T, D)
         q, k = F.elu(q) + 1, F.elu(k) + 1
         v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, D + 1)
         passer = self.state_passer if kv_cache is None else None
-        o, state = scan_linear(passer, q, k, v1, None, get_state(kv_cache, self.layer_id).get("s"), self.chunk_size)
+        resets = document_context(passer, documents, 1)[1]
+        o, state = scan_linear(passer, q, k, v1, None, get_state(kv_cache, self.layer_id).get("s"), self.chunk_size,
+                               resets)
         if kv_cache is not None:
             kv_cache.states[self.layer_id] = {"s": state}
         o = o[..., :d] / (o[..., d:] + 1e-6)  # (B, H, T, D)

@@ -18,6 +18,7 @@ from ndtrain.model.mixer_common import (
     GatedRMSNorm,
     causal_conv,
     conv_context,
+    document_context,
     get_state,
     identity_conv_,
     make_conv,
@@ -85,13 +86,15 @@ class Mamba2(nn.Module):
         _copy_full_(self.D, torch.ones(self.n_heads))
         identity_conv_(self.conv1d)
 
-    def forward(self, u: torch.Tensor, cos=None, sin=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, cos=None, sin=None, kv_cache=None, documents=None) -> torch.Tensor:
         b, t, _ = u.shape
         di, n, nh, p = self.d_inner, self.n_state, self.n_heads, self.head_dim
         gn = self.n_groups * n
         z, xbc, dt = self.in_proj(u).split([di, di + 2 * gn, nh], dim=-1)  # (B, T, *)
         st, passer = get_state(kv_cache, self.layer_id), (self.state_passer if kv_cache is None else None)
-        xbc, conv_state = causal_conv(xbc, self.conv1d, conv_context(passer, xbc, self.conv1d, st.get("conv")))
+        prev_docs, resets = document_context(passer, documents, self.conv1d.weight.shape[-1])
+        xbc, conv_state = causal_conv(xbc, self.conv1d, conv_context(passer, xbc, self.conv1d, st.get("conv")),
+                                      documents, prev_docs)
         x, bm, cm = F.silu(xbc).split([di, gn, gn], dim=-1)  # (B, T, di), (B, T, gN), (B, T, gN)
         sdt = torch.float64 if u.dtype == torch.float64 else torch.float32  # the state's dtype
         dt = F.softplus(dt.to(sdt) + self.dt_bias.to(sdt))  # (B, T, n_h)
@@ -99,7 +102,7 @@ class Mamba2(nn.Module):
         xh = x.view(b, t, nh, p)  # (B, T, n_h, P)
         v = (xh.to(sdt) * dt[..., None]).to(x.dtype).transpose(1, 2)  # (B, n_h, T, P)
         q, k = per_head(cm, nh, n), per_head(bm, nh, n)  # (B, n_h, T, N): a group's heads share C, B
-        y, ssm = scan_linear(passer, q, k, v, log_decay, st.get("ssm"), self.chunk_size)  # (B, n_h, T, P)
+        y, ssm = scan_linear(passer, q, k, v, log_decay, st.get("ssm"), self.chunk_size, resets)  # (B, n_h, T, P)
         if kv_cache is not None:
             kv_cache.states[self.layer_id] = {"conv": conv_state, "ssm": ssm}
         y = y.transpose(1, 2) + xh * self.D.to(x.dtype)[:, None]  # (B, T, n_h, P)

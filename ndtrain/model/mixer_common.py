@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ndtrain.model.documents import conv_document_mask, document_starts, masked_causal_conv
 from ndtrain.model.norm import RMSNorm
 from ndtrain.ops.linear_attn import chunk_linear_attn, naive_linear_attn, recurrent_linear_attn_step
 
@@ -24,16 +25,22 @@ def get_state(kv_cache, layer_id: str) -> dict:
     return kv_cache.states.get(layer_id, {})
 
 
-def causal_conv(x: torch.Tensor, conv: nn.Conv1d, state: torch.Tensor | None
+def causal_conv(x: torch.Tensor, conv: nn.Conv1d, state: torch.Tensor | None,
+                documents: torch.Tensor | None = None, prev_documents: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution continuing from ``state``: x (B, T, Ch), conv ``nn.Conv1d(Ch, Ch, W,
-    groups=Ch)``, state (B, W-1, Ch) or None (zeros) -> y (B, T, Ch) (no activation), new state."""
+    groups=Ch)``, state (B, W-1, Ch) or None (zeros) -> y (B, T, Ch) (no activation), new state.
+    ``documents`` (B, T) ids, ``prev_documents`` (B, W-1) the state's (None: another document): taps
+    reading another document's input see zero."""
     w = conv.weight.shape[-1]
     if state is None:
         state = x.new_zeros(x.shape[0], w - 1, x.shape[2])
     xp = torch.cat([state.to(x.dtype), x], dim=1)  # (B, W-1+T, Ch)
-    y = F.conv1d(xp.transpose(1, 2), conv.weight, conv.bias, groups=x.shape[2])  # (B, Ch, T)
-    return y.transpose(1, 2), xp[:, xp.shape[1] - (w - 1):]
+    if documents is None:
+        y = F.conv1d(xp.transpose(1, 2), conv.weight, conv.bias, groups=x.shape[2]).transpose(1, 2)  # (B, T, Ch)
+    else:
+        y = masked_causal_conv(xp, conv.weight, conv.bias, conv_document_mask(documents, w, prev_documents))
+    return y, xp[:, xp.shape[1] - (w - 1):]
 
 
 def make_conv(channels: int, width: int, bias: bool) -> nn.Conv1d:
@@ -78,16 +85,17 @@ class GatedRMSNorm(RMSNorm):
         return (super().forward(x).float() * F.silu(gate.float())).to(x.dtype)
 
 
-def run_linear(q, k, v, log_decay, state, chunk_size: int):
+def run_linear(q, k, v, log_decay, state, chunk_size: int, resets=None):
     """Dispatch the decayed linear-attention op: q, k (B, H, T, K), v (B, H, T, V), log_decay
-    (B, H, T) | None, state (B, H, K, V) | None -> o (B, H, T, V), final state."""
+    (B, H, T) | None, state (B, H, K, V) | None, resets (B, T) bool document starts | None -> o
+    (B, H, T, V), final state."""
     if q.shape[2] == 1 and state is not None:
         o, s = recurrent_linear_attn_step(q[:, :, 0], k[:, :, 0], v[:, :, 0],
                                           None if log_decay is None else log_decay[:, :, 0], state)
         return o[:, :, None], s
     if LINEAR_IMPL["impl"] == "naive":
-        return naive_linear_attn(q, k, v, log_decay, state)
-    return chunk_linear_attn(q, k, v, log_decay, state, chunk_size)
+        return naive_linear_attn(q, k, v, log_decay, state, resets)
+    return chunk_linear_attn(q, k, v, log_decay, state, chunk_size, resets)
 
 
 class StatePasser(Protocol):
@@ -98,9 +106,13 @@ class StatePasser(Protocol):
         """x (B, T, Ch) this shard's conv input -> (B, width-1, Ch) the inputs just before it."""
         ...
 
-    def scan(self, run, q, k, v, log_decay=None, delta: bool = False):
+    def scan(self, run, q, k, v, log_decay=None, delta: bool = False, resets=None):
         """``run(q, k, v, initial_state) -> (o, state)`` continued from earlier shards; ``log_decay`` (B,
-        H, T), ``delta``: delta rule."""
+        H, T), ``delta``: delta rule; ``resets`` (B, T) bool document starts (``run`` honours them too)."""
+        ...
+
+    def prev_documents(self, documents: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, T) this shard's document ids -> (B, n) the ids just before it (-1 where none)."""
         ...
 
 
@@ -109,9 +121,21 @@ def conv_context(passer: StatePasser | None, x: torch.Tensor, conv: nn.Conv1d, s
     return state if passer is None else passer.conv_state(x, conv.weight.shape[-1])
 
 
-def scan_linear(passer: StatePasser | None, q, k, v, log_decay, state, chunk_size: int):
+def document_context(passer: StatePasser | None, documents, width: int):
+    """(prev_documents (B, W-1) | None, resets (B, T) | None) of a linear mixer's shard: the conv's left
+    context ids and the state's document starts (the first token compared with the previous shard's
+    last under cp). Both None without ``documents``."""
+    if documents is None:
+        return None, None
+    if passer is None:
+        return None, document_starts(documents)
+    prev = passer.prev_documents(documents, max(width - 1, 1))  # (B, n)
+    return (prev if width > 1 else None), document_starts(documents, prev[:, -1])
+
+
+def scan_linear(passer: StatePasser | None, q, k, v, log_decay, state, chunk_size: int, resets=None):
     """``run_linear``, continued from the earlier shards' state when a passer is installed."""
     if passer is None:
-        return run_linear(q, k, v, log_decay, state, chunk_size)
-    return passer.scan(lambda q_, k_, v_, s_: run_linear(q_, k_, v_, log_decay, s_, chunk_size),
-                       q, k, v, log_decay)
+        return run_linear(q, k, v, log_decay, state, chunk_size, resets)
+    return passer.scan(lambda q_, k_, v_, s_: run_linear(q_, k_, v_, log_decay, s_, chunk_size, resets),
+                       q, k, v, log_decay, resets=resets)

@@ -1,8 +1,9 @@
 """The token-mixer interface: what fills a block's ``attention`` slot, per ``model.layer_pattern``
 (``ndtrain.mixer_spec``; letters A L M G S D; docs/attention_alternatives.md).
 
-Every mixer is a single-device module with ``forward(x (B, T, C), cos, sin, kv_cache=None) ->
-(B, T, C)``. The linear family keeps a fixed-size state in ``kv_cache.states[layer_id]``; a cached
+Every mixer is a single-device module with ``forward(x (B, T, C), cos, sin, kv_cache=None,
+documents=None) -> (B, T, C)``; ``documents`` (B, T) packed ids keep attention, state and
+convolution inside each document (``model.documents``). The linear family keeps a fixed-size state in ``kv_cache.states[layer_id]``; a cached
 one-token forward takes the ``recurrent`` op, several tokens the ``chunk`` op. ``LINEAR_IMPL``:
 "chunk" or "naive" (the slow twin)."""
 from __future__ import annotations

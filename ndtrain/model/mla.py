@@ -19,6 +19,7 @@ from torch import nn
 
 from ndtrain.config import ModelConfig
 from ndtrain.model.attention import KVCacheLike, causal_attention
+from ndtrain.model.documents import document_attention
 from ndtrain.model.norm import RMSNorm
 from ndtrain.model.rope import apply_rope
 
@@ -50,9 +51,11 @@ class MLAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)  # (H*(d_n+d_v), d_c)
         self.wo = nn.Linear(h * self.v_dim, c, bias=False)  # (C, H*d_v)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention: q, k (B, H, T, d_n+d_r), v (B, H, T, d_v) -> (B, H, T, d_v)."""
-        return causal_attention(q, k, v)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention: q, k (B, H, T, d_n+d_r), v (B, H, T, d_v) -> (B, H, T, d_v); block-causal
+        with ``documents`` (B, T)."""
+        return causal_attention(q, k, v) if documents is None else document_attention(q, k, v, documents)
 
     def expand_kv(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c_kv (B, S, d_c) (normalised), k_rope (B, S, d_r) -> k (B, H, S, d_n+d_r), v (B, H, S, d_v)."""
@@ -69,7 +72,7 @@ class MLAttention(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+                kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         latent = hasattr(self, "wq_a")
         q_in = self.q_norm(self.wq_a(x)) if latent else x  # (B, T, d_q) or (B, T, C)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, T, d_c), (B, T, d_r)
@@ -83,7 +86,7 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # (B, T, d_r)
         if kv_cache is None:
             k, v = self.expand_kv(c_kv, k_rope)
-            out = self.core(q, k, v)  # (B, H, T, d_v)
+            out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
         else:
             past = kv_cache.length
             c_all, r_all = kv_cache.update(self.layer_id, c_kv.unsqueeze(1), k_rope.unsqueeze(1))  # (B, 1, S, .)

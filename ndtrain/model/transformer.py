@@ -14,6 +14,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.model.attention import KVCacheLike
 from ndtrain.model.block import TransformerBlock
+from ndtrain.model.documents import document_positions
 from ndtrain.model.init import init_weights
 from ndtrain.model.mtp import MTPModule, mtp_forward, mtp_token_ids
 from ndtrain.model.norm import RMSNorm
@@ -63,16 +64,21 @@ class Transformer(nn.Module):
         init_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                kv_cache: KVCacheLike | None = None) -> torch.Tensor:
+                kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64, or (B, T, C) hidden states without ``tok_embeddings`` -> logits (B, T, V), or
         hidden states (B, T, C) without ``output``.
 
         ``positions``: (T,) or (B, T) int64 (default ``arange(T)`` after ``kv_cache.length``); ``kv_cache``:
-        appended and advanced by T. A training forward with MTP also sets ``self.mtp_logits``
+        appended and advanced by T. ``documents``: (B, T) int packed document ids (no cache): attention
+        and state stay inside a document, positions default to ``document_positions``. A training forward with MTP also sets ``self.mtp_logits``
         (depth k: (B, T-k, V)). Raises ValueError if a cached forward would pass ``max_seq_len``."""
         embed = self.tok_embeddings is not None and not tokens.is_floating_point()  # a pipeline stage's
         h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, C); head stage: MTP's embedding copy
         t = h.shape[1]
+        if documents is not None and kv_cache is not None:
+            raise ValueError("documents (packed sequences) are for training and evaluation, not a KV-cached forward")
+        if positions is None and documents is not None:
+            positions = document_positions(documents)  # (B, T): the whole row is here
         if positions is None:
             start = kv_cache.length if kv_cache is not None else 0
             if start + t > self.cfg.max_seq_len:
@@ -80,7 +86,7 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + t, device=h.device)  # (T,)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, D/2) or (B, T, D/2)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, kv_cache)  # (B, T, C)
+            h = layer(h, cos, sin, kv_cache) if documents is None else layer(h, cos, sin, kv_cache, documents)
         if kv_cache is not None:
             kv_cache.advance(t)
         self.mtp_logits = []

@@ -66,7 +66,7 @@ class _Region:
         from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
         self._gen = _checkpoint_without_reentrant_generator(
-            self._replay, True, self.context_fn, "default", False, True, *args[:3])
+            self._replay, True, self.context_fn, "default", False, True, *args[:3], *args[4:5])
         next(self._gen)  # stash RNG, start discarding saved tensors
 
     def _exit(self, module, args, output):
@@ -74,11 +74,11 @@ class _Region:
             gen, self._gen = self._gen, None
             next(gen, None)  # leave the region
 
-    def _replay(self, x, cos, sin):
+    def _replay(self, x, cos, sin, documents=None):
         _REPLAYING.append(self.level)
         try:
-            for block in self.blocks:
-                x = block(x, cos, sin)  # (B, T, C)
+            for block in self.blocks:  # documents: the packed ids the block was called with (args[4])
+                x = block(x, cos, sin) if documents is None else block(x, cos, sin, None, documents)  # (B, T, C)
             return x
         finally:
             _REPLAYING.pop()
@@ -87,7 +87,7 @@ class _Region:
 def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Region]:
     """Checkpoint ``model.layers`` by ``policy`` (see module docstring); returns the regions.
 
-    Blocks are called as ``block(x, cos, sin, kv_cache=None)``. Raises ValueError for an unknown
+    Blocks are called as ``block(x, cos, sin, kv_cache=None[, documents])``. Raises ValueError for an unknown
     policy or a model without ``layers``.
     """
     if not hasattr(model, "layers"):

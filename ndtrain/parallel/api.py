@@ -119,7 +119,7 @@ class ParallelPlan:
             MoE / MTP, no DiLoCo).
         micro_batch: rows per microbatch of a one-stage step; fixed_microbatches: a pipeline's
             microbatch count (0: one stage, counted from ``micro_batch``).
-        eval_loss_sum: ``(inputs, labels, positions) -> summed token loss`` of a forward-only pass
+        eval_loss_sum: ``(inputs, labels, positions, documents=None) -> summed token loss`` of a forward-only pass
             (the whole local batch at once on one stage; the pipeline's microbatches across stages).
     """
 
@@ -140,9 +140,9 @@ class ParallelPlan:
     def can_sample(self) -> bool:
         return not self.sample_skip_reason
 
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """This rank's (inputs, labels, positions) of a (B, T) batch (see ``BatchPlan.shard``)."""
-        return self.batch.shard(inputs, labels)
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None):
+        """This rank's (inputs, labels, positions, documents) of a (B, T) batch (``BatchPlan.shard``)."""
+        return self.batch.shard(inputs, labels, documents)
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.batch.loss_sum(logits, labels)

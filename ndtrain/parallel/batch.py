@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ndtrain.mesh import Mesh
 from ndtrain.mixer_spec import non_softmax_mixers
+from ndtrain.model.documents import document_positions
 from ndtrain.parallel import comm
 from ndtrain.parallel.cp.rules import resolve_layout
 
@@ -15,8 +16,10 @@ from ndtrain.parallel.cp.rules import resolve_layout
 class BatchPlan:
     """Per-batch hooks of the layout, used by the trainer.
 
-    ``shard(inputs, labels)``: (B, T) -> this rank's (B, T_local) inputs, labels and (T_local,)
-    positions (None: ``arange(T)``); labels are shifted before the cut. ``loss_sum(logits, labels)``:
+    ``shard(inputs, labels, documents=None)``: (B, T) -> this rank's (B, T_local) inputs, labels,
+    (T_local,) positions (None: ``arange(T)``) and documents (None); labels are shifted before the cut.
+    With (B, T) ``documents`` (packed ids) positions restart per document, (B, T_local), and the
+    documents are cut like the tokens (int64). ``loss_sum(logits, labels)``:
     0-d sum of valid token losses, logits (B, T, V) or (B, T, Vp / tp) (never gathered).
     ``fused_impl``: "chunk" | "triton". ``head``: the ``FusedLossHead`` under ``training.fused_loss``."""
 
@@ -31,13 +34,17 @@ class BatchPlan:
         self.fused_impl = fused_impl
         self.head = None
 
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor):
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None):
+        if documents is not None:
+            documents = documents.to(device=inputs.device, dtype=torch.int64)
         if self.cp.size > 1:
             from ndtrain.parallel.cp.context_parallel import shard_batch
 
-            return shard_batch(inputs, labels, self.cp, self.layout)
+            return shard_batch(inputs, labels, self.cp, self.layout, documents)
+        if documents is not None:
+            return inputs, labels, document_positions(documents), documents
         positions = torch.arange(inputs.shape[1], device=inputs.device) if self.full_positions else None
-        return inputs, labels, positions
+        return inputs, labels, positions, None
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:

@@ -134,12 +134,13 @@ def _plan(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, pipeline, mes
 
 def _whole_batch_loss_sum(model: nn.Module, batch: BatchPlan, forward_ctx, dtype: torch.dtype,
                           inputs: torch.Tensor, labels: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
+                          positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Summed token cross-entropy (float64, 0-d) of one forward over the whole local batch (one
     stage). inputs, labels: (B, T); positions (T,). Under ``training.fused_loss`` the armed head
     returns that sum itself (no logits)."""
     with forward_ctx(), batch.labelled(labels):
-        out = model(inputs, positions)  # (B, T, V), (B, T, V / tp) under tp, or the fused 0-d sum
+        out = (model(inputs, positions) if documents is None  # (B, T, V), (B, T, V / tp), or the fused 0-d sum
+               else model(inputs, positions, documents=documents))
     return batch.stage_loss(out, labels, dtype).double()
 
 

@@ -5,7 +5,7 @@ Each combination (``Combo``) is first validated the way ``ndtrain train`` valida
 (``load_config("debug", overrides, world_size)``, no processes). A rejected combination records the
 rule (the ``ConfigError`` text). A validated one is trained for ``STEPS`` steps on a tiny model with
 fixed batches (``global_batch``) and its per-step losses are compared with the single-process run
-of the same model config (``reference``): in float64 they must agree to ``RTOL`` relative, in
+of the same model config (``sweep_groups.reference``): in float64 they must agree to ``RTOL`` relative, in
 float32 to ``TOLERANCE["float32"]``; bf16 / fp16 can only be checked for running with a finite loss
 (their roundoff, ~1e-3 to 1e-2 here, is as large as the faults the sweep looks for).
 ``ndtrain.tools.sweep_groups`` runs the combinations on gloo process groups and judges them
@@ -72,6 +72,9 @@ FEATURES: dict[str, dict] = {
     # LoRA adapters on every linear of the blocks, the base frozen (keys with a section: not model.*)
     "lora": {"finetune.lora_rank": 4, "finetune.lora_targets": "*.wq,*.wk,*.wv,*.wo,*.w1,*.w2,*.w3"},
 }
+# packed documents (``global_documents``): sliding window, Mamba-2, Gated DeltaNet and softmax layers
+FEATURES["packed"] = {**FEATURES["hybrid"], "layer_pattern": "SMGA", "swa_window": 3}
+FEATURE_DATA: dict[str, dict] = {"packed": {"document_mask": True}}  # data.* overrides of a feature
 # features crossed with every layout of the layout tier; the others only with REPRESENTATIVE there
 FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
 # micro batch 1: every layout cuts the global batch into the same microbatches (the MoE Switch loss
@@ -113,6 +116,7 @@ class Combo:
                     "training.fused_loss": self.fused, "data.seq_len": T, "parallel.zero_stage": self.zero,
                     "parallel.dp_shard": -1, "parallel.bucket_size_bytes": 4096})
         out.update({f"parallel.{k}": v for k, v in self.par})
+        out.update({f"data.{k}": v for k, v in FEATURE_DATA.get(self.feature, {}).items()})
         out.update(dict(self.extra))
         return out
 
@@ -120,7 +124,8 @@ class Combo:
         """The ``ndtrain train`` command line of this combination (debug preset's corpus)."""
         extra = {"model.n_layers": BASE_MODEL["n_layers"],  # the debug preset has 2: too few for pp4
                  **{k if "." in k else f"model.{k}": v for k, v in FEATURES[self.feature].items()},
-                 **{f"parallel.{k}": v for k, v in self.par}, **dict(self.extra)}
+                 **{f"parallel.{k}": v for k, v in self.par},
+                 **{f"data.{k}": v for k, v in FEATURE_DATA.get(self.feature, {}).items()}, **dict(self.extra)}
         if self.zero:
             extra["parallel.zero_stage"] = self.zero
         if self.ac != "none":
@@ -340,6 +345,8 @@ SUBSET = (
     ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit
     ("lora", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # adapters split like their base
     ("lora", 2, {"dp_shard": 2}, {"zero": 3, "ac": "full"}),
+    ("packed", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 3, "ac": "full"}),  # documents cut by cp
+    ("packed", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1}),  # documents split by microbatch
 )
 
 
@@ -364,6 +371,12 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, labels
 
 
+def global_documents(step: int) -> torch.Tensor:
+    """Fixed (G, T) int32 document ids of step ``step`` (a document starts at ~1 token in 5)."""
+    starts = torch.rand(G, T, generator=torch.Generator().manual_seed(9000 + step)) < 0.2
+    return (starts & (torch.arange(T) > 0)).cumsum(1, dtype=torch.int32)
+
+
 def train_steps(cfg: Config, world: int) -> list[dict[str, float]]:
     """Build the layout of ``cfg`` on ``world`` ranks (the process group must exist when world > 1),
     train ``STEPS`` steps on this rank's slice of ``global_batch``; return the per-step values of
@@ -379,18 +392,6 @@ def train_steps(cfg: Config, world: int) -> list[dict[str, float]]:
     for s in range(STEPS):
         x, y = global_batch(s)
         sl = slice(dp_rank * local, (dp_rank + 1) * local)
-        d = tr.step(x[sl], y[sl])
+        d = tr.step(x[sl], y[sl], global_documents(s)[sl] if cfg.data.document_mask else None)
         rows.append({k: float(d[k]) for k in COMPARED if k in d})
     return rows
-
-
-_REF: dict = {}
-
-
-def reference(feature: str, dtype: str) -> list[dict[str, float]]:
-    """Single-process run (world 1, ZeRO 0, no activation checkpointing) of ``feature`` in ``dtype``;
-    cached per process."""
-    if (feature, dtype) not in _REF:
-        combo = make_combo(feature, 1, {}, dtype=dtype)
-        _REF[(feature, dtype)] = train_steps(build_config(combo), 1)
-    return _REF[(feature, dtype)]

@@ -32,7 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndtrain.spawn import free_port, stop_processes
-from ndtrain.tools.sweep import TOLERANCE, Combo, build_config, reference, train_steps
+from ndtrain.tools.sweep import TOLERANCE, Combo, build_config, make_combo, train_steps
+
+_REF: dict = {}
+
+
+def reference(feature: str, dtype: str) -> list[dict[str, float]]:
+    """Single-process run (world 1, ZeRO 0, no activation checkpointing) of ``feature`` in ``dtype``;
+    cached per process."""
+    if (feature, dtype) not in _REF:
+        combo = make_combo(feature, 1, {}, dtype=dtype)
+        _REF[(feature, dtype)] = train_steps(build_config(combo), 1)
+    return _REF[(feature, dtype)]
 
 
 def _write(path: Path, obj) -> None:

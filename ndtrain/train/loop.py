@@ -67,7 +67,7 @@ class _Run:
         return self.run_dir / "checkpoints"
 
     def local(self, indices, split: str):
-        """This rank's (inputs, labels) of the global batch ``indices`` of ``split``."""
+        """This rank's (inputs, labels, documents) of the global batch ``indices`` of ``split``."""
         dp = self.mesh.group("dp")
         return self.data.get(split, self.sampler.local_slice(indices, dp.rank, dp.size), self.cfg.data.seq_len)
 
@@ -153,10 +153,10 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
         step = trainer.step_count + 1
         prof.begin(step)
         t_data = time.perf_counter()
-        inputs, labels = r.local(r.sampler.next_global(), "train")[:2]  # a chat batch also has documents
+        inputs, labels, documents = r.local(r.sampler.next_global(), "train")
         t_data = time.perf_counter() - t_data
         trainer.measure_memory = step == first_step  # the activation meter slows the step it runs in
-        out, dt = _timed_step(r, inputs, labels)
+        out, dt = _timed_step(r, inputs, labels, documents)
         prof.end(step)
         con.step(step, out)
         strag.record(dt, t_data)
@@ -307,11 +307,11 @@ def _print_header(r: _Run, fpt: float, peak: float | None, basis: str = "") -> N
                                                 fpt, peak, r.device.type, basis)))
 
 
-def _timed_step(r: _Run, inputs, labels) -> tuple[dict, float]:
+def _timed_step(r: _Run, inputs, labels, documents=None) -> tuple[dict, float]:
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda _d: None)
     sync(r.device)
     t0 = time.perf_counter()
-    out = r.trainer.step(inputs, labels)
+    out = r.trainer.step(inputs, labels, documents)
     sync(r.device)
     return out, time.perf_counter() - t0
 

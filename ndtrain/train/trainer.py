@@ -1,4 +1,5 @@
-"""One rank's training state: ``Trainer(cfg, mesh, device)``, ``step(inputs, labels)``, ``eval_loss``.
+"""One rank's training state: ``Trainer(cfg, mesh, device)``, ``step(inputs, labels, documents=None)``,
+``eval_loss``.
 
 Loss convention (token-weighted): the loss of a step is the sum of the per-token cross-entropies over
 all valid labels (label != -100) of the *global* batch, divided by the number of valid labels of the
@@ -167,16 +168,18 @@ class Trainer:
             return check()
         return _ValidCount(resolve=resolve)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor,
+             documents: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step on this rank's local batch. inputs, labels: (B_local, T) int64; any
         B_local >= 1, the same on every data-parallel rank (else ValueError on every rank).
+        ``documents``: (B_local, T) int packed document ids (``data.document_mask``) or None.
 
         Returns ``loss`` (global token-weighted mean), ``grad_norm`` (before clipping), ``lr``,
         ``n_tokens`` (valid labels in the global batch); MoE / MTP models add ``aux_loss``,
         ``mtp_loss``, ``moe_load_max_mean``, ``moe_dropped_frac``... (``ExtraLosses.end_step``).
         """
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        inputs, labels, positions = self.plan.shard(inputs, labels)  # this cp rank's tokens
+        inputs, labels, positions, documents = self.plan.shard(inputs, labels, documents)  # this cp rank's
         count = self._agree_on_batch(labels)
         if self.extras is not None:
             self.extras.begin_step(inputs, labels)
@@ -188,7 +191,7 @@ class Trainer:
         loss_sum = self.pipeline.forward_backward(
             inputs, labels, count.denom(), positions,
             extra_loss=self.extras.micro_loss if self.extras is not None else None,
-            loss_scale=self.scaler.scale if self.scaler is not None else 1.0)
+            loss_scale=self.scaler.scale if self.scaler is not None else 1.0, documents=documents)
         self.mem.sample(state_tensors(self.model, self.optimizer, self.dp))
         if self.nan_steps or self.spike_steps:  # test hooks (class docstring)
             loss_sum = inject_faults(self, loss_sum)
@@ -250,12 +253,15 @@ class Trainer:
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
-        """Token-weighted mean loss over ``batches`` of (inputs, labels) local to this rank."""
+        """Token-weighted mean loss over ``batches`` of (inputs, labels) or (inputs, labels, documents)
+        local to this rank."""
         self.model.eval()
         tot = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, labels in batches:
-            inputs, labels, positions = self.plan.shard(inputs.to(self.device), labels.to(self.device))
-            tot[0] += self.plan.eval_loss_sum(inputs, labels, positions)  # the same on every pp rank
+        for inputs, labels, *docs in batches:
+            inputs, labels, positions, documents = self.plan.shard(inputs.to(self.device), labels.to(self.device),
+                                                                   docs[0] if docs else None)
+            extra = {} if documents is None else {"documents": documents}
+            tot[0] += self.plan.eval_loss_sum(inputs, labels, positions, **extra)  # the same on every pp rank
             tot[1] += (labels != IGNORE_INDEX).sum()
         self.model.train()
         comm.all_reduce(tot, self.mesh.group("dp_cp"))

@@ -20,7 +20,7 @@ def open_sets(cfg, data: TokenData) -> dict[str, TokenData | None]:
     Raises ValueError naming the set that failed."""
     if not cfg.eval.named_sets():
         return {}
-    return {name: None if folder is None else TokenData(folder)
+    return {name: None if folder is None else TokenData(folder, cfg.data.document_mask)
             for name, folder in prepare_eval_sets(cfg, data.tokenizer).items()}
 
 
@@ -31,8 +31,8 @@ def split_loss(trainer, sampler, data: TokenData, cfg) -> float:
     dp = trainer.mesh.group("dp")
     n = data.num_sequences("val", T)
     batches = [data.get("val", sampler.local_slice([(b * t.global_batch_size + j) % n
-                                                     for j in range(t.global_batch_size)], dp.rank, dp.size), T)[:2]
-               for b in range(t.eval_batches)]  # (inputs, labels): a chat batch also has documents
+                                                     for j in range(t.global_batch_size)], dp.rank, dp.size), T)
+               for b in range(t.eval_batches)]  # (inputs, labels, documents)
     return trainer.eval_loss(batches)
 
 

@@ -192,7 +192,7 @@ def test_convert_from_hf_then_fine_tune(trained, capsys):
     assert sorted(losses) == [1, 2, 3, 4, 5]
     data_ = TokenData(path)
     sampler = GlobalBatchSampler(data_.num_sequences("train", 32), 8, cfg.training.seed)
-    inputs, labels = data_.get("train", sampler.next_global(), 32)
+    inputs, labels, _ = data_.get("train", sampler.next_global(), 32)
     with torch.no_grad():
         ref = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert losses[1] == pytest.approx(ref, abs=1e-5)

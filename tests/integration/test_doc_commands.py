@@ -234,7 +234,7 @@ def test_guides_run(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "eval.json").read_text())
 
 
-FEATURE_GUIDES = ["sft.md", "data.md", "evaluation.md"]  # guides of docs/ itself, run one by one after the same fixtures
+FEATURE_GUIDES = ["sft.md", "data.md", "evaluation.md", "packed_documents.md"]  # guides of docs/ itself, run one by one after the same fixtures
 
 
 @pytest.mark.parametrize("name", FEATURE_GUIDES)

@@ -10,7 +10,7 @@ the fused loss at least once, with one representative of each composition made t
 x ZeRO-3, MoE x TP with split experts, MLA + MTP x CP, hybrid x CP / TP, MTP x ZeRO-3); plus
 rejected combinations whose rule text is checked (no processes).
 
-Reference: the single-process run of the same model config (``ndtrain.tools.sweep.reference``: world 1,
+Reference: the single-process run of the same model config (``ndtrain.tools.sweep_groups.reference``: world 1,
 ZeRO 0, no checkpointing, same fixed batches). float64 combinations must match its loss, gradient
 norm and MoE aux / MTP losses on every rank and step to 1e-9 relative (``ndtrain.tools.sweep.RTOL``: a
 layout only reorders float64 sums, ~1e-14 after 2 steps; a fault moves them by far more than 1e-6);

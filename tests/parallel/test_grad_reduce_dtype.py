@@ -177,8 +177,8 @@ def _record(rank: int, world: int) -> dict:
             x, y = _batch(cfg.model.vocab_size, cfg.data.seq_len)
             dp = mesh.group("dp")
             n = x.shape[0] // dp.size
-            inputs, labels, positions = tr.plan.shard(x[dp.rank * n:(dp.rank + 1) * n],
-                                                      y[dp.rank * n:(dp.rank + 1) * n])
+            inputs, labels, positions, _ = tr.plan.shard(x[dp.rank * n:(dp.rank + 1) * n],
+                                                         y[dp.rank * n:(dp.rank + 1) * n])
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = tr.model(inputs, positions)
             loss = tr.plan.loss_sum(logits.float(), labels) / (y != IGNORE_INDEX).sum()

@@ -172,7 +172,8 @@ def test_prepare_stdlib_bpe_labels_shifted(tmp_path):
     T = 32
     n = data.num_sequences("train", T)
     assert n == (n_train - 1) // T
-    x, y = data.get("train", [0, 3, n - 1], T)
+    x, y, docs = data.get("train", [0, 3, n - 1], T)
+    assert docs is None  # data.document_mask off
     assert x.shape == y.shape == (3, T) and x.dtype == y.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
     flat = torch.from_numpy(data.tokens("train").astype("int64"))

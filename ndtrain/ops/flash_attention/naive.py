@@ -36,3 +36,12 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
             scores = scores.masked_fill(~keep, float("-inf"))
         out[s0:s1] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)  # (L, H, D)
     return out
+
+
+def cu_seqlens_of(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) packed document ids (non-decreasing per row) -> (S + 1,) int32 cumulative bounds over
+    the flattened B*T tokens: a bound where the id changes and at every row start."""
+    starts = torch.ones(documents.shape, dtype=torch.bool, device=documents.device)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    end = torch.tensor([documents.numel()], device=documents.device)
+    return torch.cat([starts.flatten().nonzero().flatten(), end]).to(torch.int32)

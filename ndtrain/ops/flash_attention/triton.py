@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ndtrain.ops.flash_attention.naive import cu_seqlens_of
+
 NEG = -1.0e30  # a finite "minus infinity": fully masked rows stay NaN-free
 
 
@@ -217,11 +219,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 def flash_attention_bhtd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         blocks: tuple[int, int] = (64, 64)) -> torch.Tensor:
+                         blocks: tuple[int, int] = (64, 64), documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention in the model's layout: q (B, H, T, D), k / v (B, G, T, D) -> (B, H, T, D);
-    each of the B sequences is one document. Raises like ``flash_attention``."""
+    each of the B sequences is one document, or with ``documents`` (B, T) ids each packed document
+    (``cu_seqlens`` from the ids). Raises like ``flash_attention``."""
     b, h, t, d = q.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)  # (B+1,)
+    if documents is None:
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)  # (B+1,)
+    else:
+        cu = cu_seqlens_of(documents.to(q.device))  # (S+1,)
     pack = lambda x: x.transpose(1, 2).reshape(b * t, x.shape[1], d)
-    out = flash_attention(pack(q), pack(k), pack(v), cu, t, True, None, blocks)  # (B*T, H, D)
+    max_len = t if documents is None else int((cu[1:] - cu[:-1]).max())
+    out = flash_attention(pack(q), pack(k), pack(v), cu, max_len, True, None, blocks)  # (B*T, H, D)
     return out.view(b, t, h, d).transpose(1, 2)

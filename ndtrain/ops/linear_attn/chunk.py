@@ -7,6 +7,11 @@ With g the cumulative log decay inside the chunk:
 
     O   = diag(e^g) Q S_prev + ((Q K^T) * D) V,    D_ij = e^(g_i - g_j) for j <= i, else 0
     S   = e^(g_C) S_prev + (K * e^(g_C - g))^T V
+
+Packed documents: ``resets`` (B, T) bool marks each token that starts a document (the state is zeroed
+just before it). In a chunk with r_i resets at or before token i, a term is kept only when it stays
+inside one document: D_ij needs r_i = r_j, the S_prev term r_i = 0, the state update r_j = r_C and
+the carried decay r_C = 0 (``chunk_decays``: masked before the exponential, so no inf or NaN appears).
 """
 from __future__ import annotations
 
@@ -45,32 +50,59 @@ def chunk_view(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
     return dt, c, n_pad, qc, kc, vc, g
 
 
-def decay_matrix(g: torch.Tensor) -> torch.Tensor:
+def decay_matrix(g: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
     """(..., C) cumulative log decays -> (..., C, C) with e^(g_i - g_j) on and below the diagonal, 0
-    above (masked before the exponential so no inf appears, in the forward or the backward)."""
+    above (masked before the exponential so no inf appears, in the forward or the backward); with
+    ``seg`` (..., C) document counts also 0 where seg_i != seg_j."""
     c = g.shape[-1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=g.device).tril()
+    keep = torch.ones(c, c, dtype=torch.bool, device=g.device).tril()
+    if seg is not None:
+        keep = keep & (seg[..., :, None] == seg[..., None, :])  # (..., C, C)
     diff = g[..., :, None] - g[..., None, :]  # (..., C, C)
-    return diff.masked_fill(~causal, float("-inf")).exp()
+    return diff.masked_fill(~keep, float("-inf")).exp()
+
+
+def chunk_segments(resets: torch.Tensor | None, n_pad: int, n: int, c: int) -> torch.Tensor | None:
+    """resets (B, T) bool -> (B, 1, N, C) int64 resets at or before each token of its chunk (padding:
+    none), or None without resets."""
+    if resets is None:
+        return None
+    r = chunk_pad(resets.to(torch.int64), n_pad, dim=1)  # (B, N*C)
+    return r.view(r.shape[0], 1, n, c).cumsum(-1)
+
+
+def chunk_decays(g: torch.Tensor, seg: torch.Tensor | None):
+    """The four decays of a chunk from g (B, H, N, C) and ``chunk_segments``: D (B, H, N, C, C), from
+    the chunk start e^(g_i) (B, H, N, C), to its end e^(g_C - g_j) (B, H, N, C), whole e^(g_C) (B, H, N);
+    each 0 where it would cross a document start."""
+    ninf = float("-inf")
+    start, to_end, whole = g, g[..., -1:] - g, g[..., -1]
+    if seg is not None:
+        start = start.masked_fill(seg > 0, ninf)
+        to_end = to_end.masked_fill(seg != seg[..., -1:], ninf)
+        whole = whole.masked_fill(seg[..., -1] > 0, ninf)
+    return decay_matrix(g, seg), start.exp(), to_end.exp(), whole.exp()
 
 
 def chunk_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       log_decay: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int = 64, resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive_linear_attn``'s contract (o (B, H, T, V), state (B, H, K, V)) computed chunk by chunk,
-    ``chunk_size`` C >= 1 (any T). Raises ValueError for chunk_size < 1."""
-    dt, c, _, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
+    ``chunk_size`` C >= 1 (any T); ``resets`` (B, T) bool document starts. Raises ValueError for
+    chunk_size < 1."""
+    dt, c, n_pad, qc, kc, vc, g = chunk_view(q, k, v, log_decay, chunk_size)
     b, h, t, dk = k.shape
     dv, n = v.shape[-1], qc.shape[2]
-    intra = (qc @ kc.transpose(-1, -2)) * decay_matrix(g)  # (B, H, N, C, C)
-    k_to_end = kc * (g[..., -1:] - g).exp()[..., None]  # (B, H, N, C, K)
+    dmat, from_start, to_end, whole = chunk_decays(g, chunk_segments(resets, n_pad, n, c))
+    intra = (qc @ kc.transpose(-1, -2)) * dmat  # (B, H, N, C, C)
+    k_to_end = kc * to_end[..., None]  # (B, H, N, C, K)
     state = (torch.zeros(b, h, dk, dv, dtype=dt, device=v.device) if initial_state is None
              else initial_state.to(dt))
     outs = []
     # Per-chunk views by one unbind: indexing [:, :, i] in the loop makes each chunk's backward write
     # a zero gradient of the whole tensor (O(T^2 / C) in the backward; 80% of a step at T = 8192).
-    qg, intra_c, v_c, kend = (x.unbind(2) for x in (qc * g[..., None].exp(), intra, vc, k_to_end))
-    end_decay = g[..., -1].exp().unbind(2)  # N x (B, H)
+    qg, intra_c, v_c, kend = (x.unbind(2) for x in (qc * from_start[..., None], intra, vc, k_to_end))
+    end_decay = whole.unbind(2)  # N x (B, H)
     for i in range(n):  # only the K x V state crosses chunk boundaries
         o = qg[i] @ state + intra_c[i] @ v_c[i]  # (B, H, C, V)
         outs.append(o)

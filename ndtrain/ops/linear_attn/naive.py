@@ -13,16 +13,20 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def naive_linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       log_decay: torch.Tensor | None = None,
-                      initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      initial_state: torch.Tensor | None = None,
+                      resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t``, token by token. q, k (B, H, T, K)
     (feature-mapped, unscaled), v (B, H, T, V), log_decay (B, H, T) g_t <= 0 or None, initial_state
-    (B, H, K, V) or None -> o (B, H, T, V) in v's dtype, S_T (B, H, K, V) fp32 (fp64 for fp64)."""
+    (B, H, K, V) or None, resets (B, T) bool (S_{t-1} = 0 at a document start) -> o (B, H, T, V) in
+    v's dtype, S_T (B, H, K, V) fp32 (fp64 for fp64)."""
     dt = compute_dtype(v)
     b, h, t, dk = k.shape
     state = (torch.zeros(b, h, dk, v.shape[-1], dtype=dt, device=v.device) if initial_state is None
              else initial_state.to(dt))
     outs = []
     for i in range(t):
+        if resets is not None:
+            state = state * (~resets[:, i]).to(dt)[:, None, None, None]
         if log_decay is not None:
             state = state * log_decay[:, :, i, None, None].to(dt).exp()
         state = state + k[:, :, i, :, None].to(dt) * v[:, :, i, None, :].to(dt)  # (B, H, K, V)

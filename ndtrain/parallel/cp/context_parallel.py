@@ -12,6 +12,8 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.mixer_spec import non_softmax_mixers
+from ndtrain.model.documents import document_positions
+from ndtrain.parallel import comm
 from ndtrain.parallel.cp.ring import ring_attention
 from ndtrain.parallel.cp.rules import CONTIGUOUS_MIXERS
 from ndtrain.parallel.cp.state_passing import StatePasser
@@ -69,10 +71,15 @@ def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> t
     return full
 
 
-def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, layout: str):
-    """(B, T) inputs / shifted labels -> this rank's (B, T/cp) inputs, labels, and (T/cp,) RoPE positions."""
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, layout: str,
+                documents: torch.Tensor | None = None):
+    """(B, T) inputs / shifted labels / documents -> this rank's (B, T/cp) inputs, labels, RoPE
+    positions ((T/cp,), or (B, T/cp) restarting per document) and documents (None without)."""
     pos = local_positions(inputs.shape[1], group.size, group.rank, layout, inputs.device)
-    return inputs.index_select(1, pos), labels.index_select(1, pos), pos
+    cut = (inputs.index_select(1, pos), labels.index_select(1, pos))
+    if documents is None:
+        return cut + (pos, None)
+    return cut + (document_positions(documents).index_select(1, pos), documents.index_select(1, pos))
 
 
 def _install_core(att: nn.Module, core: nn.Module) -> None:
@@ -86,13 +93,13 @@ def _install_core(att: nn.Module, core: nn.Module) -> None:
 
 class RingAttention(nn.Module):
     """``Attention.core`` replacement: ring attention over ``group``. q (B, H, T/cp, D), k / v
-    (B, G, T/cp, D) in ``layout`` -> (B, H, T/cp, D). ``documents``: optional (B, T) ids of the full
-    batch (packed sequences), set before the forward. No parameters."""
+    (B, G, T/cp, D) in ``layout`` -> (B, H, T/cp, D). ``documents``: optional (B, T/cp) ids of this
+    rank's tokens (packed sequences); every rank's are all-gathered (B T/cp int64 per rank and
+    layer). No parameters."""
 
     def __init__(self, group: AxisGroup, layout: str, causal: bool = True):
         super().__init__()
         self.group, self.layout, self.causal = group, layout, causal
-        self.documents: torch.Tensor | None = None
         self._pos: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def positions(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +110,13 @@ class RingAttention(nn.Module):
             self._pos[key] = (kv[self.group.rank], kv)
         return self._pos[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         q_pos, kv_pos = self.positions(q.shape[2], q.device)
         q_doc = kv_doc = None
-        if self.documents is not None:
-            n = self.group.size
-            kv_doc = torch.stack([shard_sequence(self.documents, n, i, self.layout) for i in range(n)])
-            q_doc = kv_doc[self.group.rank]  # (B, Tl); kv_doc (cp, B, Tl)
+        if documents is not None:
+            q_doc = documents.to(torch.int64)  # (B, Tl)
+            kv_doc = comm.gather_dim(q_doc[None], 0, self.group)  # (cp, B, Tl), rank order as kv_pos
         return ring_attention(q, k, v, self.group, q_pos, kv_pos, self.causal, q_doc, kv_doc)
 
     def extra_repr(self) -> str:
@@ -124,8 +131,11 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.group, self.inner = group, inner
 
-    def forward(self, q, k, v):
-        return ulysses_attention(q, k, v, self.group, self.inner)
+    def forward(self, q, k, v, documents=None):
+        if documents is None:
+            return ulysses_attention(q, k, v, self.group, self.inner)
+        full = comm.gather_dim(documents.to(torch.int64), 1, self.group)  # (B, T): contiguous layout
+        return ulysses_attention(q, k, v, self.group, lambda q_, k_, v_: self.inner(q_, k_, v_, documents=full))
 
     def extra_repr(self) -> str:
         return f"cp={self.group.size}, all-to-all sequence <-> heads"

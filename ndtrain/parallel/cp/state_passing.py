@@ -15,7 +15,7 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.parallel import comm
-from ndtrain.parallel.cp.window import shift_from_prev
+from ndtrain.parallel.cp.window import prev_documents, shift_from_prev
 
 
 class GatherStates(torch.autograd.Function):
@@ -49,7 +49,9 @@ class StatePasser(nn.Module):
 
     ``conv_state(x (B, T, Ch), width)`` -> (B, width-1, Ch), the previous rank's last inputs (zeros on
     rank 0; None for width 1); raises ValueError when T < width - 1. ``scan(run, q, k, v, log_decay,
-    delta)`` -> (o (B, H, T, V), final state (B, H, K, V)), ``run`` the mixer's own sequence op."""
+    delta, resets)`` -> (o (B, H, T, V), final state (B, H, K, V)), ``run`` the mixer's own sequence op
+    (honouring ``resets`` (B, T) document starts itself). ``prev_documents(documents, n)`` -> (B, n)
+    the previous rank's last document ids (-1 on rank 0)."""
 
     def __init__(self, group: AxisGroup):
         super().__init__()
@@ -63,8 +65,14 @@ class StatePasser(nn.Module):
                              f"short convolution's {width - 1} of context")
         return shift_from_prev(x[:, x.shape[1] - (width - 1):], self.group)
 
+    def prev_documents(self, documents: torch.Tensor, n: int) -> torch.Tensor:
+        if documents.shape[1] < n:
+            raise ValueError(f"context parallel: a cp rank holds {documents.shape[1]} tokens, fewer than "
+                             f"the short convolution's {n} of context")
+        return prev_documents(documents, n, self.group)
+
     def scan(self, run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             log_decay: torch.Tensor | None = None, delta: bool = False):
+             log_decay: torch.Tensor | None = None, delta: bool = False, resets: torch.Tensor | None = None):
         if delta:
             qa, o0, a_r, b_r = _delta_run(run, q, k, v)
         else:
@@ -72,6 +80,10 @@ class StatePasser(nn.Module):
             g = (torch.zeros(q.shape[:3], dtype=b_r.dtype, device=q.device) if log_decay is None
                  else log_decay.to(b_r.dtype).cumsum(-1))  # (B, H, T) cumulative log decay
             qa, a_r = q.to(b_r.dtype) * g.exp()[..., None], g[..., -1]  # (B, H, T, K), (B, H)
+            if resets is not None:  # after a document start nothing of S_in is seen or carried
+                seen = resets.cumsum(-1) > 0  # (B, T)
+                qa = qa.masked_fill(seen[:, None, :, None], 0.0)
+                a_r = a_r.masked_fill(seen[:, -1:], float("-inf"))
         kk, vv = b_r.shape[-2:]
         a_flat = a_r.flatten(2) if delta else a_r[..., None]  # (B, H, K K) or (B, H, 1)
         na = a_flat.shape[-1]

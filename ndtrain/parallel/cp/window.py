@@ -58,6 +58,16 @@ def shift_from_prev(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return ShiftFromPrev.apply(x, group)
 
 
+def prev_documents(documents: torch.Tensor, n: int, group: AxisGroup) -> torch.Tensor:
+    """(B, T) this rank's document ids -> (B, n) the previous rank's last n (-1 on rank 0: no
+    document precedes the sequence). No gradient; n B int64 bytes each way."""
+    tail = documents[:, documents.shape[1] - n:].to(torch.int64)
+    if group.pg is None:
+        return torch.full_like(tail, -1)
+    got = _shift(tail, group, 1)
+    return got if group.rank else torch.full_like(tail, -1)
+
+
 class WindowContextParallel(nn.Module):
     """``SlidingWindowAttention.core`` replacement: q (B, H, T/cp, D), k / v (B, G, T/cp, D) ->
     (B, H, T/cp, D), also attending to the previous rank's last ``window - 1`` keys. Raises
@@ -67,7 +77,8 @@ class WindowContextParallel(nn.Module):
         super().__init__()
         self.group, self.window = group, window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         n = self.window - 1
         if n == 0:  # a window of one key: the token itself
             return window_attention(q, k, v, self.window)
@@ -76,7 +87,9 @@ class WindowContextParallel(nn.Module):
                              f"tokens, fewer than the window's {n} of context (swa_window - 1)")
         tail = torch.stack([k[:, :, -n:], v[:, :, -n:]])  # (2, B, G, w-1, D)
         prev = shift_from_prev(tail, self.group)
-        return window_attention(q, k, v, self.window, kv_prev=prev, prev_len=n if self.group.rank else 0)
+        prev_docs = None if documents is None else prev_documents(documents, n, self.group)  # (B, w-1)
+        return window_attention(q, k, v, self.window, kv_prev=prev, prev_len=n if self.group.rank else 0,
+                                documents=documents, prev_documents=prev_docs)
 
     def extra_repr(self) -> str:
         return f"cp={self.group.size}, window={self.window}, K/V: last {self.window - 1} from the previous rank"

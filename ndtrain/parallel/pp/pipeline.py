@@ -127,14 +127,14 @@ class StagePipeline:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denom: float,
                          positions: torch.Tensor | None = None, extra_loss=None,
-                         loss_scale: float = 1.0) -> torch.Tensor:
+                         loss_scale: float = 1.0, documents: torch.Tensor | None = None) -> torch.Tensor:
         """All microbatches forward and backward; dp-reduced, tied-summed gradients in ``.grad``.
         inputs, labels: (B_local, T). Each backpropagates ``(loss_fn(logits, labels_mb) / denom +
         extra_loss(labels_mb)) * loss_scale``. Returns the local summed token loss (float64, every pp
         rank)."""
         extra = None if extra_loss is None else self._stage_extra(extra_loss)
         loss_sum = self.runtime.run(inputs, labels, self.m, denom, positions, train=True,
-                                    extra_loss=extra, loss_scale=loss_scale)
+                                    extra_loss=extra, loss_scale=loss_scale, documents=documents)
         sync_tied_grads(self.model, self.dp, self.tied_group)
         return loss_sum
 
@@ -152,6 +152,7 @@ class StagePipeline:
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward-only pass of a local batch; the summed token loss on every pp rank."""
-        return self.runtime.run(inputs, labels, min(self.m, inputs.shape[0]), 1.0, positions, train=False)
+        return self.runtime.run(inputs, labels, min(self.m, inputs.shape[0]), 1.0, positions, train=False,
+                                documents=documents)

@@ -39,7 +39,7 @@ class _Step:
     xs: tuple
     ys: tuple
     denom: float
-    positions: torch.Tensor | None
+    positions: tuple  # per microbatch: (T,) shared, or (B_mb, T) rows; Nones without
     train: bool
     extra_loss: Callable | None
     loss_scale: float
@@ -50,6 +50,7 @@ class _Step:
     saved: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     index: int = 0
+    documents: tuple = ()  # per microbatch (B_mb, T) packed document ids; () without
 
 
 class PipelineRuntime:
@@ -106,18 +107,23 @@ class PipelineRuntime:
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, m: int, denom: float = 1.0,
             positions: torch.Tensor | None = None, train: bool = True,
             extra_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            loss_scale: float = 1.0) -> torch.Tensor:
+            loss_scale: float = 1.0, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Run all m microbatches (forward and backward when ``train``); inputs, labels: (B_local, T).
 
         The last stage backpropagates ``(loss_fn(logits, labels_mb) / denom + extra_loss(labels_mb)) *
         loss_scale``, the others their own ``extra_loss * loss_scale`` with the received gradient. Returns
         the summed token loss (float64 0-d, all-reduced over pp); ``.grad`` holds the synced gradients.
-        Raises ValueError unless 1 <= m <= B_local; TimeoutError if a message does not arrive."""
+        ``documents`` (B_local, T) and (B_local, T) ``positions`` are split like the rows and reach every
+        stage (every chunk's forward). Raises ValueError unless 1 <= m <= B_local; TimeoutError if a
+        message does not arrive."""
         if m < 1 or m > inputs.shape[0]:
             raise ValueError(f"microbatches m ({m}) must be in 1..local batch ({inputs.shape[0]})")
         s = self.schedule(m, None if train else "forward_only")
-        st = self._step = _Step(s, inputs.tensor_split(m), labels.tensor_split(m), denom, positions,
-                                train, extra_loss, loss_scale, self._start_receiver(s))
+        rows = positions is not None and positions.dim() == 2  # per-row positions (packed documents)
+        per_mb = positions.tensor_split(m) if rows else (positions,) * m
+        st = self._step = _Step(s, inputs.tensor_split(m), labels.tensor_split(m), denom, per_mb,
+                                train, extra_loss, loss_scale, self._start_receiver(s),
+                                documents=() if documents is None else documents.tensor_split(m))
         acts, obs = s.actions[self.rank], self.observers
         grad_kind = "W" if s.split_backward else "B"
         st.last_grad = max((i for i, a in enumerate(acts) if a.kind == grad_kind), default=-1)
@@ -237,7 +243,11 @@ class PipelineRuntime:
         x = st.xs[a.mb] if stage == 0 else inp.requires_grad_(st.train and inp.is_floating_point())
         self._capture = [] if (st.train and s.split_backward) else None
         with self.forward_ctx():
-            out = self.chunks[a.chunk](x) if st.positions is None else self.chunks[a.chunk](x, st.positions)
+            pos, chunk = st.positions[a.mb], self.chunks[a.chunk]
+            if st.documents:
+                out = chunk(x, pos, documents=st.documents[a.mb])
+            else:
+                out = chunk(x) if pos is None else chunk(x, pos)
         captured, self._capture = self._capture, None
         extra = None
         if stage == s.n_stages - 1:
