@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import deque
 
 import torch
@@ -95,6 +96,61 @@ def _reading_zero(reads: HostReads, fn):
         with reads.as_value(0.0):
             return fn(*args, **kwargs)
     return wrapped
+
+
+def _empty_in_thread(shape, dtype, device):
+    """A fake ``torch.empty`` made in another thread, as a real step's receiver thread makes it:
+    outside the main thread's dispatch modes (the memory tracker sees it only once used). The
+    main thread waits, so the fake mode is never used by two threads at once."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    out = []
+
+    def make():
+        with mode:
+            out.append(torch.empty(shape, dtype=dtype, device=device))
+    th = threading.Thread(target=make)
+    th.start()
+    th.join()
+    return out[0]
+
+
+def _inline_receiver(header):
+    """``pp.p2p.Receiver`` in the fake world: no threads (``FakeTensorMode`` is not thread-safe, and
+    a fake peer has always sent); each message is received in the main thread when taken, as a
+    fake tensor of ``header(msg_tag)`` = (shape, dtype), what the peer would have announced; the
+    ones never taken at ``join``. The same receives (header, then tensor) as a real step; the
+    buffer made as a receiver thread makes it (``_empty_in_thread``)."""
+    from ndtrain.parallel.pp import p2p
+
+    class InlineReceiver(p2p.Receiver):
+        def start(self, peer: int, keys) -> None:
+            self.pending = getattr(self, "pending", {})
+            self.pending.update({key: (peer, msg_tag) for key, msg_tag in keys})
+
+        def take(self, key):
+            peer, msg_tag = self.pending.pop(key)
+            p2p.recv_async(torch.empty(p2p._META_LEN, dtype=torch.int64), self.group, peer, msg_tag).wait()
+            buf = _empty_in_thread(*header(msg_tag), self.device)
+            p2p.recv_async(buf, self.group, peer, msg_tag + 1).wait()
+            return buf
+
+        def join(self) -> None:
+            for key in list(getattr(self, "pending", {})):
+                self.take(key)
+    return InlineReceiver
+
+
+@contextlib.contextmanager
+def fake_pipeline_messages(header):
+    """Within ``fake_tensors``: pipeline messages received inline, shaped by ``header``."""
+    from ndtrain.parallel.pp import runtime
+
+    saved = runtime.Receiver
+    runtime.Receiver = _inline_receiver(header)
+    try:
+        yield
+    finally:
+        runtime.Receiver = saved
 
 
 @contextlib.contextmanager

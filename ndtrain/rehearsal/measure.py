@@ -20,6 +20,11 @@ CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "o
 RECORD_ALL = 10**7  # flight-recorder entries kept: every collective of a step
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 def _tracker(trainer):
     """A ``MemTracker`` that knows the trainer's model, optimizer and ndtrain's own state tensors
     (ZeRO / FSDP shards and flat buffers are not module parameters): each by its category."""
@@ -27,7 +32,15 @@ def _tracker(trainer):
 
     class StepTracker(MemTracker):
         """Allows a root module's forward once per microbatch (MemTracker refuses a second call of
-        a root module, taking it for the next iteration); its per-module stats restart then."""
+        a root module, taking it for the next iteration); its per-module stats restart then. A
+        parameter that is not a leaf (a tensor-parallel view) gets no gradient hooks: autograd
+        refuses them, and its gradient flows to the leaf it views."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for prm in module.parameters():
+                if not prm.is_leaf and self._param_to_grad_hook_handles.get(prm) is None:
+                    self._param_to_grad_hook_handles[prm] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _pre_fw_hook(self, module, inputs):
             name = self._mod_tracker.get_known_fqn(module)

@@ -27,12 +27,33 @@ def batch_reads(cfg, trainer) -> list[float]:
     return [float(local), float(cfg.training.global_batch_size * t), float(b * group.size), float(b * b * group.size)]
 
 
+def pipeline_header(cfg, trainer):
+    """(shape, dtype) of the pipeline message with header tag ``tag`` (``pp.p2p.tag``): every stage
+    boundary carries the residual stream, (rows of its microbatch, T / cp [/ tp under sequence
+    parallel], dim), in the parameter dtype (what the real peers send: the bf16 autocast runs send
+    float32 too)."""
+    from ndtrain.parallel.parallelize import param_dtype
+    from ndtrain.parallel.pp.stage import plan_stage
+
+    d, p = trainer.mesh.dims, cfg.parallel
+    info = plan_stage(cfg, 0)
+    n_stages = info.p * info.v
+    b = cfg.training.global_batch_size // d.dp
+    t = cfg.data.seq_len // d.cp // (d.tp if p.sequence_parallel else 1)
+
+    def header(tag: int):
+        mb, m = (tag // 4) // n_stages, trainer.pipeline.m
+        rows = b // m + (1 if mb < b % m else 0)  # tensor_split's chunks
+        return (rows, t, cfg.model.dim), param_dtype(cfg)
+    return header
+
+
 def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
     """Build ``Trainer(cfg)`` as global ``rank`` of ``world`` in the fake world and measure a step
-    after ``warmup`` steps. Raises RuntimeError if the step's host reads did not consume the
+    after ``warmup`` steps. Raises RuntimeError if a step's host reads did not consume the
     queued batch-agreement values (the trainer's path changed under the rehearsal)."""
     from ndtrain.mesh import ParallelDims
-    from ndtrain.rehearsal.fake import fake_process_group, fake_tensors
+    from ndtrain.rehearsal.fake import fake_pipeline_messages, fake_process_group, fake_tensors
     from ndtrain.rehearsal.measure import measure_step
     from ndtrain.train.trainer import Trainer
 
@@ -45,16 +66,20 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
             x = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
 
             def before_step():
-                if reads.queue:
-                    raise RuntimeError(f"{len(reads.queue)} queued host reads were not consumed by the step")
+                _check_consumed(reads)
                 reads.expect(batch_reads(cfg, trainer))
-            out = measure_step(trainer, x, x, warmup, before_step)
-            if reads.queue:
-                raise RuntimeError(f"{len(reads.queue)} queued host reads were not consumed by the step")
+            with fake_pipeline_messages(pipeline_header(cfg, trainer)):
+                out = measure_step(trainer, x, x, warmup, before_step)
+            _check_consumed(reads)
             out["host_reads"] = reads.reads
     out["wall_s"] = time.perf_counter() - t0
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _check_consumed(reads) -> None:
+    if reads.queue:
+        raise RuntimeError(f"{len(reads.queue)} queued host reads were not consumed by the step")
 
 
 def main(argv: list[str]) -> int:
