@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ndtrain.cli import after as cli_after  # generate / eval / convert
 
     cli_after.add_parsers(sub)
+    from ndtrain.rehearsal.command import add_parser as add_rehearse_parser  # ndtrain rehearse
+
+    add_rehearse_parser(sub)
     return parser
 
 
@@ -134,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
             with job_clock():
                 return _train(args, extra, parser.train_flags)
+        if args.command == "rehearse":  # extra args: --section.key=value overrides
+            from ndtrain.rehearsal.command import run_rehearse
+
+            return run_rehearse(args, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "config":
