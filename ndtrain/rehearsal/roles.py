@@ -28,6 +28,17 @@ class Role:
     mtp: bool = False
 
 
+def _ranges(ids: list[str]) -> str:
+    """Block ids compactly: ["0", "1", "2", "5"] -> "0-2,5"; "-" for none."""
+    out, nums = [], [int(i) for i in ids]
+    for n in nums:
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out) or "-"
+
+
 def rank_roles(cfg: Config, world: int) -> list[Role]:
     """One ``Role`` per pipeline stage of ``cfg`` on ``world`` ranks (pp outermost in the mesh, so
     stage s's ranks are s * world / pp ...). ``cfg`` must be valid for ``world``."""
@@ -42,7 +53,7 @@ def rank_roles(cfg: Config, world: int) -> list[Role]:
     for s in range(p):
         info = plan_stage(cfg, s)
         layers = [i for c in info.chunks for i in c]
-        parts = [f"blocks {','.join(layers) or '-'}"]
+        parts = [f"blocks {_ranges(layers)}"]
         parts += ["embedding"] if info.first else []
         parts += ["head"] if info.last else []
         parts += ["mtp"] if info.last and info.mtp else []
