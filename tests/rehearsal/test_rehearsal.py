@@ -69,3 +69,14 @@ def test_roles_of_a_pipeline():
     assert [(r.name, r.rank, r.ranks_alike, r.layers, r.embedding, r.head) for r in roles] == [
         ("stage 0: blocks 0-1 + embedding", 0, 4, ["0", "1"], True, False),
         ("stage 1: blocks 2-3 + head", 4, 4, ["2", "3"], False, True)]
+
+
+def test_rehearse_rejects_a_bad_layout_before_any_process(capsys):
+    """Exit 2 with the rule's one line; no worker starts (a worker would take seconds and fail)."""
+    from ndtrain.cli.commands import main
+
+    assert main(["rehearse", "--config", "debug", "--gpus", "3", "--parallel.tp=2"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "ndtrain: invalid config: world_size (3) is not divisible by pp*dp_replicate*cp*tp (2)"
+    assert main(["rehearse", "--config", "debug", "--gpus", "2", "--hardware", "Z9000"]) == 2
+    assert capsys.readouterr().err.strip().startswith("ndtrain: invalid config: unknown hardware 'Z9000'; known: H100")
