@@ -13,8 +13,8 @@ def _mib(b: float) -> str:
 def format_report(res: dict) -> str:
     """Plain-text table of ``run.rehearse``'s result (MiB)."""
     hw = res["hardware"]
-    lines = [f"rehearsal of {res['preset']} on {res['world']} x {hw['name']} "
-             f"({_mib(hw['memory_bytes'])} MiB each): {res['layout']}",
+    lines = [(f"rehearsal of {res['preset']} on {res['world']} x {hw['name']} "
+              f"({_mib(hw['memory_bytes'])} MiB each): {res['layout']}"),
              "peak tensor memory at the peak moment, MiB (allocator overhead not included)"]
     head = ["role", "ranks"] + [c[:11] for c in _MEM] + ["total", "planner", "fits", "wall s", "host MiB"]
     rows = []
@@ -37,5 +37,5 @@ def format_report(res: dict) -> str:
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+    fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))
     return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]

@@ -60,7 +60,7 @@ def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int =
                                    "rank": role.rank, "warmup": warmup}))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.run([sys.executable, "-m", "ndtrain.rehearsal.worker", str(job), str(out)],
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
+                              check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode != 0 or not out.exists():
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
             last = lines[-1].replace("[rank0]: ", "") if lines else f"exit code {proc.returncode}"

@@ -13,6 +13,7 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,11 +86,10 @@ def _check_consumed(reads) -> None:
 def main(argv: list[str]) -> int:
     from ndtrain.config import load_config
 
-    job = json.loads(open(argv[0]).read())
+    job = json.loads(Path(argv[0]).read_text())
     cfg = load_config(job["preset"], job.get("overrides") or {}, world_size=job["world"])
     out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1))
-    with open(argv[1], "w") as f:
-        json.dump(out, f)
+    Path(argv[1]).write_text(json.dumps(out))
     return 0
 
 
