@@ -80,3 +80,7 @@ def test_rehearse_rejects_a_bad_layout_before_any_process(capsys):
         "ndtrain: invalid config: world_size (3) is not divisible by pp*dp_replicate*cp*tp (2)"
     assert main(["rehearse", "--config", "debug", "--gpus", "2", "--hardware", "Z9000"]) == 2
     assert capsys.readouterr().err.strip().startswith("ndtrain: invalid config: unknown hardware 'Z9000'; known: H100")
+    assert main(["rehearse", "--config", "moe_debug", "--gpus", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ndtrain: invalid config: rehearse: MoE models are not rehearsed yet (expert routing counts are not "
+        "modelled, so the all-to-all sizes would be wrong)")
