@@ -30,7 +30,7 @@ _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.defaul
 
 class HostReads(TorchDispatchMode):
     """Answers host reads: a real tensor's or a fake constant's own value; else (a fake value,
-    counted in ``reads``) the next ``expect``-ed value if any, else ``fill`` (within ``as_value``)
+    counted in ``reads``) the next ``expect``-ed value if it is of the read's dtype, else ``fill`` (within ``as_value``)
     or 1 / 1.0 / True by dtype."""
 
     def __init__(self):
@@ -40,6 +40,8 @@ class HostReads(TorchDispatchMode):
         self.reads = 0
 
     def expect(self, values) -> None:
+        """Queue ``(dtype, value)`` pairs: the next reads of a fake tensor of that dtype, in order,
+        get these values (reads of other dtypes in between, e.g. a mask's ``any()``, do not)."""
         self.queue.extend(values)
 
     @contextlib.contextmanager
@@ -59,8 +61,8 @@ class HostReads(TorchDispatchMode):
                 return (t if t.constant is None else t.constant).item() if isinstance(t, FakeTensor) else t.item()
         self.reads += 1
         dt = t.dtype
-        if self.queue:
-            v = self.queue.popleft()
+        if self.queue and self.queue[0][0] == dt:
+            v = self.queue.popleft()[1]
         elif self.fill is not None:
             v = self.fill
         else:

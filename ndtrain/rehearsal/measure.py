@@ -28,13 +28,23 @@ class _NoHook:
 def _tracker(trainer):
     """A ``MemTracker`` that knows the trainer's model, optimizer and ndtrain's own state tensors
     (ZeRO / FSDP shards and flat buffers are not module parameters): each by its category."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class StepTracker(MemTracker):
         """Allows a root module's forward once per microbatch (MemTracker refuses a second call of
-        a root module, taking it for the next iteration); its per-module stats restart then. A
+        a root module, taking it for the next iteration); its per-module stats restart then;
+        per-module peaks are not kept (``_update_peak_stats``). A
         parameter that is not a leaf (a tensor-parallel view) gets no gradient hooks: autograd
         refuses them, and its gradient flows to the leaf it views."""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            """The global peak only: MemTracker's per-module peaks copy the snapshot of every
+            enclosing module at each new peak (most operators of a forward), the rehearsal's
+            bottleneck at full size, and are not reported."""
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for prm in module.parameters():

@@ -18,14 +18,16 @@ from pathlib import Path
 import torch
 
 
-def batch_reads(cfg, trainer) -> list[float]:
+def batch_reads(cfg, trainer) -> list[tuple]:
     """The host reads of the batch agreement on a real step (``Trainer._agree_on_batch``): this
     rank's valid labels, then what its all-reduce holds: valid labels of the global batch (every label is valid: the rehearsal's batch is all token 0),
     the sum of local batch sizes and of their squares over the loss group."""
     group, d = trainer.mesh.group(trainer.loss_group), trainer.mesh.dims
     b, t = cfg.training.global_batch_size // d.dp, cfg.data.seq_len
     local = b * t // d.cp  # this rank's valid labels (its cp share of each sequence)
-    return [float(local), float(cfg.training.global_batch_size * t), float(b * group.size), float(b * b * group.size)]
+    f64 = torch.float64
+    return [(torch.int64, local), (f64, cfg.training.global_batch_size * t), (f64, b * group.size),
+            (f64, b * b * group.size)]
 
 
 def pipeline_header(cfg, trainer):
