@@ -84,3 +84,36 @@ def test_rehearse_rejects_a_bad_layout_before_any_process(capsys):
     assert capsys.readouterr().err.strip() == (
         "ndtrain: invalid config: rehearse: MoE models are not rehearsed yet (expert routing counts are not "
         "modelled, so the all-to-all sizes would be wrong)")
+
+
+def test_storage_bytes_of_fake_tensors():
+    """Fake tensors have no data pointer: each storage still counts once, views with it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ndtrain.mem_account import storage_bytes
+
+    with FakeTensorMode():
+        a, b = torch.empty(10, dtype=torch.float64), torch.empty(3, dtype=torch.float32)
+        assert storage_bytes([a, a[2:5], a.view(2, 5), b, None]) == 80 + 12
+
+
+def test_host_reads_answer_real_values_queued_values_by_dtype_and_stand_ins():
+    import torch
+
+    from ndtrain.rehearsal.fake import fake_tensors
+
+    real = torch.arange(3)
+    with fake_tensors() as reads:
+        assert real.tolist() == [0, 1, 2]  # a real tensor read directly: its own values
+        assert real[2].item() == 1  # ... but an op on it makes a fake: a stand-in (why pp reads lists)
+        x = torch.empty(4)
+        reads.expect([(torch.int64, 7), (torch.float64, 2.5)])
+        assert bool(x.sum() > 0) is True  # a bool read between: stand-in, queue untouched
+        assert int(torch.empty(3, dtype=torch.int64).sum()) == 7
+        assert float(torch.empty((), dtype=torch.float64)) == 2.5
+        assert float(x.sum()) == 1.0 and not reads.queue
+        assert torch.tensor(3.5).item() == 3.5  # a fake constant: its own value
+        with reads.as_value(0.0):
+            assert float(x.max()) == 0.0
+        assert reads.reads == 6

@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # annotations only: the config package validates with paralle
     from ndtrain.config import Config
 
 
+def _flat(x) -> list:
+    return [v for e in x for v in _flat(e)] if isinstance(x, list) else [x]
+
+
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     """The 2-rank group {pp 0, pp p-1} when this rank holds one end of a shared embedding, else None.
     Collective: every rank of the world must call it (``new_group``)."""
@@ -35,8 +39,10 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     pp = mesh.group("pp")
     if p == 2:
         return pp
-    ranks = mesh.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
-    firsts, lasts = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+    # (pp, dp_replicate, dp_shard, cp, tp) global ranks, read as nested lists: no tensor op, so
+    # also right under the rehearsal's fake tensors
+    rows = mesh.device_mesh.mesh.tolist()
+    firsts, lasts = _flat(rows[0]), _flat(rows[-1])
     mine = None
     me = dist.get_rank()
     for a, b in zip(firsts, lasts):  # same order on every rank
