@@ -57,7 +57,8 @@ def test_rehearsal_equals_real_run_pp2_dp2_zero3():
     (8, {"parallel.pp": 2, "parallel.tp": 2, "parallel.zero_stage": 3}),
     (4, {"parallel.cp": 2, "parallel.tp": 2}),
     (4, {"parallel.tp": 2, "parallel.sequence_parallel": True, "training.dtype": "bfloat16", "parallel.pp": 2}),
-], ids=["dp2_tp2", "pp2_tp2_dp2_zero3", "cp2_tp2", "pp2_tp2_sp_bf16"])
+    (4, {"parallel.pp": 4, "model.n_layers": 4, "model.tie_embeddings": True}),
+], ids=["dp2_tp2", "pp2_tp2_dp2_zero3", "cp2_tp2", "pp2_tp2_sp_bf16", "pp4_tied"])
 def test_rehearsal_equals_real_run(world, overrides):
     _check(world, "debug", overrides)
 
@@ -106,7 +107,7 @@ def test_host_reads_answer_real_values_queued_values_by_dtype_and_stand_ins():
     real = torch.arange(3)
     with fake_tensors() as reads:
         assert real.tolist() == [0, 1, 2]  # a real tensor read directly: its own values
-        assert real[2].item() == 1  # ... but an op on it makes a fake: a stand-in (why pp reads lists)
+        assert real[2].item() == 1  # ... but an op on it makes a fake: a stand-in
         x = torch.empty(4)
         reads.expect([(torch.int64, 7), (torch.float64, 2.5)])
         assert bool(x.sum() > 0) is True  # a bool read between: stand-in, queue untouched

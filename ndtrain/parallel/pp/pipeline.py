@@ -25,10 +25,6 @@ if TYPE_CHECKING:  # annotations only: the config package validates with paralle
     from ndtrain.config import Config
 
 
-def _flat(x) -> list:
-    return [v for e in x for v in _flat(e)] if isinstance(x, list) else [x]
-
-
 def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     """The 2-rank group {pp 0, pp p-1} when this rank holds one end of a shared embedding, else None.
     Collective: every rank of the world must call it (``new_group``)."""
@@ -39,10 +35,10 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     pp = mesh.group("pp")
     if p == 2:
         return pp
-    # (pp, dp_replicate, dp_shard, cp, tp) global ranks, read as nested lists: no tensor op, so
-    # also right under the rehearsal's fake tensors
-    rows = mesh.device_mesh.mesh.tolist()
-    firsts, lasts = _flat(rows[0]), _flat(rows[-1])
+    # the mesh is row-major over (pp, dp_replicate, dp_shard, cp, tp): stage s holds ranks
+    # s*n .. s*n + n-1; arithmetic, not the mesh tensor, so also right under the rehearsal's fakes
+    n = mesh.dims.world_size // p
+    firsts, lasts = list(range(n)), list(range((p - 1) * n, p * n))
     mine = None
     me = dist.get_rank()
     for a, b in zip(firsts, lasts):  # same order on every rank
