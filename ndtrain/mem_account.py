@@ -16,6 +16,7 @@ import contextlib
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -29,7 +30,8 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         st = t.untyped_storage()
-        key = (st.data_ptr(), t.device)
+        # a fake tensor (the rehearsal) has no data pointer: its storage object is the identity
+        key = (st._cdata if isinstance(t, FakeTensor) else st.data_ptr(), t.device)
         if st.nbytes() and key not in seen:
             seen.add(key)
             total += st.nbytes()

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ndtrain.cli import data as cli_data  # data prepare
 
     cli_data.add_parser(sub)
+    from ndtrain.rehearsal.command import add_parser as add_rehearse_parser  # ndtrain rehearse
+
+    add_rehearse_parser(sub)
     return parser
 
 
@@ -137,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
             with job_clock():
                 return _train(args, extra, parser.train_flags)
+        if args.command == "rehearse":  # extra args: --section.key=value overrides
+            from ndtrain.rehearsal.command import run_rehearse
+
+            return run_rehearse(args, extra)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "config":

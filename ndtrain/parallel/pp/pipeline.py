@@ -35,8 +35,10 @@ def build_tied_group(mesh: Mesh, cfg: Config) -> AxisGroup | None:
     pp = mesh.group("pp")
     if p == 2:
         return pp
-    ranks = mesh.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
-    firsts, lasts = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+    # the mesh is row-major over (pp, dp_replicate, dp_shard, cp, tp): stage s holds ranks
+    # s*n .. s*n + n-1; arithmetic, not the mesh tensor, so also right under the rehearsal's fakes
+    n = mesh.dims.world_size // p
+    firsts, lasts = list(range(n)), list(range((p - 1) * n, p * n))
     mine = None
     me = dist.get_rank()
     for a, b in zip(firsts, lasts):  # same order on every rank

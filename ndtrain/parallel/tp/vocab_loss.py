@@ -34,8 +34,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
         x = logits.to(cdt)  # (N, Vl)
         vl = x.shape[-1]
-        pad = vocab_start + torch.arange(vl, device=x.device) >= vocab_size  # (Vl,) padded rows
-        if pad.any():
+        if vocab_start + vl > vocab_size:  # padded rows here (decided on the host: no device sync)
+            pad = vocab_start + torch.arange(vl, device=x.device) >= vocab_size  # (Vl,)
             x = x.masked_fill(pad, float("-inf"))
         m = x.max(dim=-1).values  # (N,); a rank holding only padding gives -inf here
         comm.all_reduce(m, group, op=dist.ReduceOp.MAX)

@@ -1,0 +1,60 @@
+"""How long a full-size rehearsal takes on this machine, and how much host memory each role needs.
+
+    python bench/rehearsal_speed.py                                   # llama3_8b, tp8 on 8 GPUs
+    python bench/rehearsal_speed.py --config llama3_70b --gpus 64 --set parallel.tp=8 --set parallel.pp=8
+
+Runs ``ndtrain.rehearsal.run.rehearse`` (each role in its own worker process, one after the other)
+and records per role: wall seconds (build + warm-up step + measured step), peak host resident
+memory of the worker (bytes), the measured step's seconds, and the rehearsed peak tensor memory
+(bytes, total and by category). Writes ``bench/results/rehearsal_speed.json`` (one entry per
+configuration, merged into the file)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="llama3_8b")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--hardware", default="H100")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override (repeatable); default for llama3_8b: parallel.tp=8, 8 sequences")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rehearsal_speed.json"))
+    args = ap.parse_args()
+    from ndtrain.config import load_config
+    from ndtrain.rehearsal.run import rehearse
+    from ndtrain.tools.bench_utils import machine_info
+
+    sets = args.set or ["parallel.tp=8", "training.global_batch_size=8", "training.micro_batch_size=1"]
+    over = dict(s.split("=", 1) for s in sets)
+    cfg = load_config(args.config, over, world_size=args.gpus)
+    t0 = time.perf_counter()
+    res = rehearse(args.config, over, cfg, args.gpus, args.hardware,
+                   progress=lambda text: print(text, file=sys.stderr, flush=True))
+    entry = {"config": args.config, "overrides": over, "gpus": args.gpus, "layout": res["layout"],
+             "hardware": args.hardware, "total_wall_s": time.perf_counter() - t0, "roles": [
+                 {"role": r["role"]["name"], "rank": r["role"]["rank"], "ranks_alike": r["role"]["ranks_alike"],
+                  "wall_s": r["wall_s"], "step_s": r["step_s"], "host_peak_bytes": r["host_peak_bytes"],
+                  "peak_tensor_bytes": r["memory_peak"]["total"], "memory_peak": r["memory_peak"],
+                  "fits": r["fits"], "planner_total_bytes": r["planner"].get("total_bytes")}
+                 for r in res["roles"]]}
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    runs = [e for e in old.get("runs", []) if (e["config"], e["gpus"], e["overrides"]) !=
+            (entry["config"], entry["gpus"], entry["overrides"])] + [entry]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "runs": runs}, indent=1) + "\n")
+    print(json.dumps(entry, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

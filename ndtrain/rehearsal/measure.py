@@ -1,0 +1,112 @@
+"""One measured training step of a built trainer, the same instruments on a real rank and in the
+fake world: peak tensor memory by category at the peak moment (PyTorch's ``MemTracker``), ndtrain's
+own state accounting (``ndtrain.mem_account``), and every collective this rank issued, per mesh
+axis: count and op kinds (the flight recorder) and bytes sent (the mesh's counters, ``comm``).
+
+``measure_step`` runs ``warmup`` steps first, so the measured step holds the optimizer state Adam
+creates in its first step, as every step of a long run does."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ndtrain.mem_account import state_tensors
+from ndtrain.parallel import flight_recorder
+
+# MemTracker's categories -> the names the report uses
+CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_state",
+              "Activation": "activations", "Temp": "temporaries", "Buffer": "buffers", "Other": "other"}
+RECORD_ALL = 10**7  # flight-recorder entries kept: every collective of a step
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker(trainer):
+    """A ``MemTracker`` that knows the trainer's model, optimizer and ndtrain's own state tensors
+    (ZeRO / FSDP shards and flat buffers are not module parameters): each by its category."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class StepTracker(MemTracker):
+        """Allows a root module's forward once per microbatch (MemTracker refuses a second call of
+        a root module, taking it for the next iteration); its per-module stats restart then;
+        per-module peaks are not kept (``_update_peak_stats``). A
+        parameter that is not a leaf (a tensor-parallel view) gets no gradient hooks: autograd
+        refuses them, and its gradient flows to the leaf it views."""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            """The global peak only: MemTracker's per-module peaks copy the snapshot of every
+            enclosing module at each new peak (most operators of a forward), the rehearsal's
+            bottleneck at full size, and are not reported."""
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for prm in module.parameters():
+                if not prm.is_leaf and self._param_to_grad_hook_handles.get(prm) is None:
+                    self._param_to_grad_hook_handles[prm] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _pre_fw_hook(self, module, inputs):
+            name = self._mod_tracker.get_known_fqn(module)
+            root = set(self._mod_tracker.parents) - {name} == {"Global"}
+            if module in self.memory_tracking and root and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    mt = StepTracker()
+    mt.track_external(trainer.model, trainer.optimizer)
+    kinds = {"params": _MemRefType.PARAM, "grads": _MemRefType.GRAD, "optim": _MemRefType.OPT}
+    for cat, tensors in state_tensors(trainer.model, trainer.optimizer, trainer.dp).items():
+        for t in tensors:
+            if t is not None and cat in kinds:
+                mt._update_and_maybe_create_winfos(t, kinds[cat])  # no public API names a category
+    return mt
+
+
+def collectives(entries) -> dict[str, dict[str, int]]:
+    """Flight-recorder entries -> {axis: {op: count}}; a p2p's peer / tag dropped from its op name."""
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        op = e["op"].split("(", 1)[0]
+        ops = out.setdefault(e["axis"], {})
+        ops[op] = ops.get(op, 0) + 1
+    return out
+
+
+def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: int = 1,
+                 before_step=None) -> dict:
+    """``warmup`` unmeasured steps, then one measured ``trainer.step(inputs, labels)``.
+
+    ``before_step()`` runs before every step (the fake world queues its host reads there).
+    Returns ``memory_peak`` {category: bytes at the peak moment, "total"}, ``ndtrain_state``
+    (the step's ``mem_*`` figures), ``axis_bytes`` {axis: bytes sent}, ``collectives``
+    {axis: {op: count}} and ``step_s`` (wall seconds of the measured step)."""
+    p = trainer.cfg.parallel
+    for _ in range(warmup):
+        if before_step:
+            before_step()
+        trainer.step(inputs, labels)
+    rec = flight_recorder.configure(p.collective_timeout_s, RECORD_ALL, None)
+    trainer.mesh.reset_stats()
+    mt = _tracker(trainer)
+    if before_step:
+        before_step()
+    t0 = time.perf_counter()
+    with mt:
+        out = trainer.step(inputs, labels)
+    step_s = time.perf_counter() - t0
+    snap = mt.get_tracker_snapshot("peak")
+    dev = next(iter(snap)) if snap else None
+    peak = {CATEGORIES.get(k, k): int(v) for k, v in (snap[dev].items() if dev is not None else ())}
+    peak["total"] = peak.pop("Total", sum(peak.values()))
+    flight_recorder.configure(p.collective_timeout_s, p.flight_recorder_entries, None)
+    return {"memory_peak": peak,
+            "ndtrain_state": {k: v for k, v in out.items() if k.startswith("mem_")},
+            "axis_bytes": dict(sorted(trainer.mesh.reset_stats().items())),
+            "collectives": collectives(rec.entries), "step_s": step_s}
