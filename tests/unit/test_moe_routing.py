@@ -41,9 +41,9 @@ def test_balanced_assignment_is_uneven_only_by_the_remainder_when_e_does_not_div
 
 @pytest.mark.parametrize("cp,layout", [(2, "load_balanced"), (4, "load_balanced"), (2, "contiguous")])
 def test_balanced_assignment_on_cp_shards_equals_the_whole_sequence(cp, layout):
-    b, t, k, e = 2, 16, 2, 8
+    b, t, k, e = 2, 24, 2, 8  # chunks of 6 or 3: not multiples of the period E / k, so a shard must
     whole = balanced_assignment((b, t), k, e).view(b, t, k)
-    chunks = tuple(chunk_ids(cp, r, layout) for r in range(cp))
+    chunks = tuple(chunk_ids(cp, r, layout) for r in range(cp))  # know where its chunks start
     for r in range(cp):
         shards = SequenceShards(r, chunks, lambda x: x, lambda x: x)
         got = balanced_assignment((b, t // cp), k, e, shards).view(b, t // cp, k)
