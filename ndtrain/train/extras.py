@@ -21,7 +21,6 @@ figure is never mistaken for a real one).
 from __future__ import annotations
 
 import torch
-
 import torch.distributed as dist
 
 from ndtrain.config import Config
