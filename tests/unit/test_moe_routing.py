@@ -53,6 +53,8 @@ def test_balanced_assignment_on_cp_shards_equals_the_whole_sequence(cp, layout):
 def test_moe_routing_key_is_checked():
     with pytest.raises(ConfigError, match=r"^training.moe_routing \(even\) must be learned\|balanced$"):
         tiny_config({"training.moe_routing": "even"}, world=1, preset="moe_debug")
+    with pytest.raises(ConfigError, match=r"^training.moe_routing=balanced needs an MoE model \(model.moe_experts > 0\)$"):
+        tiny_config({"training.moe_routing": "balanced"}, world=1)  # the dense debug preset
 
 
 def _steps(routing: str) -> list[dict]:
