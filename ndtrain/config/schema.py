@@ -191,6 +191,8 @@ class TrainingConfig:
     local_sgd_steps: int = 0  # H: inner steps per outer step (0 = off: synchronous data parallel)
     outer_lr: float = 0.7  # outer SGD learning rate on the averaged parameter delta
     outer_momentum: float = 0.9  # outer Nesterov momentum (0 = plain SGD)
+    # --- MoE benchmarking (docs/moe.md, "Honest MoE figures") ---
+    moe_routing: str = "learned"  # learned (the router's top-k) | balanced (round-robin by sequence position, for benchmarks only; marked in the console and every metrics row)
 
 
 @dataclass

@@ -87,6 +87,8 @@ def _validate_training(cfg) -> None:
     _check(t.global_batch_size >= 1, f"training.global_batch_size ({t.global_batch_size}) must be >= 1")
     _check(t.micro_batch_size >= 0, f"training.micro_batch_size ({t.micro_batch_size}) must be >= 0")
     _check(t.schedule in ("cosine", "wsd", "constant"), f"training.schedule ({t.schedule}) unknown")
+    _check(t.moe_routing in ("learned", "balanced"), f"training.moe_routing ({t.moe_routing}) must be learned|balanced")
+    _check(t.moe_routing == "learned" or cfg.model.is_moe, "training.moe_routing=balanced needs an MoE model (model.moe_experts > 0)")
     _check(0.0 <= t.min_lr_ratio <= 1.0, f"training.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
     _check(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) must be >= 0")
     _check(t.lr > 0, f"training.lr ({t.lr}) must be > 0")

@@ -16,7 +16,7 @@ from ndtrain.config import ModelConfig
 from ndtrain.model import moe_balance
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.moe_balance import moe_layers  # noqa: F401  (re-exported)
-from ndtrain.model.moe_capacity import SequenceShards, capacity_keep
+from ndtrain.model.moe_capacity import SequenceShards, balanced_assignment, capacity_keep
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -108,6 +108,7 @@ class MoE(nn.Module):
         self.aux_sum: torch.Tensor | None = None  # weighted aux-loss token sum of the last forward
         self.token_mask: torch.Tensor | None = None  # (B, T) bool, routed tokens; None = all (docstring)
         self.shared_overlap = False  # set by expert parallel (parallel.moe_shared_overlap); docstring
+        self.routing = "learned"  # learned | balanced (training.moe_routing, set by the trainer)
 
     def init_buffers(self) -> None:
         """Zero the aux-loss-free bias (called by ``init_weights``)."""
@@ -120,12 +121,14 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.to(rdt), self.router.weight.to(rdt))
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, forced: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits (N, E) -> scores (N, E), idx (N, k) int64 (descending biased score), weights (N, k).
 
         Selection uses ``scores + expert_bias`` within the ``moe_topk_groups`` best of ``moe_n_groups``
         groups (group score: sum of its two best biased scores, DeepSeek-V3); weights are the unbiased
-        scores, renormalised if ``moe_renormalize``, times ``moe_route_scale``."""
+        scores, renormalised if ``moe_renormalize``, times ``moe_route_scale``. ``forced`` (N, k): the
+        experts to use instead of the selection (balanced routing); weights are taken the same way."""
         c = self.cfg
         scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores.detach() + self.expert_bias.to(scores.dtype)  # (N, E)
@@ -136,7 +139,7 @@ class MoE(nn.Module):
             keep = torch.zeros_like(gscore, dtype=torch.bool)
             keep.scatter_(1, gscore.topk(c.moe_topk_groups, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(n, e), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices  # (N, k)
+        idx = choice.topk(self.top_k, dim=-1).indices if forced is None else forced  # (N, k)
         weights = scores.gather(1, idx)  # (N, k)
         if c.moe_renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -176,7 +179,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, c)  # (N, C)
         n, k, e = flat.shape[0], self.top_k, self.n_experts
         logits = self.router_logits(flat)  # (N, E)
-        scores, idx, weights = self.route(logits)
+        forced = None
+        if self.routing == "balanced":  # benchmarks only: round-robin by sequence position (moe_capacity)
+            forced = balanced_assignment((b, t), k, e, self.seq_shards, flat.device)
+        scores, idx, weights = self.route(logits) if forced is None else self.route(logits, forced)
         valid = None if valid is None else valid.reshape(-1)  # (N,)
         # the unmasked call keeps capacity_keep's two-argument form, which tests wrap to record decisions
         keep = self.capacity_keep(idx, (b, t)) if valid is None else self.capacity_keep(idx, (b, t), valid)

@@ -121,13 +121,15 @@ def pop_aux_loss(model: torch.nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object] | None,
-             bias_update_rate: float) -> dict[str, float]:
+             bias_update_rate: float, ep: int = 1) -> dict[str, float]:
     """After the optimizer step: reduce load statistics, update expert biases, reset counters.
 
     ``all_reduce``: in-place float64 sum over ``dp_cp`` (None in one process), called once with every
-    layer's counters packed; ``bias_update_rate``: the aux-loss-free step (0 = none). Returns (empty if
-    dense) ``moe_load_max_mean`` (max/mean load, mean over layers), ``moe_load_max_mean_worst``,
-    ``moe_tokens_per_expert_max`` / ``_mean`` (global batch, before dropping), ``moe_dropped_frac``,
+    layer's counters packed; ``bias_update_rate``: the aux-loss-free step (0 = none); ``ep``: the expert-
+    parallel degree (rank r holds experts [r E/ep, (r+1) E/ep)). Returns (empty if dense)
+    ``moe_load_max_mean`` (max/mean load, mean over layers), ``moe_load_max_mean_worst``,
+    ``moe_tokens_per_expert_max`` / ``_mean`` and ``moe_tokens_per_ep_rank_max`` / ``_mean``
+    (assignments of the global batch before dropping; max over layers / mean over layers), ``moe_dropped_frac``,
     ``moe_a2a_bytes`` (all layers and ranks; 0 without ep) and ``aux_<name>_sum`` per ``AUX_TERMS``
     (unweighted token sums over the global batch and all layers)."""
     layers = [m for m in moe_layers(model) if m.stats.counts is not None]
@@ -143,6 +145,7 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
     if all_reduce is not None:
         all_reduce(packed)
     ratios, dropped, assigned, a2a, peak, means = [], 0.0, 0.0, 0.0, 0.0, []
+    rank_peak, rank_means = 0.0, []
     terms = dict.fromkeys(AUX_TERMS, 0.0)
     for i, m in enumerate(layers):
         row = packed[i * (e + extra):(i + 1) * (e + extra)]
@@ -150,6 +153,8 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
         mean = counts.mean()
         ratios.append(float(counts.max() / mean.clamp(min=1e-12)))
         peak, means = max(peak, float(counts.max())), means + [float(mean)]
+        per_rank = counts.view(ep, e // ep).sum(1)  # (ep,) assignments each ep rank's experts received
+        rank_peak, rank_means = max(rank_peak, float(per_rank.max())), rank_means + [float(per_rank.mean())]
         dropped, assigned, a2a = dropped + float(row[e]), assigned + float(row[e + 1]), a2a + float(row[e + 2])
         for j, name in enumerate(AUX_TERMS):
             terms[name] += float(row[e + 3 + j])
@@ -158,6 +163,7 @@ def end_step(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], object
         m.stats.reset()
     out = {"moe_load_max_mean": sum(ratios) / len(ratios), "moe_load_max_mean_worst": max(ratios),
            "moe_tokens_per_expert_max": peak, "moe_tokens_per_expert_mean": sum(means) / len(means),
+           "moe_tokens_per_ep_rank_max": rank_peak, "moe_tokens_per_ep_rank_mean": sum(rank_means) / len(rank_means),
            "moe_dropped_frac": dropped / max(assigned, 1.0), "moe_a2a_bytes": a2a}
     out.update({f"aux_{name}_sum": v for name, v in terms.items()})
     return out

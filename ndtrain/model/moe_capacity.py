@@ -98,3 +98,22 @@ def _rank_over_shards(rank: torch.Tensor, slot_major: torch.Tensor, shape: tuple
     shift = global_off - local_off  # (blocks, E)
     shift = torch.cat([shift, shift.new_zeros(blocks, 1)], dim=1)  # sentinel column: unchanged
     return rank + shift[block, slot_major.clamp(max=e)], int(flat.sum())
+
+
+def balanced_assignment(shape: tuple[int, int], k: int, n_experts: int, shards: SequenceShards | None = None,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
+    """Forced-balanced routing for benchmarks (``training.moe_routing: balanced``): idx (N, k) int64,
+    N = B * T_local, slot j of the token at sequence position p goes to expert ``(p k + j) mod E``.
+
+    It reads only the position in the whole sequence (``shards``: the cp / tp split of each sequence,
+    None = whole), never the rank or the microbatch, so every layout routes as one process; the k
+    experts of a token are distinct (k <= E), and when E divides T k every expert gets exactly T k / E
+    assignments of each sequence (so E / ep of every ep rank's share as well)."""
+    b, t = shape
+    if shards is None or shards.size == 1:
+        pos = torch.arange(t, device=device)  # (T,)
+    else:
+        per = t // len(shards.local)  # tokens per chunk
+        pos = torch.cat([c * per + torch.arange(per, device=device) for c in shards.local])  # (T_local,)
+    idx = (pos.unsqueeze(1) * k + torch.arange(k, device=device)) % n_experts  # (T_local, k)
+    return idx.expand(b, t, k).reshape(b * t, k)

@@ -69,6 +69,7 @@ FEATURES: dict[str, dict] = {
     # a shared expert beside the routed ones (DeepSeekMoE); its expert-parallel layouts run again
     # with the shared expert under the dispatch all-to-all (parallel.moe_shared_overlap)
     "moe_shared": {**_MOE, "moe_shared_experts": 1},
+    "moe_balanced": {**_MOE, "training.moe_routing": "balanced"},  # benchmark routing: by position, any layout
     # LoRA adapters on every linear of the blocks, the base frozen (keys with a section: not model.*)
     "lora": {"finetune.lora_rank": 4, "finetune.lora_targets": "*.wq,*.wk,*.wv,*.wo,*.w1,*.w2,*.w3"},
 }
@@ -340,6 +341,7 @@ SUBSET = (
     ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 3}),
     ("moe_shared", 2, {"dp_shard": 2, "ep": 2, "moe_shared_overlap": True}, {"zero": 1}),
     ("moe", 2, {"dp_shard": 2}, {"zero": 3, "dtype": "float16"}),
+    ("moe_balanced", 2, {"cp": 2, "ep": 2, "cp_impl": "ring"}, {"zero": 1}),  # round-robin by global position
     ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
     ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),
     ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit

@@ -287,7 +287,11 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
              else f"data.max_corpus_bytes={cap:,}")
     peak_s = f"{peak / 1e9:,.1f} GFLOP/s per rank" if peak else "unknown peak (MFU not reported)"
     peak_s += f" ({basis})" if peak and basis else ""
-    return [
+    loud = []  # forced-balanced MoE routing (benchmarks) must not pass for a real run's figures
+    if cfg.model.is_moe and t.moe_routing == "balanced":
+        loud.append("moe_routing: balanced -- FORCED round-robin expert routing for benchmarking; "
+                    "losses and MoE figures are not those of learned routing")
+    return loud + [
         f"ndtrain {__version__} | run dir {run_dir} | {n_params / 1e6:.2f}M parameters | {t.dtype} on {device}",
         f"layout {dims}: {axes}",
         (f"data: {facts.get('source')} | {facts.get('train_tokens', 0):,} train + "

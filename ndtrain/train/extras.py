@@ -13,17 +13,23 @@ forms of ``ndtrain.model.moe_balance`` (whose docstring states the statistics sc
 ``loss`` stays the main cross-entropy (comparable with dense runs); ``aux_loss`` and ``mtp_loss``
 are logged next to it. After the optimizer step, ``end_step`` all-reduces the MoE load statistics
 over dp_cp, applies the aux-loss-free bias update (not on a skipped step), and returns the load
-metrics.
+metrics: tokens per expert and per ep rank (max / mean), the peak memory of the busiest rank
+(``moe_peak_mem_bytes_max``, max over every rank: one scalar all-reduce per step) and
+``moe_routing`` ("learned" | "balanced", ``training.moe_routing``, on every row so a forced-balanced
+figure is never mistaken for a real one).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ndtrain.config import Config
+from ndtrain.fault.bad_steps import world_group
 from ndtrain.mesh import Mesh
 from ndtrain.model import moe_balance
 from ndtrain.model.mtp import mtp_loss_sums, mtp_valid_counts
 from ndtrain.parallel import comm
+from ndtrain.train.metrics import peak_memory_bytes
 
 
 class ExtraLosses:
@@ -40,6 +46,9 @@ class ExtraLosses:
         self.depth = cfg.model.mtp_depth
         self.group = mesh.group("dp_cp")
         self.stage_metrics = None  # pp > 1: the metric combiner over stages, built on first use
+        self.world = world_group(mesh)  # the busiest rank's memory is a max over every rank
+        for moe in moe_balance.moe_layers(model):  # forced-balanced routing for benchmarks (moe_capacity)
+            moe.routing = cfg.training.moe_routing
         # MTP logits under tensor parallel are vocab-parallel (B, T', Vp / tp): the batch plan's loss
         self.loss_sum = None
         if self.depth and mesh.group("tp").size > 1:
@@ -89,7 +98,7 @@ class ExtraLosses:
             out["aux_loss"] = self.acc[0].item()
             reduce = (lambda t: comm.all_reduce(t, self.group)) if self.group.size > 1 else None
             rate = self.cfg.model.moe_bias_update_rate if applied else 0.0
-            for k, v in moe_balance.end_step(self.model, reduce, rate).items():
+            for k, v in moe_balance.end_step(self.model, reduce, rate, self.mesh.dims.ep).items():
                 if k.endswith("_sum"):  # unweighted aux term, summed over MoE layers, per routed token
                     k, v = k[:-4], v / self.n_routed
                 out[k] = v
@@ -103,4 +112,8 @@ class ExtraLosses:
 
                 self.stage_metrics = StageMetrics(self.mesh.group("pp"), self.device)
             out = self.stage_metrics.combine(out, n_moe)
+        if self.cfg.model.is_moe:  # after the stage combine, which takes numbers only
+            out["moe_peak_mem_bytes_max"] = comm.all_reduce_scalar(
+                float(peak_memory_bytes(self.device)), self.world, op=dist.ReduceOp.MAX, device=self.device)
+            out["moe_routing"] = self.cfg.training.moe_routing
         return out

@@ -177,11 +177,15 @@ def _moe_part(row: dict) -> str:
     expert's and the mean tokens per expert over the global batch, dropped share, and the expert-
     parallel all-to-all bytes of the step summed over ranks (shown when non-zero)."""
     part = f"load max/mean {row['moe_load_max_mean']:.2f}"
+    if row.get("moe_routing") == "balanced":  # benchmark rows say so on every line
+        part = "moe_routing: balanced | " + part
     if "moe_tokens_per_expert_max" in row:
         part += f" ({row['moe_tokens_per_expert_max']:,.0f}/{row['moe_tokens_per_expert_mean']:,.0f} tok)"
     part += f" drop {100 * row['moe_dropped_frac']:.1f}%"
     if row.get("moe_a2a_bytes"):
         part += f" a2a {row['moe_a2a_bytes'] / 2**20:,.1f} MiB"
+        if "moe_tokens_per_ep_rank_max" in row:  # only with ep > 1 (a2a bytes) is a rank not the whole
+            part += f" ep-rank {row['moe_tokens_per_ep_rank_max']:,.0f}/{row['moe_tokens_per_ep_rank_mean']:,.0f} tok"
     return part
 
 
