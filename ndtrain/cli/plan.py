@@ -100,7 +100,7 @@ def _accelerator(args: argparse.Namespace, acc=None):
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``ndtrain plan``; returns the exit code (2 on bad input, 1 if nothing fits)."""
     from ndtrain.planner.model_spec import load_model_spec
-    from ndtrain.planner.search import evaluate, explain, goodput_line, recommend, search
+    from ndtrain.planner.search import evaluate, recommend, search
 
     acc = None
     if args.measure:
@@ -161,23 +161,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plans = everything[:args.top] if args.top else everything
         if rec is not None and rec not in plans:
             plans = [rec] + plans
-    reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
-    if not everything:  # say which constraint failed instead of "nothing fits in memory"
-        from ndtrain.planner.diagnose import diagnose
-
-        reasons = diagnose(spec, cluster, w)
-        if args.json:
-            print("\n".join(reasons), file=sys.stderr)
-    if rec is not None and args.layout:
-        reasons = explain(rec, [], spec, cluster, w)[:3] + [goodput_line(rec)]
-    if rec is None and not args.layout:  # nothing fits or divides: what would
-        from ndtrain.planner.suggest import suggestions
-
-        reasons = reasons + suggestions(spec, cluster, w)
-    from ndtrain.planner.suggest import alignment_warnings
-
-    for warn in alignment_warnings(cluster, rec.layout if rec is not None else None):
-        print(f"warning: {warn}", file=sys.stderr if args.json else sys.stdout)
+    reasons = _reasons(args, rec, everything, spec, cluster, w)
     if cluster.precision_note():
         print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
     _print_quietly(_print_plans, args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
@@ -187,6 +171,29 @@ def run_plan(args: argparse.Namespace) -> int:
         md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
         print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
     return 0 if rec is not None else 1
+
+
+def _reasons(args, rec, everything, spec, cluster, w) -> list[str]:
+    """The lines under the table: why the recommendation (or why none, and what would work:
+    the nearest GPU counts and batch sizes); prints the NVLink-domain warnings."""
+    from ndtrain.planner.search import explain, goodput_line
+    from ndtrain.planner.suggest import alignment_warnings, suggestions
+
+    err = sys.stderr if args.json else sys.stdout
+    reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
+    if not everything:  # say which constraint failed instead of "nothing fits in memory"
+        from ndtrain.planner.diagnose import diagnose
+
+        reasons = diagnose(spec, cluster, w)
+    if rec is None and not args.layout:  # nothing fits or divides: what would
+        reasons = reasons + suggestions(spec, cluster, w)
+    if args.json and rec is None and not args.layout:
+        print("\n".join(reasons), file=sys.stderr)
+    if rec is not None and args.layout:
+        reasons = explain(rec, [], spec, cluster, w)[:3] + [goodput_line(rec)]
+    for warn in alignment_warnings(cluster, rec.layout if rec is not None else None):
+        print(f"warning: {warn}", file=err)
+    return reasons
 
 
 def _print_quietly(fn, *args) -> None:

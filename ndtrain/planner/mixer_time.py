@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ndtrain.mixer_spec import LINEAR_MIXERS, layer_mixers, linear_dims, mixer_params, mixer_seq_flops_per_token
+from ndtrain.mixer_spec import (
+    LINEAR_MIXERS,
+    layer_mixers,
+    linear_dims,
+    mixer_params,
+    mixer_seq_flops_per_token,
+)
 
 
 def stage_mixers(spec, layers) -> tuple:

@@ -32,8 +32,8 @@ from ndtrain.planner.comm import estimate_axis_comm
 from ndtrain.planner.compute import optimizer_seconds, stage_op_times
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, microbatches
-from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.memory import PRECISIONS, rank_params, recompute_fraction
+from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import estimate_pipeline_time, rank_layers
 
 

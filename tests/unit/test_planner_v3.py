@@ -170,6 +170,6 @@ def test_nvlink_domain_alignment_warnings():
     assert alignment_warnings(Cluster(nvl, 256)) == [
         "256 GPUs is not a multiple of the 72-GPU NVLink domain: 3 full domains and 40 GPUs in a partial one"]
     assert alignment_warnings(Cluster(nvl, 288), parse_layout("tp=16,dp_shard=18")) == [
-        "tp x cp = 16 does not divide the 72-GPU NVLink domain: some of its groups straddle two domains "
-        "and cross the NIC (modelled as inside one)"]
+        ("tp x cp = 16 does not divide the 72-GPU NVLink domain: some of its groups straddle two domains "
+         "and cross the NIC (modelled as inside one)")]
     assert alignment_warnings(Cluster(get_accelerator("H100"), 512), parse_layout("tp=8,dp_shard=64")) == []
