@@ -6,6 +6,7 @@
                  [--intra-node-gbps X] [--inter-node-gbps Y] [--pod-gpus G --inter-pod-gbps Z]
                  [--precision mixed|fp32|lower_bound] [--measure] [--include-unsupported]
                  [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
+                 [--mttf-hours H] [--checkpoint-save-s S] [--checkpoint-load-s S] [--restart-s S]
 
 Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
 times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
