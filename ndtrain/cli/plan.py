@@ -6,6 +6,7 @@
                  [--intra-node-gbps X] [--inter-node-gbps Y] [--pod-gpus G --inter-pod-gbps Z]
                  [--precision mixed|fp32|lower_bound] [--measure] [--include-unsupported]
                  [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
+                 [--mttf-hours H] [--checkpoint-save-s S] [--checkpoint-load-s S] [--restart-s S]
 
 Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
 times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
@@ -66,6 +67,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-fp8-dispatch", action="store_true", help="dispatch all-to-all in fp8 (combine stays bf16)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="expert load imbalance: busiest rank's tokens / the mean (>= 1)")
+    p.add_argument("--mttf-hours", type=float, default=0.0,
+                   help="mean time to failure of one GPU with its share of host and network, hours; the "
+                        "job's is this / gpus (default: Llama 3 405B's 466 interruptions in 54 days on 16,384)")
+    p.add_argument("--checkpoint-save-s", type=float, default=0.0,
+                   help="seconds to save a checkpoint (default: the rank's shard at 2 GB/s)")
+    p.add_argument("--checkpoint-load-s", type=float, default=0.0,
+                   help="seconds to load it after a restart (default: the rank's shard at 2 GB/s)")
+    p.add_argument("--restart-s", type=float, default=-1.0,
+                   help="seconds from an interruption to the relaunched job (default 600)")
     p.add_argument("--measure", action="store_true",
                    help="measure matmul peak and all-reduce alpha/beta on this machine")
 
@@ -91,7 +101,7 @@ def _accelerator(args: argparse.Namespace, acc=None):
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``ndtrain plan``; returns the exit code (2 on bad input, 1 if nothing fits)."""
     from ndtrain.planner.model_spec import load_model_spec
-    from ndtrain.planner.search import evaluate, explain, recommend, search
+    from ndtrain.planner.search import evaluate, recommend, search
 
     acc = None
     if args.measure:
@@ -129,7 +139,9 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster.accelerator.peak(dtype)  # an unknown dtype fails here, not mid-plan
         w = Workload(seq_len=seq, global_batch_tokens=batch, train_tokens=args.train_tokens,
                      precision=args.precision, moe_max_nodes=args.moe_max_nodes,
-                     moe_fp8_dispatch=args.moe_fp8_dispatch, moe_imbalance=args.moe_imbalance)
+                     moe_fp8_dispatch=args.moe_fp8_dispatch, moe_imbalance=args.moe_imbalance,
+                     mttf_hours=args.mttf_hours, checkpoint_save_s=args.checkpoint_save_s,
+                     checkpoint_load_s=args.checkpoint_load_s, restart_s=args.restart_s)
     except (ValueError, KeyError) as e:
         return _fail(str(e))
     if args.layout:
@@ -150,15 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plans = everything[:args.top] if args.top else everything
         if rec is not None and rec not in plans:
             plans = [rec] + plans
-    reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
-    if not everything:  # say which constraint failed instead of "nothing fits in memory"
-        from ndtrain.planner.diagnose import diagnose
-
-        reasons = diagnose(spec, cluster, w)
-        if args.json:
-            print("\n".join(reasons), file=sys.stderr)
-    if rec is not None and args.layout:
-        reasons = explain(rec, [], spec, cluster, w)[:3]
+    reasons = _reasons(args, rec, everything, spec, cluster, w)
     if cluster.precision_note():
         print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
     _print_quietly(_print_plans, args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
@@ -168,6 +172,29 @@ def run_plan(args: argparse.Namespace) -> int:
         md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
         print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
     return 0 if rec is not None else 1
+
+
+def _reasons(args, rec, everything, spec, cluster, w) -> list[str]:
+    """The lines under the table: why the recommendation (or why none, and what would work:
+    the nearest GPU counts and batch sizes); prints the NVLink-domain warnings."""
+    from ndtrain.planner.search import explain, goodput_line
+    from ndtrain.planner.suggest import alignment_warnings, suggestions
+
+    err = sys.stderr if args.json else sys.stdout
+    reasons = explain(rec, everything, spec, cluster, w) if rec is not None and not args.layout else []
+    if not everything:  # say which constraint failed instead of "nothing fits in memory"
+        from ndtrain.planner.diagnose import diagnose
+
+        reasons = diagnose(spec, cluster, w)
+    if rec is None and not args.layout:  # nothing fits or divides: what would
+        reasons = reasons + suggestions(spec, cluster, w)
+    if args.json and rec is None and not args.layout:
+        print("\n".join(reasons), file=sys.stderr)
+    if rec is not None and args.layout:
+        reasons = explain(rec, [], spec, cluster, w)[:3] + [goodput_line(rec)]
+    for warn in alignment_warnings(cluster, rec.layout if rec is not None else None):
+        print(f"warning: {warn}", file=err)
+    return reasons
 
 
 def _print_quietly(fn, *args) -> None:

@@ -51,8 +51,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(m.rope_dim % 2 == 0 and m.rope_dim > 0,
            f"RoPE dims per head ({m.rope_dim}; head_dim = dim / n_heads, or mla_rope_dim) must be even and > 0")
     _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")
-    _check(d.seq_len <= m.max_seq_len,
-           f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    _check(d.seq_len <= m.max_seq_len, seq_len_rule(d.seq_len, m.max_seq_len))
     _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction ({d.val_fraction}) must be in (0, 0.5)")
     _check(d.format in ("text", "chat"), f"data.format ({d.format}) must be text|chat")
     _check(d.format != "chat" or d.tokenizer != "bpe", "data.format=chat needs data.tokenizer = a tokenizer.json "
@@ -208,6 +207,11 @@ class ModelFacts:
                    m.mtp_depth, m.moe_seq_aux_loss_coef > 0, m.is_moe and m.moe_capacity_factor > 0,
                    non_softmax_mixers(m), cp_rules.left_context(m), MixerFields.from_model_config(m),
                    moe_ffn=(m.expert_ffn_dim, m.shared_ffn_dim) if m.is_moe else (0, 0))
+
+
+def seq_len_rule(seq_len: int, max_seq_len: int) -> str:
+    """The text of the rule ``data.seq_len <= model.max_seq_len`` (the planner states it too)."""
+    return f"data.seq_len ({seq_len}) exceeds model.max_seq_len ({max_seq_len})"
 
 
 def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "none", dp: int | None = None,

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ndtrain.planner.hardware import COMPUTE_EFFICIENCY, Cluster
+from ndtrain.planner import mixer_time
+from ndtrain.planner.hardware import COMPUTE_EFFICIENCY, HARDWARE, Cluster
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,38 @@ GENERATIONS = {
     "cdna3": ComputeConstants("cdna3", 0.45, 0.30, 0.80, 304, tiles=((256, 256, 1.0), (256, 128, 0.9)), source=(
         "MI300X: 304 CUs; hipBLASLt bf16 GEMMs reach ~45-55% of the 1,307 TFLOP/s datasheet peak "
         "(SemiAnalysis, MI300X vs H100 training benchmark, Dec 2024); CK FlashAttention ~30%")),
-    "tpu": ComputeConstants("tpu", 0.65, 0.45, 0.85, 8, tiles=((128, 128, 1.0),), source=(
-        "TPU v4 / v5p: 2 TensorCores x 4 MXUs of 128x128 per chip (Jouppi et al. 2023); PaLM's "
-        "57.8% HFU on v4 (Chowdhery et al. 2022) bounds the GEMM share from below")),
+    "tpu_v4": ComputeConstants("tpu_v4", 0.65, 0.45, 0.85, 8, tiles=((128, 128, 1.0),), source=(
+        "TPU v4: 2 TensorCores x 4 MXUs of 128x128 per chip (Jouppi et al. 2023); PaLM's 57.8% HFU "
+        "on v4 (Chowdhery et al. 2022) bounds the GEMM share from below")),
+    "tpu_v5p": ComputeConstants("tpu_v5p", 0.72, 0.45, 0.85, 8, tiles=((128, 128, 1.0),), source=(
+        "TPU v5p: 2 TensorCores x 4 MXUs of 128x128 per chip; MaxText's published v5p dense runs "
+        "(README, 2024) reach ~65-67% MFU, so large GEMMs sustain a larger share than on v4")),
 }
-GENERATION_OF = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100": "hopper", "H100-NVL": "hopper",
-                 "H800": "hopper", "H200": "hopper", "GH200": "hopper", "GH200-144GB": "hopper",
-                 "B200": "blackwell", "B200-NVL72": "blackwell", "MI300X": "cdna3", "TPUv4": "tpu",
-                 "TPUv5p": "tpu"}
+# Every HARDWARE entry names its generation (a test walks the table); "flat" is the v1 model on
+# purpose (cpu: its peak is measured by ``ndtrain plan --measure``, not a datasheet).
+GENERATION_OF = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100": "hopper", "H100-96GB": "hopper",
+                 "H100-NVL": "hopper", "H800": "hopper", "H200": "hopper", "GH200": "hopper",
+                 "GH200-144GB": "hopper", "B200": "blackwell", "B200-NVL72": "blackwell", "MI300X": "cdna3",
+                 "TPUv4": "tpu_v4", "TPUv5p": "tpu_v5p", "cpu": "flat"}
+# float8 GEMMs: share of the FP8 peak relative to the 16-bit GEMMs' share of theirs (assumed: at
+# LLM shapes public cuBLAS / Transformer Engine numbers give 1.6-1.8x over bf16, not the
+# datasheet's 2x: full tensor-core load lowers clocks), and HBM bytes per bf16 element quantised
+# (amax read 2, cast read 2, fp8 write 1, transposed fp8 write 1).
+FP8_GEMM_SHARE = 0.85
+FP8_CAST_BYTES = 6
 FLAT_EFFICIENCY = COMPUTE_EFFICIENCY  # v1's one constant: accelerators without a generation entry (cpu, custom)
 
 
 def compute_constants(acc, efficiency: float = 0.0) -> ComputeConstants | None:
-    """The constants of ``acc``'s generation, or None for the flat model (``efficiency`` > 0, or
-    an accelerator without an entry, which then runs at ``FLAT_EFFICIENCY``)."""
+    """The constants of ``acc``'s generation, or None for the flat model (``efficiency`` > 0, the
+    "flat" generation, or a custom accelerator outside ``HARDWARE``, which run at
+    ``FLAT_EFFICIENCY``). Raises KeyError for a ``HARDWARE`` entry without a generation."""
     if efficiency > 0:
         return None
-    gen = GENERATION_OF.get(acc.name)
-    return GENERATIONS[gen] if gen else None
+    if acc.name in HARDWARE and acc.name not in GENERATION_OF:
+        raise KeyError(f"accelerator {acc.name} has no compute generation (compute.GENERATION_OF)")
+    gen = GENERATION_OF.get(acc.name, "flat")
+    return None if gen == "flat" else GENERATIONS[gen]
 
 
 def gemm_shape_factor(m: int, n: int, c: ComputeConstants) -> float:
@@ -126,36 +141,48 @@ class OpTimes:
     attn_bwd: float = 0.0
     mem_fwd: float = 0.0  # memory-bound ops
     mem_bwd: float = 0.0
+    fp8_fwd: float = 0.0  # float8 casts and amax reductions of the quantised GEMMs' operands
+    fp8_bwd: float = 0.0
 
     @property
     def fwd(self) -> float:
-        return self.gemm_fwd + self.head_fwd + self.attn_fwd + self.mem_fwd
+        return self.gemm_fwd + self.head_fwd + self.attn_fwd + self.mem_fwd + self.fp8_fwd
 
     @property
     def bwd(self) -> float:
-        return self.gemm_bwd + self.head_bwd + self.attn_bwd + self.mem_bwd
+        return self.gemm_bwd + self.head_bwd + self.attn_bwd + self.mem_bwd + self.fp8_bwd
 
 
-def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
-    """(m, n, k, count) of one block's forward GEMMs on one rank (TP splits n of column-parallel and
-    k of row-parallel layers; EP: the rank's E / ep experts, each fed tokens * top_k * ep / E rows)."""
+def attention_gemms(spec, tokens: float, tp: int) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, count) of one softmax attention's projections on one rank (TP splits n of the
+    column-parallel q / k / v and k of the row-parallel output)."""
     h, a, D = spec.dim, spec.n_heads, spec.head_dim
     if spec.kv_lora_rank:  # MLA: the down / up projections as one h-wide GEMM, then the output
         v = spec.v_head_dim or D
         proj = spec.attn_params - h - a * v * h
-        out = [(tokens, proj / h / tp, h, 1), (tokens, h, a * v / tp, 1)]
-    else:
-        out = [(tokens, (a + 2 * spec.n_kv_heads) * D / tp, h, 1), (tokens, h, a * D / tp, 1)]
+        return [(tokens, proj / h / tp, h, 1), (tokens, h, a * v / tp, 1)]
+    return [(tokens, (a + 2 * spec.n_kv_heads) * D / tp, h, 1), (tokens, h, a * D / tp, 1)]
+
+
+def ffn_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, count) of one block's SwiGLU / MoE GEMMs on one rank (EP: the rank's E / ep
+    experts, each fed tokens * top_k * ep / E rows)."""
+    h = spec.dim
     if not moe:
         f = spec.ffn_hidden / tp
-        return out + [(tokens, 2 * f, h, 1), (tokens, h, f, 1)]
-    out.append((tokens, spec.n_experts, h, 1))  # router (replicated)
+        return [(tokens, 2 * f, h, 1), (tokens, h, f, 1)] if f else []
+    out = [(tokens, spec.n_experts, h, 1)]  # router (replicated)
     if spec.n_shared_experts:
         fs = spec.n_shared_experts * spec.shared_ffn_hidden / tp
         out += [(tokens, 2 * fs, h, 1), (tokens, h, fs, 1)]
     rows = tokens * spec.top_k * ep / spec.n_experts
     fe, local = spec.moe_ffn_hidden / tp, max(1, spec.n_experts // ep)
     return out + [(rows, 2 * fe, h, local), (rows, h, fe, local)]
+
+
+def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, count) of one softmax-attention block's forward GEMMs on one rank."""
+    return attention_gemms(spec, tokens, tp) + ffn_gemms(spec, tokens, tp, ep, moe)
 
 
 def block_memory_bytes(spec, tokens: float, tp: int, sp: bool, moe: bool, e: int = 2) -> float:
@@ -190,58 +217,101 @@ def attention_times(spec, tokens: float, seq_len: int, tp: int, peak: float, hbm
     return max(fwd_flops / rate, qkvo / bw), max(2.5 * fwd_flops / rate, 2 * qkvo / bw)
 
 
+@dataclass(frozen=True)
+class _Rates:
+    """What one stage's operations run at: linear-layer / 16-bit peaks, HBM bandwidth (FLOP/s,
+    bytes/s), the generation's constants (None: flat model at ``eff``), bytes per GEMM element."""
+
+    lin: float
+    hi: float
+    hbm: float
+    c: ComputeConstants | None
+    eff: float
+    fp8: bool
+
+    @property
+    def el(self) -> int:
+        return 1 if self.fp8 else 2
+
+
+def _add_linears(out: OpTimes, shapes, scale: float, r: _Rates) -> None:
+    """``scale`` x the forward / backward GEMMs of ``shapes`` (m, n, k, count). Under float8 each
+    GEMM runs at ``FP8_GEMM_SHARE`` of the FP8 peak's share and pays its quantisation: the input
+    (m x k) and the weight (k x n) forward, the output gradient (m x n) backward, each read once
+    for its amax (dynamic scaling), read again and written as fp8 plus its transpose (the wgrad's
+    layout): ``FP8_CAST_BYTES`` per bf16 element, at HBM bandwidth (Micikevicius et al. 2022;
+    Transformer Engine's cast-transpose kernels)."""
+    lin = r.lin * FP8_GEMM_SHARE if r.fp8 else r.lin
+    for m, n, k, times in shapes:
+        f, b = gemm_fwd_bwd(m, n, k, lin, r.hbm, r.c, r.el, r.eff)
+        out.gemm_fwd += scale * times * f
+        out.gemm_bwd += scale * times * b
+        if r.fp8 and r.c is not None:
+            bw = r.hbm * r.c.hbm_efficiency
+            out.fp8_fwd += scale * times * FP8_CAST_BYTES * (m * k + k * n) / bw
+            out.fp8_bwd += scale * times * FP8_CAST_BYTES * m * n / bw
+
+
 def stage_op_times(spec, cluster: Cluster, seq_len: int, lay, n_dense: int, n_moe: int, last: bool,
-                   efficiency: float = 0.0) -> tuple[OpTimes, float]:
+                   efficiency: float = 0.0, mixers: tuple | None = None) -> tuple[OpTimes, float]:
     """Seconds of one microbatch's forward and backward on one rank of a stage with ``n_dense`` +
     ``n_moe`` blocks (``last``: + output head, cross entropy and MTP modules), and the forward
-    seconds of one attention layer (what a CP ring exchange overlaps with). Block GEMMs run at the
-    compute dtype's peak (FP8 under float8), the head and attention at the 16-bit peak."""
+    seconds of one softmax attention layer (what a CP ring exchange overlaps with). ``mixers``:
+    ((kind, count), ...) of the stage's token mixers (``mixer_time.stage_mixers``; None: all
+    softmax attention). Block GEMMs run at the compute dtype's peak (FP8 under float8, with its
+    casts), the head, attention and the other mixers' cores at the 16-bit peak."""
     acc = cluster.accelerator
     c = compute_constants(acc, efficiency)
     eff = efficiency or FLAT_EFFICIENCY
-    lin, hi, hbm = cluster.peak_flops_per_s, cluster.mfu_peak_flops_per_s, acc.hbm_bytes_per_s
-    el = 1 if cluster.is_fp8 else 2
+    r = _Rates(cluster.peak_flops_per_s, cluster.mfu_peak_flops_per_s, acc.hbm_bytes_per_s, c, eff, cluster.is_fp8)
     tokens = lay.microbatch * seq_len / lay.cp
     out = OpTimes()
     for count, moe in ((n_dense, False), (n_moe, True)):
         if not count:
             continue
-        for m, n, k, times in block_gemms(spec, tokens, lay.tp, lay.ep, moe):
-            f, b = gemm_fwd_bwd(m, n, k, lin, hbm, c, el, eff)
-            out.gemm_fwd += count * times * f
-            out.gemm_bwd += count * times * b
+        _add_linears(out, ffn_gemms(spec, tokens, lay.tp, lay.ep, moe), count, r)
         if c is not None:
-            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (hbm * c.hbm_efficiency)
+            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (r.hbm * c.hbm_efficiency)
             out.mem_fwd += count * mem
             out.mem_bwd += count * 2 * mem
-    n_attn = n_dense + n_moe + (spec.mtp_depth if last else 0)
-    af, ab = attention_times(spec, tokens, seq_len, lay.tp, hi, hbm, c, acc.attention_gemm_ratio, eff)
-    out.attn_fwd, out.attn_bwd = n_attn * af, n_attn * ab
+    mixers = mixers if mixers is not None else (("attention", n_dense + n_moe),)
+    if last and spec.mtp_depth:
+        mixers = tuple(mixers) + (("attention", spec.mtp_depth),)
+    af, ab = attention_times(spec, tokens, seq_len, lay.tp, r.hi, r.hbm, c, acc.attention_gemm_ratio, eff)
+    flat_rate = r.hi * eff * acc.attention_gemm_ratio
+    for kind, count in mixers:
+        if mixer_time.is_linear(kind):
+            _add_linears(out, [mixer_time.mixer_projection(spec, kind, tokens, lay.tp)], count, r)
+            f, b = mixer_time.linear_core_times(spec, kind, tokens, lay.tp, r.hi, r.hbm, c, flat_rate)
+        else:
+            _add_linears(out, attention_gemms(spec, tokens, lay.tp), count, r)
+            f, b = (af, ab) if kind == "attention" else mixer_time.windowed_core_times(
+                spec, kind, tokens, seq_len, lay.tp, r.hi, c, flat_rate)
+        out.attn_fwd += count * f
+        out.attn_bwd += count * b
     if last:
-        _add_head(out, spec, tokens, lay, lin, hi, hbm, c, el, eff)
+        _add_head(out, spec, tokens, lay, r)
     return out, af
 
 
-def _add_head(out: OpTimes, spec, tokens, lay, lin, hi, hbm, c, el, eff) -> None:
-    """Output head (x (1 + MTP depth)), fused cross entropy over V / tp logits (read bf16, fp32
-    math; backward writes the logits' gradient), and the MTP modules' projection and block."""
-    passes = 1 + spec.mtp_depth
-    f, b = gemm_fwd_bwd(tokens, spec.vocab_size / lay.tp, spec.dim, hi, hbm, c, 2, eff)
+def _add_head(out: OpTimes, spec, tokens, lay, r: _Rates) -> None:
+    """Output head (x (1 + MTP depth), 16-bit), fused cross entropy over V / tp logits (read bf16,
+    fp32 math; backward writes the logits' gradient), and the MTP modules' projection and block
+    (their attention core is counted with the stage's mixers)."""
+    passes, c = 1 + spec.mtp_depth, r.c
+    f, b = gemm_fwd_bwd(tokens, spec.vocab_size / lay.tp, spec.dim, r.hi, r.hbm, c, 2, r.eff)
     out.head_fwd += passes * f
     out.head_bwd += passes * b
     if c is not None:
-        ce = passes * tokens * spec.vocab_size / lay.tp * 2 * 2 / (hbm * c.hbm_efficiency)
+        ce = passes * tokens * spec.vocab_size / lay.tp * 2 * 2 / (r.hbm * c.hbm_efficiency)
         out.mem_fwd += ce
         out.mem_bwd += ce
     for _ in range(spec.mtp_depth):
         moe = spec.last_layer_is_moe
         shapes = [(tokens, spec.dim, 2 * spec.dim / lay.tp, 1)] + block_gemms(spec, tokens, lay.tp, lay.ep, moe)
-        for m, n, k, times in shapes:
-            f, b = gemm_fwd_bwd(m, n, k, lin, hbm, c, el, eff)
-            out.gemm_fwd += times * f
-            out.gemm_bwd += times * b
+        _add_linears(out, shapes, 1, r)
         if c is not None:
-            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (hbm * c.hbm_efficiency)
+            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (r.hbm * c.hbm_efficiency)
             out.mem_fwd += mem
             out.mem_bwd += 2 * mem
 

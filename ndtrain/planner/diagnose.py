@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from ndtrain.config.validate import seq_len_rule
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload
 from ndtrain.planner.search import divisors, evaluate
@@ -41,8 +42,17 @@ def leanest_meshes(spec, cluster: Cluster, w: Workload) -> list[Layout]:
 
 
 def diagnose(spec, cluster: Cluster, w: Workload, closest: int = 3) -> list[str]:
-    """Lines explaining an empty search: the rules that rejected the meshes (with counts), the
-    closest meshes and their violations, or the leanest valid mesh's memory if none fits."""
+    """Lines explaining an empty search: a rule no layout can meet first (the sequence length),
+    then the rules that rejected the meshes (with counts), the closest meshes and their
+    violations, or the leanest valid mesh's memory if none fits."""
+    head = []
+    if spec.max_seq_len and w.seq_len > spec.max_seq_len:
+        head.append(f"every layout: {seq_len_rule(w.seq_len, spec.max_seq_len)} (ndtrain train rejects it: "
+                    "raise model.max_seq_len, the RoPE table, or lower --seq-len)")
+    return head + _diagnose(spec, cluster, w, closest)
+
+
+def _diagnose(spec, cluster: Cluster, w: Workload, closest: int) -> list[str]:
     plans = [evaluate(spec, cluster, w, lay, with_time=False) for lay in leanest_meshes(spec, cluster, w)]
     for p in plans:  # the search proposes only what ndtrain train accepts: its rules count here
         p.errors = p.errors + p.unsupported

@@ -156,7 +156,8 @@ class Cluster:
         t = 1e12
         return (f"float8: the GEMMs of the blocks' linear layers (QKV / output projections, SwiGLU, "
                 f"experts; forward, input and weight gradients) run at the FP8 peak "
-                f"({self.peak_flops_per_s / t:,.0f} TFLOP/s); attention, the output head, embedding, "
+                f"({self.peak_flops_per_s / t:,.0f} TFLOP/s) at 0.85 of the 16-bit GEMMs' share of peak, "
+                "plus the casts and amax reductions of their operands at HBM bandwidth; attention, the output head, embedding, "
                 f"norms and all communication stay bf16 ({self.mfu_peak_flops_per_s / t:,.0f} TFLOP/s); "
                 "activations are stored in bf16 and weights / gradients / optimizer state follow "
                 "--precision. MFU is against the bf16 dense peak (the published convention); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ndtrain.config.schema import ParallelConfig
-from ndtrain.config.validate import ModelFacts, check_axes
+from ndtrain.config.validate import ModelFacts, check_axes, seq_len_rule
 from ndtrain.errors import ConfigError
 from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.ac_policy import every_blocks
@@ -119,7 +119,8 @@ class Workload:
     """What is trained: ``seq_len`` tokens per sequence T, ``global_batch_tokens`` per optimizer
     step, ``train_tokens`` in total; ``precision`` names the bytes-per-parameter convention of
     ``memory.PRECISIONS``; ``flash`` = FlashAttention (no T x T scores stored).; ``moe_*``: expert
-    all-to-all knobs (``comm.moe_all_to_all``)."""
+    all-to-all knobs (``comm.moe_all_to_all``); ``mttf_hours``, ``checkpoint_*``, ``restart_s``:
+    the failure model (``goodput.goodput``)."""
 
     seq_len: int = 4096
     global_batch_tokens: int = 4 * 2**20
@@ -130,6 +131,10 @@ class Workload:
     moe_max_nodes: int = 0  # node-limited routing: a token's experts span <= this many nodes (0: any)
     moe_fp8_dispatch: bool = False  # dispatch all-to-all in fp8 (1 byte + scales), combine in bf16
     moe_imbalance: float = 1.0  # tokens of the busiest expert rank / the mean (>= 1)
+    mttf_hours: float = 0.0  # mean time to failure of one GPU, hours (0: Llama 3's record, goodput.py)
+    checkpoint_save_s: float = 0.0  # seconds to save a checkpoint (0: modelled from its bytes)
+    checkpoint_load_s: float = 0.0  # seconds to load it after a restart (0: modelled)
+    restart_s: float = -1.0  # seconds from an interruption to the relaunched job (< 0: goodput.RESTART_S)
 
     @property
     def global_batch_seqs(self) -> int:
@@ -193,6 +198,8 @@ def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_n
                     f"({workload.seq_len})")
     if lay.pp_schedule == "dualpipev" and lay.pp_virtual_stages != 1:
         errs.append("pp_schedule=dualpipev holds 2 chunks per rank by construction: pp_virtual_stages must be 1")
+    if runtime and spec.max_seq_len and workload.seq_len > spec.max_seq_len:  # the model can, the trainer will not
+        errs.append(seq_len_rule(workload.seq_len, spec.max_seq_len))
     if lay.cp_impl not in CP_IMPLS:
         errs.append(f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
     try:

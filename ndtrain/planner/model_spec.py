@@ -67,6 +67,7 @@ class ModelSpec:
     shared_expert_gate: bool = False
     # per-layer token mixers (ndtrain.mixer_spec.MixerFields of model.layer_pattern); None = all attention
     mixers: MixerFields | None = None
+    max_seq_len: int = 0  # longest position the trainer accepts (model.max_seq_len; 0: unknown, no rule)
 
     # ---- structure ---------------------------------------------------------------------------
     @property
@@ -215,7 +216,8 @@ def from_model_config(m, name: str = "") -> ModelSpec:
     return ModelSpec(name or m.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.kv_heads,
                      head_dim, m.ffn_dim if m.block_ffn else 0, m.tie_embeddings, **moe, **mla, mtp_depth=m.mtp_depth,
                      qk_norm=m.qk_norm and not mla, attn_output_gate=m.attn_output_gate and not mla,
-                     shared_expert_gate=m.is_moe and m.moe_shared_gate, mixers=MixerFields.from_model_config(m))
+                     shared_expert_gate=m.is_moe and m.moe_shared_gate, mixers=MixerFields.from_model_config(m),
+                     max_seq_len=m.max_seq_len)
 
 
 def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
@@ -246,7 +248,8 @@ def from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
         q_lora_rank=int(g("q_lora_rank") or 0), kv_lora_rank=mla,
         qk_rope_head_dim=int(g("qk_rope_head_dim") or 0), v_head_dim=int(g("v_head_dim") or 0),
         qk_norm=g("model_type") in _QK_NORM_FAMILIES, attn_output_gate=g("model_type") == "qwen3_next",
-        shared_expert_gate=g("model_type") == "qwen3_next" and bool(shared_hidden))
+        shared_expert_gate=g("model_type") == "qwen3_next" and bool(shared_hidden),
+        max_seq_len=int(g("max_position_embeddings") or 0))  # ndtrain's HF import sets max_seq_len to it
 
 
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next")  # transformers models with q / k RMSNorms

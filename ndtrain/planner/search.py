@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ndtrain.planner.goodput import Goodput, goodput
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, check_layout, unsupported_rules
 from ndtrain.planner.memory import MemoryEstimate, estimate_memory, recompute_fraction
@@ -42,6 +43,9 @@ class Plan:
     gpu_hours: float = 0.0
     cost: float = 0.0
     bottleneck: str = ""
+    goodput: Goodput | None = None  # with failures: checkpoint interval, interruptions, lost time
+    training_days_with_failures: float = 0.0
+    gpu_hours_with_failures: float = 0.0
 
     def to_dict(self) -> dict:
         """The ``--json`` object of one layout (bytes, seconds, fractions)."""
@@ -63,6 +67,9 @@ class Plan:
             "mfu": self.mfu, "mfu_vs_dtype_peak": self.mfu_vs_dtype_peak, "hfu": self.hfu, "tokens_per_s": self.tokens_per_s,
             "training_days": self.training_days, "gpu_hours": self.gpu_hours, "cost": self.cost,
             "bottleneck": self.bottleneck,
+            "training_days_with_failures": self.training_days_with_failures,
+            "gpu_hours_with_failures": self.gpu_hours_with_failures,
+            "goodput": self.goodput.to_dict() if self.goodput else None,
         }
 
 
@@ -107,6 +114,11 @@ def _add_time(plan: Plan, spec, cluster: Cluster, w: Workload) -> None:
     plan.gpu_hours = plan.training_days * 24 * cluster.gpus
     plan.cost = plan.gpu_hours * cluster.price_per_gpu_hour
     plan.bottleneck = bottleneck(st)
+    ckpt = sum(plan.memory.breakdown.get(k, 0) for k in ("params", "optimizer"))  # one rank's shard
+    plan.goodput = goodput(plan.training_days * 86400, cluster.gpus, ckpt, w.mttf_hours,
+                           w.checkpoint_save_s, w.checkpoint_load_s, w.restart_s)
+    plan.training_days_with_failures = plan.goodput.wall_s / 86400
+    plan.gpu_hours_with_failures = plan.training_days_with_failures * 24 * cluster.gpus
 
 
 def bottleneck(st: StepEstimate) -> str:
@@ -249,6 +261,7 @@ def explain(plan: Plan, plans: list, spec, cluster: Cluster, w: Workload) -> lis
                      if k != "compute" and v >= 0.005 * st.step_time_s), reverse=True)[:3]
     out.append("largest losses: " + (", ".join(f"{LOSS_NAMES.get(k, k)} {v / st.step_time_s:.0%}"
                                                for v, k in losses) or "none above 0.5% of the step"))
+    out.append(goodput_line(plan))
     lay = plan.layout
     for axis, what in (("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("cp", "context parallel"),
                        ("ep", "expert parallel")):
@@ -270,6 +283,16 @@ def explain(plan: Plan, plans: list, spec, cluster: Cluster, w: Workload) -> lis
     elif lay.zero_stage == 0 and lay.dp > 1:
         out.append("no ZeRO sharding needed: the state fits replicated")
     return out
+
+
+def goodput_line(plan: Plan) -> str:
+    """The failure model's summary: interval, interruptions, days and GPU-hours with and without."""
+    g = plan.goodput
+    return (f"with failures (job MTTF {g.job_mttf_s / 3600:.1f} h, checkpoint save {g.save_s:.0f} s / load "
+            f"{g.load_s:.0f} s, restart {g.restart_s:.0f} s): checkpoint every {g.interval_s / 60:.0f} min "
+            f"(Young), {g.interruptions:,.0f} interruptions, {plan.training_days_with_failures:.1f} days "
+            f"and {plan.gpu_hours_with_failures:,.0f} GPU-hours instead of {plan.training_days:.1f} and "
+            f"{plan.gpu_hours:,.0f} (goodput {g.efficiency:.1%})")
 
 
 def _frugal(lay: Layout, axis: str, spec, cluster: Cluster, w: Workload) -> float:

@@ -33,6 +33,7 @@ from ndtrain.planner.compute import optimizer_seconds, stage_op_times
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, microbatches
 from ndtrain.planner.memory import PRECISIONS, rank_params, recompute_fraction
+from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import estimate_pipeline_time, rank_layers
 
 
@@ -68,9 +69,10 @@ def _slowest_stage(spec, cluster: Cluster, w: Workload, lay: Layout, eff: float)
     best, seen = None, {}
     for r, info in enumerate(ranks):
         prm = rank_params(spec, info["layers"], info["embedding"], info["head"], len(ranks))
-        key = (len(info["layers"]) - prm["moe_layers"], prm["moe_layers"], info["head"])
+        key = (len(info["layers"]) - prm["moe_layers"], prm["moe_layers"], info["head"], eff,
+               stage_mixers(spec, info["layers"]))
         if key not in seen:  # ranks of the same composition take the same time
-            seen[key] = stage_op_times(spec, cluster, w.seq_len, lay, *key, eff)
+            seen[key] = stage_op_times(spec, cluster, w.seq_len, lay, *key)
         ops, t_attn = seen[key]
         if best is None or ops.fwd + ops.bwd > best[0].fwd + best[0].bwd:
             best = (ops, t_attn, r, prm)

@@ -200,9 +200,10 @@ def test_fp8_mfu_against_bf16_peak_and_only_block_linears_faster(capsys):
     f8 = evaluate(spec, Cluster(get_accelerator("H100"), 256, dtype="float8"), w, lay)
     assert bf.mfu == bf.mfu_vs_dtype_peak
     assert f8.mfu_vs_dtype_peak == pytest.approx(f8.mfu * 989.4 / 1978.9)
-    # the step is faster but not twice: attention and the head stay at the bf16 rate, comm unchanged
+    # the step is faster but not twice: attention and the head stay at the bf16 rate, the casts
+    # are added (test_planner_v3.py), comm unchanged
     c_bf, c_f8 = bf.step.parts["compute"], f8.step.parts["compute"]
-    assert 0.5 * c_bf < c_f8 < 0.6 * c_bf
+    assert 0.6 * c_bf < c_f8 < 0.85 * c_bf
     assert f8.step.parts["tp_comm"] >= bf.step.parts["tp_comm"] * 0.99
     assert f8.mfu > bf.mfu and f8.to_dict()["mfu_vs_dtype_peak"] == f8.mfu_vs_dtype_peak
     assert plan_main(["--model", "llama3_8b", "--gpus", "8", "--dtype", "float8", "--top", "1"]) == 0
