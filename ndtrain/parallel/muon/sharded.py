@@ -34,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ndtrain.model.attention import Attention
 from ndtrain.optim.muon import build_muon, ns_dtype
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
 from ndtrain.parallel.ep.collectives import all_to_all_v
+from ndtrain.parallel.muon.qk_clip import QKClip, Target
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
 
 
@@ -191,6 +193,24 @@ def _tp_global(shape, spec) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def build_qk_clip(module, held: list[tuple], group, tau: float) -> QKClip:
+    """``QKClip`` over every ``Attention`` (exactly; rules refuse the other softmax kinds) of
+    ``module``; ``held``: ``(name, held tensor, rank-local shape, ZeRO route or None)`` per parameter."""
+    by_name = {n: (p, shape, route) for n, p, shape, route in held}
+    targets = []
+    for name, mod in module.named_modules():
+        if type(mod) is not Attention:
+            continue
+        ends = []
+        for w in ("wq", "wk"):
+            p, shape, route = by_name[f"{name}.{w}.weight" if name else f"{w}.weight"]
+            row0 = route[2].rank * route[0].rows[route[1]] if route is not None else 0
+            ends.append((p, row0, shape[0]))
+        (wq, q0, qr), (wk, k0, kr) = ends
+        targets.append(Target(mod, wq, wk, q0, k0, qr, kr, mod.head_dim))
+    return QKClip(tau, targets, group)
+
+
 def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
     """The trainer's optimizer: ``dp.build_optimizer`` (AdamW) or, for ``training.optimizer:
     muon``, ``ndtrain.optim.muon.Muon`` over what ``dp`` steps (its master shards under ZeRO / FSDP,
@@ -208,6 +228,9 @@ def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
     matrices = {id(p): Matrix(n, torch.Size(shape), tuple(shapes[n][-2:]), specs.get(n), route, len(shape) == 3)
                 for n, p, shape, route in held if id(p) in muon_ids}
     opt.orthogonalize = ShardedOrthogonalizer(matrices, mesh.group("tp"))
+    if tcfg.qk_clip > 0:
+        opt.qk_clip = build_qk_clip(dp.module, held, mesh.group("dp_shard_cp" if tcfg.local_sgd_steps else "dp_cp"),
+                                    tcfg.qk_clip)
     if hasattr(dp, "adopt_optimizer"):
         dp.adopt_optimizer(opt)
     return opt
