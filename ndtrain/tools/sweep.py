@@ -69,7 +69,11 @@ FEATURES: dict[str, dict] = {
     # a shared expert beside the routed ones (DeepSeekMoE); its expert-parallel layouts run again
     # with the shared expert under the dispatch all-to-all (parallel.moe_shared_overlap)
     "moe_shared": {**_MOE, "moe_shared_experts": 1},
+    # the optimizer, not the model: Muon on the hidden matrices (ndtrain.parallel.muon), the base
+    # model; training keys of a feature are in FEATURE_TRAINING
+    "muon": {},
 }
+FEATURE_TRAINING: dict[str, dict] = {"muon": {"optimizer": "muon"}}
 # features crossed with every layout of the layout tier; the others only with REPRESENTATIVE there
 FULL_PRODUCT = ("dense", "tied", "moe", "mla", "mtp", "hybrid")
 # micro batch 1: every layout cuts the global batch into the same microbatches (the MoE Switch loss
@@ -106,7 +110,7 @@ class Combo:
     def overrides(self) -> dict:
         """``section.key`` overrides of the ``debug`` preset for this combination."""
         out = {f"model.{k}": v for k, v in {**BASE_MODEL, **FEATURES[self.feature]}.items()}
-        out.update({f"training.{k}": v for k, v in TRAINING.items()})
+        out.update({f"training.{k}": v for k, v in {**TRAINING, **FEATURE_TRAINING.get(self.feature, {})}.items()})
         out.update({"training.dtype": self.dtype, "training.activation_checkpoint": self.ac,
                     "training.fused_loss": self.fused, "data.seq_len": T, "parallel.zero_stage": self.zero,
                     "parallel.dp_shard": -1, "parallel.bucket_size_bytes": 4096})
@@ -118,6 +122,7 @@ class Combo:
         """The ``ndtrain train`` command line of this combination (debug preset's corpus)."""
         extra = {"model.n_layers": BASE_MODEL["n_layers"],  # the debug preset has 2: too few for pp4
                  **{f"model.{k}": v for k, v in FEATURES[self.feature].items()},
+                 **{f"training.{k}": v for k, v in FEATURE_TRAINING.get(self.feature, {}).items()},
                  **{f"parallel.{k}": v for k, v in self.par}, **dict(self.extra)}
         if self.zero:
             extra["parallel.zero_stage"] = self.zero
@@ -336,6 +341,7 @@ SUBSET = (
     ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
     ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),
     ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit
+    ("muon", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # whole-matrix Newton-Schulz over tp
 )
 
 

@@ -59,6 +59,7 @@ def check_resume(saved: dict, t) -> None:
     default)."""
     defaults = type(t)()
     keys = ("optimizer", "muon_adamw_patterns") if t.optimizer == "muon" else ("optimizer",)
+    keys += ("mup_base_width",) if t.mup_base_width or saved.get("mup_base_width") else ()  # AdamW's groups
     for key in keys:
         old, new = saved.get(key, getattr(defaults, key)), getattr(t, key)
         if old != new:

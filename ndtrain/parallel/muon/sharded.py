@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ndtrain.model.attention import Attention
+from ndtrain.optim.mup import split_hidden_adamw
 from ndtrain.optim.muon import build_muon, ns_dtype
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
 from ndtrain.parallel.ep.collectives import all_to_all_v
@@ -215,15 +216,19 @@ def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
     """The trainer's optimizer: ``dp.build_optimizer`` (AdamW) or, for ``training.optimizer:
     muon``, ``ndtrain.optim.muon.Muon`` over what ``dp`` steps (its master shards under ZeRO / FSDP,
     the module's parameters otherwise) with a ``ShardedOrthogonalizer`` for the layout."""
-    if tcfg.optimizer != "muon":
-        return dp.build_optimizer(tcfg)
     specs = tp_specs(dp.module)
     if hasattr(dp, "entries"):  # ZeRO-1/2/3, HSDP
         held = [(e.fqn, e.param, e.shape, (e.layout, e.index, e.domain.shard_group)) for e in dp.entries]
     else:
         held = [(n, p, p.shape, None) for n, p in dp.module.named_parameters()]
     shapes = {n: _tp_global(shape, specs.get(n)) for n, _, shape, _ in held}
-    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes)
+    width = dp.module.cfg.dim  # muP's width (training.mup_base_width)
+    if tcfg.optimizer != "muon":
+        opt = dp.build_optimizer(tcfg)
+        if tcfg.mup_base_width:
+            split_hidden_adamw(opt, [(n, p, shapes[n]) for n, p, _, _ in held], tcfg, width)
+        return opt
+    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes, width=width)
     muon_ids = {id(p) for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     matrices = {id(p): Matrix(n, torch.Size(shape), tuple(shapes[n][-2:]), specs.get(n), route, len(shape) == 3)
                 for n, p, shape, route in held if id(p) in muon_ids}
