@@ -94,6 +94,30 @@ def plot(curves: dict, best: dict, target: float, preset: str, n_lrs: int) -> Pa
     return png
 
 
+def report_only(args) -> None:
+    """The comparison from the finished runs alone (an LR sweep cut short: the grids shrink to what
+    finished; the JSON lists every LR asked for and which ones ran)."""
+    work = Path(args.work)
+    asked = {"adamw": [float(x) for x in args.lrs.split(",")],
+             "muon": [float(x) for x in (args.muon_lrs or args.lrs).split(",")]}
+    done = {o: [lr for lr in lrs if (work / f"{args.preset}_{o}_{lr:g}_{args.steps}" / "DONE").exists()]
+            for o, lrs in asked.items()}
+    runs = {o: {lr: _curve(work / f"{args.preset}_{o}_{lr:g}_{args.steps}") for lr in lrs} for o, lrs in done.items()}
+    best = {o: min(r, key=lambda lr: r[lr][-1][1]) for o, r in runs.items()}
+    curves = {o: runs[o][best[o]] for o in runs}
+    target = curves["adamw"][-1][1]
+    reach = next((s for s, v in curves["muon"] if v <= target), None)
+    result = {"preset": args.preset, "steps": args.steps, "lrs_asked": asked, "lrs_run": done, "best_lr": best,
+              "eval_every": args.eval_every,
+              "final_val": {o: {str(lr): c[-1][1] for lr, c in r.items()} for o, r in runs.items()},
+              "all_curves": {o: {str(lr): c for lr, c in r.items()} for o, r in runs.items()},
+              "curves": curves, "adamw_final_val": target, "muon_final_val": curves["muon"][-1][1],
+              "muon_steps_to_adamw_final": reach}
+    out = write_result(ROOT / "bench" / "results" / f"muon_convergence_{args.preset}.json", result, "cpu")
+    print(f"ran {done}; best lr {best}; AdamW final val {target:.4f} at step {args.steps}; Muon reaches it at step {reach}")
+    print(f"wrote {out}; wrote {plot(curves, best, target, args.preset, max(map(len, done.values())))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="debug")
@@ -104,7 +128,11 @@ def main() -> None:
     ap.add_argument("--muon-lrs", default="", help="empty = --lrs")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", default="/tmp/muon_convergence")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing: report the finished runs of the grids at --steps (each grid cut to them)")
     args = ap.parse_args()
+    if args.report_only:
+        return report_only(args)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     grid = {"adamw": [float(x) for x in args.lrs.split(",")],

@@ -190,15 +190,13 @@ def muon_groups(named_params, tcfg, shapes: dict[str, tuple] | None = None) -> l
 
 
 def build_muon(named_params, tcfg, shapes: dict[str, tuple] | None = None,
-               orthogonalize: Callable | None = None, width: int = 0) -> Muon:
+               orthogonalize: Callable | None = None, lr_factor: float = 1.0) -> Muon:
     """``Muon`` over ``named_params`` from ``training.*`` (``muon_lr`` 0 = ``lr``). ``shapes``:
-    global shapes by name for sharded tensors; ``orthogonalize``: see ``Muon``; ``width``: the
-    model's dim, for ``training.mup_base_width`` (``ndtrain.optim.mup``; 0 = no scaling)."""
-    from ndtrain.optim.mup import hidden_lr_factor  # mup imports this module
-
+    global shapes by name for sharded tensors; ``orthogonalize``: see ``Muon``; ``lr_factor``: the
+    Muon groups' LR multiplier (``ndtrain.optim.mup.hidden_lr_factor``, ``training.mup_base_width``)."""
     named_params = list(named_params)
     groups = muon_groups(named_params, tcfg, shapes)
-    factor = hidden_lr_factor("muon", tcfg.muon_scale, width, tcfg.mup_base_width) if width else 1.0
+    factor = lr_factor
     for g in groups:
         if g["kind"] == "muon":
             g["lr"] = (tcfg.muon_lr or tcfg.lr) * factor

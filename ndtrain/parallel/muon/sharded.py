@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ndtrain.model.attention import Attention
-from ndtrain.optim.mup import split_hidden_adamw
+from ndtrain.optim.mup import hidden_lr_factor, split_hidden_adamw
 from ndtrain.optim.muon import build_muon, ns_dtype
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
 from ndtrain.parallel.ep.collectives import all_to_all_v
@@ -228,7 +228,8 @@ def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
         if tcfg.mup_base_width:
             split_hidden_adamw(opt, [(n, p, shapes[n]) for n, p, _, _ in held], tcfg, width)
         return opt
-    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes, width=width)
+    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes,
+                     lr_factor=hidden_lr_factor("muon", tcfg.muon_scale, width, tcfg.mup_base_width))
     muon_ids = {id(p) for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     matrices = {id(p): Matrix(n, torch.Size(shape), tuple(shapes[n][-2:]), specs.get(n), route, len(shape) == 3)
                 for n, p, shape, route in held if id(p) in muon_ids}
