@@ -58,7 +58,7 @@ def run_all(jobs: list[tuple], args, work: Path) -> dict[tuple, list]:
             if (run_dir / "DONE").exists():
                 out[key] = _curve(run_dir)
                 continue
-            log = open(work / f"{run_dir.name}.log", "w")
+            log = open(work / f"{run_dir.name}.log", "w")  # noqa: SIM115 (open while the run lives)
             cmd = _cmd(args.preset, opt, lr, steps, args.eval_every, run_dir)
             live.append((key, run_dir, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
         time.sleep(2)
@@ -73,7 +73,7 @@ def run_all(jobs: list[tuple], args, work: Path) -> dict[tuple, list]:
     return out
 
 
-def plot(curves: dict, best: dict, target: float, preset: str, n_lrs: int) -> Path:
+def plot(curves: dict, best: dict, target: float, preset: str, n_lrs: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +86,7 @@ def plot(curves: dict, best: dict, target: float, preset: str, n_lrs: int) -> Pa
     ax.axhline(target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("step (same tokens per step)")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{preset} preset: Muon vs AdamW, best LR of {n_lrs} each")
+    ax.set_title(f"{preset} preset: Muon vs AdamW, best LR of {n_lrs}")
     ax.legend()
     fig.tight_layout()
     png = ROOT / "docs" / "images" / f"muon_convergence_{preset}.png"
@@ -115,7 +115,8 @@ def report_only(args) -> None:
               "muon_steps_to_adamw_final": reach}
     out = write_result(ROOT / "bench" / "results" / f"muon_convergence_{args.preset}.json", result, "cpu")
     print(f"ran {done}; best lr {best}; AdamW final val {target:.4f} at step {args.steps}; Muon reaches it at step {reach}")
-    print(f"wrote {out}; wrote {plot(curves, best, target, args.preset, max(map(len, done.values())))}")
+    png = plot(curves, best, target, args.preset, f"{len(done['adamw'])} / {len(done['muon'])} (AdamW / Muon)")
+    print(f"wrote {out}; wrote {png}")
 
 
 def main() -> None:
@@ -153,7 +154,8 @@ def main() -> None:
               "muon_steps_to_adamw_final": reach}
     out = write_result(ROOT / "bench" / "results" / f"muon_convergence_{args.preset}.json", result, "cpu")
     print(f"best lr {best}; AdamW final val {target:.4f} at step {args.steps}; Muon reaches it at step {reach}")
-    print(f"wrote {out}; wrote {plot(curves, best, target, args.preset, len(grid['muon']))}")
+    png = plot(curves, best, target, args.preset, f"{len(grid['adamw'])} / {len(grid['muon'])} (AdamW / Muon)")
+    print(f"wrote {out}; wrote {png}")
 
 
 if __name__ == "__main__":

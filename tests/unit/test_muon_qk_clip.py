@@ -114,10 +114,10 @@ def test_a_skipped_step_drops_its_maxima():
 @pytest.mark.parametrize("keys, msg", [
     ({"training.optimizer": "adamw"}, "training.qk_clip needs training.optimizer: muon (got adamw): it is MuonClip's step"),
     ({"model.qk_norm": True}, "training.qk_clip with model.qk_norm: the norm undoes any scaling of wq / wk"),
-    ({"model.layer_pattern": "AS"}, "training.qk_clip: layers ['sliding_window'] mask logits their own way; "
-                                    "qk_clip records plain causal attention only"),
-    ({"parallel.cp": 2}, "training.qk_clip needs parallel.cp 1 (got 2): a cp rank holds only its chunk's keys, "
-                         "so its logit maxima would miss the other chunks'"),
+    ({"model.layer_pattern": "AS"}, ("training.qk_clip: layers ['sliding_window'] mask logits their own way; "
+                                     "qk_clip records plain causal attention only")),
+    ({"parallel.cp": 2}, ("training.qk_clip needs parallel.cp 1 (got 2): a cp rank holds only its chunk's keys, "
+                          "so its logit maxima would miss the other chunks'")),
     ({"training.qk_clip": -1.0}, "training.qk_clip (-1.0) must be >= 0 (0 = off)"),
 ])
 def test_qk_clip_rules(keys, msg):

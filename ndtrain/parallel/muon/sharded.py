@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from ndtrain.model.attention import Attention
-from ndtrain.optim.mup import hidden_lr_factor, split_hidden_adamw
-from ndtrain.optim.muon import build_muon, ns_dtype
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
+from ndtrain.optim.muon import build_muon, ns_dtype
+from ndtrain.optim.mup import hidden_lr_factor, split_hidden_adamw
 from ndtrain.parallel.ep.collectives import all_to_all_v
 from ndtrain.parallel.muon.qk_clip import QKClip, Target
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
