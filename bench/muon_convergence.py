@@ -3,6 +3,7 @@
     python bench/muon_convergence.py                      # debug preset, 150 steps, 3 LRs each
     python bench/muon_convergence.py --preset default --sweep-steps 150 --steps 300 \
         --lrs 1e-3,2e-3,4e-3 --muon-lrs 2e-3,4e-3,8e-3 --eval-every 25 --jobs 2
+    python bench/muon_convergence.py --preset default --steps 150 --report-only ...  # what finished
 
 Each run is ``ndtrain train --config PRESET`` in its own run directory (one process, one torch
 thread, ``nice -n 10``, at most ``--jobs`` at a time; the preset's batch, schedule and data;
