@@ -196,10 +196,9 @@ def build_muon(named_params, tcfg, shapes: dict[str, tuple] | None = None,
     Muon groups' LR multiplier (``ndtrain.optim.mup.hidden_lr_factor``, ``training.mup_base_width``)."""
     named_params = list(named_params)
     groups = muon_groups(named_params, tcfg, shapes)
-    factor = lr_factor
     for g in groups:
         if g["kind"] == "muon":
-            g["lr"] = (tcfg.muon_lr or tcfg.lr) * factor
+            g["lr"] = (tcfg.muon_lr or tcfg.lr) * lr_factor
     by_id = {}
     for name, p in named_params:
         shape = (shapes or {}).get(name, tuple(p.shape))
