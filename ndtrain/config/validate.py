@@ -96,6 +96,7 @@ def _validate_training(cfg) -> None:
     _check(t.grad_clip >= 0, f"training.grad_clip ({t.grad_clip}) must be >= 0")
     check_activation_checkpoint(t.activation_checkpoint)
     muon_rules.check(t)
+    muon_rules.check_model(cfg)
     _validate_fault(cfg)
     _validate_kernels(t)
     _validate_speed(cfg)

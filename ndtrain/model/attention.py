@@ -43,13 +43,37 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Max pre-softmax logit per query head: q (B, H, T, D), k (B, G, T, D) -> (H,), the max over the
+    batch and the causal pairs s <= t of q_t . k_s / sqrt(D) (query head h reads kv head h // (H / G),
+    as ``enable_gqa``), only pairs of one document when ``documents`` (B, T) is given (the pairs
+    attention computes); at least float32 (float64 stays float64). No autograd."""
+    b, h, t, d = q.shape
+    g = k.shape[1]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    with torch.no_grad():
+        qg = q.detach().to(dt).reshape(b, g, h // g, t, d)
+        s = qg @ k.detach().to(dt)[:, :, None].transpose(-1, -2) / d ** 0.5  # (B, G, H/G, T, T)
+        seen = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if documents is not None:  # (B, 1, 1, T, T): a query sees keys of its own document only
+            seen = seen & (documents[:, :, None] == documents[:, None, :])[:, None, None]
+        return s.masked_fill(~seen, float("-inf")).amax(dim=(0, 3, 4)).reshape(h)
+
+
 class Attention(nn.Module):
     """``wq``, ``wk``, ``wv``, ``wo`` (no biases), RoPE, causal GQA: x (B, T, C), cos / sin (T, D/2) or
     (B, T, D/2) -> (B, T, C).
 
     ``head_dim``: D (0 = C / H). ``qk_norm``: RMSNorm over each head's D dims of q and k before RoPE
     (Qwen3, 2025; Dehghani et al. 2023). ``output_gate``: heads times ``sigmoid(wg x)`` before ``wo``
-    (Qwen3-Next). ``layer_id`` names the layer in a KV cache."""
+    (Qwen3-Next). ``layer_id`` names the layer in a KV cache.
+
+    ``logit_max``: None (off), or a tensor that each training forward raises to the running
+    per-head max of ``head_max_logits`` (an empty tensor starts it); QK-clip
+    (``ndtrain.parallel.muon.qk_clip``) sets, reads and resets it. Computed from q and k apart from
+    ``core``, so it is the same whichever attention kernel runs."""
+
+    logit_max: torch.Tensor | None = None
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: str = "0", head_dim: int = 0,
                  qk_norm: bool = False, norm_eps: float = 1e-5, output_gate: bool = False):
@@ -106,6 +130,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
+        if self.logit_max is not None and self.training:  # QK-clip's per-head max logit (ndtrain.parallel.muon.qk_clip)
+            m = head_max_logits(q, k, documents)
+            self.logit_max = m if self.logit_max.numel() == 0 else torch.maximum(self.logit_max, m)
         if kv_cache is None:  # documents (B, T) packed ids: passed to the core only when present
             out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
             return self.merge(out, x)

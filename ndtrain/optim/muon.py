@@ -91,6 +91,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.shapes = shapes or {}
         self.orthogonalize = orthogonalize or local_orthogonalize
+        self.qk_clip = None  # apply() after each step, reset() on zero_grad (ndtrain.parallel.muon.qk_clip)
         for g in self.param_groups:  # eager state (see module docstring)
             for p in g["params"]:
                 st = self.state[p]
@@ -121,7 +122,15 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in g["params"] if p.grad is not None]
             if params:
                 (self._muon if g["kind"] == "muon" else self._adamw)(g, params)
+        if self.qk_clip is not None:  # on the updated weights, before a layout's post-step gather
+            self.qk_clip.apply()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also re-arms QK-clip's logit maxima: a skipped step's (maybe non-finite) ones are dropped."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
 
     def _muon(self, g: dict, params: list[torch.Tensor]) -> None:
         mu, lr, wd = g["momentum"], g["lr"], g["weight_decay"]
@@ -181,11 +190,15 @@ def muon_groups(named_params, tcfg, shapes: dict[str, tuple] | None = None) -> l
 
 
 def build_muon(named_params, tcfg, shapes: dict[str, tuple] | None = None,
-               orthogonalize: Callable | None = None) -> Muon:
+               orthogonalize: Callable | None = None, lr_factor: float = 1.0) -> Muon:
     """``Muon`` over ``named_params`` from ``training.*`` (``muon_lr`` 0 = ``lr``). ``shapes``:
-    global shapes by name for sharded tensors; ``orthogonalize``: see ``Muon``."""
+    global shapes by name for sharded tensors; ``orthogonalize``: see ``Muon``; ``lr_factor``: the
+    Muon groups' LR multiplier (``ndtrain.optim.mup.hidden_lr_factor``, ``training.mup_base_width``)."""
     named_params = list(named_params)
     groups = muon_groups(named_params, tcfg, shapes)
+    for g in groups:
+        if g["kind"] == "muon":
+            g["lr"] = (tcfg.muon_lr or tcfg.lr) * lr_factor
     by_id = {}
     for name, p in named_params:
         shape = (shapes or {}).get(name, tuple(p.shape))

@@ -381,10 +381,11 @@ def resume_extras() -> list[Combo]:
 
 # the default suite's share (tests/integration/test_sweep.py), 2 ranks: each axis once, DiLoCo at
 # a boundary and inside an interval, asynchronous saves under DDP and ZeRO, the float16 loss scale,
-# the expert bias (MoE), MTP and the linear-family mixers
+# the expert bias (MoE), MTP, the linear-family mixers and Muon
 _SUB = [("dense", {"dp_shard": 2}, {"zero": 2}), ("dense", {"tp": 2}, {"zero": 0}),
         ("moe", {"dp_shard": 2, "ep": 2}, {"zero": 3}), ("hybrid", {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),
-        ("mtp", {"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 1}, {"zero": 0})]
+        ("mtp", {"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 1}, {"zero": 0}),
+        ("muon", {"dp_shard": 2}, {"zero": 3})]  # Muon momenta resharded from ZeRO-3 row blocks
 
 
 def resume_subset() -> list[Combo]:

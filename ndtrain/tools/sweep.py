@@ -70,8 +70,8 @@ FEATURES: dict[str, dict] = {
     # with the shared expert under the dispatch all-to-all (parallel.moe_shared_overlap)
     "moe_shared": {**_MOE, "moe_shared_experts": 1},
     "moe_balanced": {**_MOE, "training.moe_routing": "balanced"},  # benchmark routing: by position, any layout
-    # LoRA adapters on every linear of the blocks, the base frozen (keys with a section: not model.*)
-    "lora": {"finetune.lora_rank": 4, "finetune.lora_targets": "*.wq,*.wk,*.wv,*.wo,*.w1,*.w2,*.w3"},
+    "lora": {"finetune.lora_rank": 4, "finetune.lora_targets": "*.wq,*.wk,*.wv,*.wo,*.w1,*.w2,*.w3"},  # base frozen
+    "muon": {"training.optimizer": "muon"},  # Muon on the hidden matrices (ndtrain.parallel.muon)
 }
 # packed documents (``global_documents``): sliding window, Mamba-2, Gated DeltaNet and softmax layers
 FEATURES["packed"] = {**FEATURES["hybrid"], "layer_pattern": "SMGA", "swa_window": 3}
@@ -349,6 +349,7 @@ SUBSET = (
     ("lora", 2, {"dp_shard": 2}, {"zero": 3, "ac": "full"}),
     ("packed", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 3, "ac": "full"}),  # documents cut by cp
     ("packed", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1}),  # documents split by microbatch
+    ("muon", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # whole-matrix Newton-Schulz over tp
 )
 
 

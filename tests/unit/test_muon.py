@@ -249,3 +249,21 @@ def test_the_metrics_row_adds_newton_schulz_flops_to_hfu_not_mfu():
         hfu = row["mfu"] * metrics.hfu_factor(cfg.model, cfg.data.seq_len, "none")
         extra = opt.ns_flops_per_step() * 4 / 2.0 / 1e9 if ns else 0.0
         assert row["hfu"] == pytest.approx(hfu + extra) and (extra > 0) == ns
+
+
+def test_newton_schulz_dtype_is_bf16_on_cuda_and_the_run_dtype_on_cpu():
+    """The choice (``ns_dtype``): bfloat16 for CUDA tensors (a stand-in object: no GPU here), the
+    tensor's own dtype on CPU; and on CPU the float64 orthogonalisation is the float64 iteration,
+    ~1e-3 away from what a bf16 one gives."""
+    from types import SimpleNamespace
+
+    from ndtrain.ops.newton_schulz import newton_schulz
+    from ndtrain.optim.muon import local_orthogonalize, ns_dtype
+
+    for dt in (torch.float64, torch.float32, torch.bfloat16):
+        assert ns_dtype(torch.zeros(2, 2, dtype=dt)) == dt
+        assert ns_dtype(SimpleNamespace(is_cuda=True, dtype=dt)) == torch.bfloat16
+    u = torch.randn(24, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (o,) = local_orthogonalize([u], [u], 5)
+    assert o.dtype == torch.float64 and torch.equal(o, newton_schulz(u, 5, torch.float64))
+    assert (o - newton_schulz(u, 5, torch.bfloat16)).abs().max() > 1e-3

@@ -34,9 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ndtrain.optim.muon import build_muon, ns_dtype
+from ndtrain.model.attention import Attention
 from ndtrain.ops.newton_schulz import newton_schulz, ns_flops
+from ndtrain.optim.muon import build_muon, ns_dtype
+from ndtrain.optim.mup import hidden_lr_factor, split_hidden_adamw
 from ndtrain.parallel.ep.collectives import all_to_all_v
+from ndtrain.parallel.muon.qk_clip import QKClip, Target
 from ndtrain.parallel.tp.tensor_parallel import tp_full_tensor, tp_local_slice, tp_specs
 
 
@@ -191,23 +194,49 @@ def _tp_global(shape, spec) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def build_qk_clip(module, held: list[tuple], group, tau: float) -> QKClip:
+    """``QKClip`` over every ``Attention`` (exactly; rules refuse the other softmax kinds) of
+    ``module``; ``held``: ``(name, held tensor, rank-local shape, ZeRO route or None)`` per parameter."""
+    by_name = {n: (p, shape, route) for n, p, shape, route in held}
+    targets = []
+    for name, mod in module.named_modules():
+        if type(mod) is not Attention:
+            continue
+        ends = []
+        for w in ("wq", "wk"):
+            p, shape, route = by_name[f"{name}.{w}.weight" if name else f"{w}.weight"]
+            row0 = route[2].rank * route[0].rows[route[1]] if route is not None else 0
+            ends.append((p, row0, shape[0]))
+        (wq, q0, qr), (wk, k0, kr) = ends
+        targets.append(Target(mod, wq, wk, q0, k0, qr, kr, mod.head_dim))
+    return QKClip(tau, targets, group)
+
+
 def build_train_optimizer(dp, mesh, tcfg) -> torch.optim.Optimizer:
     """The trainer's optimizer: ``dp.build_optimizer`` (AdamW) or, for ``training.optimizer:
     muon``, ``ndtrain.optim.muon.Muon`` over what ``dp`` steps (its master shards under ZeRO / FSDP,
     the module's parameters otherwise) with a ``ShardedOrthogonalizer`` for the layout."""
-    if tcfg.optimizer != "muon":
-        return dp.build_optimizer(tcfg)
     specs = tp_specs(dp.module)
     if hasattr(dp, "entries"):  # ZeRO-1/2/3, HSDP
         held = [(e.fqn, e.param, e.shape, (e.layout, e.index, e.domain.shard_group)) for e in dp.entries]
     else:
         held = [(n, p, p.shape, None) for n, p in dp.module.named_parameters()]
     shapes = {n: _tp_global(shape, specs.get(n)) for n, _, shape, _ in held}
-    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes)
+    width = dp.module.cfg.dim  # muP's width (training.mup_base_width)
+    if tcfg.optimizer != "muon":
+        opt = dp.build_optimizer(tcfg)
+        if tcfg.mup_base_width:
+            split_hidden_adamw(opt, [(n, p, shapes[n]) for n, p, _, _ in held], tcfg, width)
+        return opt
+    opt = build_muon([(n, p) for n, p, _, _ in held], tcfg, shapes,
+                     lr_factor=hidden_lr_factor("muon", tcfg.muon_scale, width, tcfg.mup_base_width))
     muon_ids = {id(p) for g in opt.param_groups if g["kind"] == "muon" for p in g["params"]}
     matrices = {id(p): Matrix(n, torch.Size(shape), tuple(shapes[n][-2:]), specs.get(n), route, len(shape) == 3)
                 for n, p, shape, route in held if id(p) in muon_ids}
     opt.orthogonalize = ShardedOrthogonalizer(matrices, mesh.group("tp"))
+    if tcfg.qk_clip > 0:
+        opt.qk_clip = build_qk_clip(dp.module, held, mesh.group("dp_shard_cp" if tcfg.local_sgd_steps else "dp_cp"),
+                                    tcfg.qk_clip)
     if hasattr(dp, "adopt_optimizer"):
         dp.adopt_optimizer(opt)
     return opt
