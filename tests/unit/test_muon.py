@@ -241,7 +241,7 @@ def test_the_metrics_row_adds_newton_schulz_flops_to_hfu_not_mfu():
     for opt, ns in ((build_muon(model.named_parameters(), TrainingConfig(optimizer="muon")), True),
                     (torch.optim.SGD(model.parameters(), lr=0.1), False)):
         r = SimpleNamespace(cfg=cfg, mesh=ParallelDims(world_size=1).build_mesh(), device=torch.device("cpu"),
-                            world=1, trainer=SimpleNamespace(optimizer=opt))
+                            world=1, trainer=SimpleNamespace(optimizer=opt), data=None, sampler=None)
         out = {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0}
         row = loop._log_row(r, 10, out, [2.0, 4], fpt=1e6, peak=1e9)  # 4 steps in 2 s
         tps = 4 * cfg.training.global_batch_size * cfg.data.seq_len / 2.0
