@@ -295,4 +295,15 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
         (f"plan: {t.steps} steps x {t.global_batch_size} seq x {T} tokens = "
          f"{t.steps * t.global_batch_size * T:,} tokens = {epochs:.2f} epochs of the train split"),
         f"compute: {fpt / 1e6:,.1f} MFLOP/token | {peak_s}",
+        *_thread_lines(),
     ]
+
+
+def _thread_lines() -> list[str]:
+    """The launch's thread policy (``ndtrain.spawn.thread_policy``) and its warning, if any."""
+    import torch
+
+    from ndtrain.spawn import current_policy
+
+    policy = current_policy()
+    return [policy.describe(torch.get_num_threads()), *filter(None, [policy.warning()])]
