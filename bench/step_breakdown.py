@@ -7,7 +7,9 @@ tokens per data-parallel rank, bf16 autocast, AdamW) split into phases by
 ``ndtrain.train.profiling.StepBreakdown`` (wall-clock spans; the waits of the counted primitives),
 for one process and for pp = 2 (1F1B, two microbatches, two gloo processes). Threads follow
 ``ndtrain.spawn.thread_policy``. Reports the median of each phase over the timed steps (per rank
-at pp = 2) and the medians' sum beside the median step; writes ``bench/results/<out>`` with the
+at pp = 2) and the medians' sum beside the median step; for one process also the phases of
+``bench/peers_plain.py``'s plain loop (forward, backward, clip + AdamW), its steps alternating with
+ndtrain's in the same process so load hits both alike; writes ``bench/results/<out>`` with the
 machine's load average before and after (``ndtrain.tools.bench_utils.write_result``).
 """
 from __future__ import annotations
@@ -48,17 +50,57 @@ def _measure(rank: int, world: int, pp: int, steps: int, warmup: int) -> dict:
 
     cfg = reference_cfg(world, pp, m=2 if pp > 1 else 0)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))
-    for s in range(warmup):
-        tr.step(*_batch(s, cfg.training.global_batch_size // tr.mesh.dims.dp))
+    rows = cfg.training.global_batch_size // tr.mesh.dims.dp
+    plain = _PlainPhases() if world == 1 else None  # the plain loop's phases, steps alternating
     bd = StepBreakdown(tr)
-    bd.attach()
-    for s in range(steps):
-        tr.step(*_batch(warmup + s, cfg.training.global_batch_size // tr.mesh.dims.dp))
+    for s in range(warmup + steps):
+        if s == warmup:
+            bd.attach()
+        for side in ("ndtrain", "plain") if s % 2 == 0 else ("plain", "ndtrain"):
+            if side == "ndtrain":
+                tr.step(*_batch(s, rows))
+            elif plain is not None:
+                plain.step(*_batch(s, rows), timed=s >= warmup)
     bd.detach()
     keys = ("step_s", *PHASES, "overlapped_s")
     med = {k: statistics.median(row[k] for row in bd.steps) for k in keys}
     med["sum_of_phase_medians_s"] = sum(med[k] for k in PHASES)
-    return {"rank": rank, "median_s": med, "steps": bd.steps, "threads": torch.get_num_threads()}
+    out = {"rank": rank, "median_s": med, "steps": bd.steps, "threads": torch.get_num_threads()}
+    if plain is not None:
+        out["plain_median_s"] = {k: statistics.median(v) for k, v in plain.times.items()}
+    return out
+
+
+class _PlainPhases:
+    """``bench/peers_plain.py``'s Llama under a plain loop, its phases timed the same way (spans)."""
+
+    def __init__(self):
+        from bench.peers_plain import adamw, build
+
+        self.model = build()
+        self.params = list(self.model.parameters())
+        self.opt = adamw(self.params)
+        self.times: dict[str, list[float]] = {k: [] for k in ("step_s", "forward", "backward", "optimizer")}
+
+    def step(self, x, y, timed: bool) -> None:
+        import time
+
+        import torch
+
+        from bench.peers_plain import loss_fn
+
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(self.model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt()
+        t3 = time.perf_counter()
+        if timed:
+            for k, v in (("step_s", t3 - t0), ("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2)):
+                self.times[k].append(v)
 
 
 def _batch(step: int, rows: int):
@@ -101,6 +143,9 @@ def main() -> None:
         for r in res["layouts"][name]:
             print(name, f"rank {r['rank']}", json.dumps({k: round(v * 1e3, 1) for k, v in r["median_s"].items()}),
                   "(ms)", flush=True)
+            if "plain_median_s" in r:
+                print(name, "plain loop", json.dumps({k: round(v * 1e3, 1) for k, v in r["plain_median_s"].items()}),
+                      "(ms)", flush=True)
     res["load_after"] = os.getloadavg()
     print(write_result(ROOT / "bench" / "results" / args.out, res, "cpu"))
 

@@ -2,7 +2,11 @@
 
 Each rank is a fresh interpreter (multiprocessing "spawn": CUDA-safe) with the torchrun
 environment, an optional default process group and a result file. Failures come back as one
-``SpawnError`` blaming one rank, with its traceback once. Torch is imported only inside ranks."""
+``SpawnError`` blaming one rank, with its traceback once. Torch is imported only inside ranks.
+
+The thread policy of every launch lives here too (``thread_policy``): one process, spawned ranks
+and torchrun workers all compute with the cores of the node shared by its local ranks, capped by
+an ``OMP_NUM_THREADS`` of the launching environment (with a warning in the start-up summary)."""
 from __future__ import annotations
 
 import os
