@@ -111,12 +111,12 @@ def run_row(name: str, steps: int, cache: Path, flip: bool) -> dict:
     from bench.peers_plain import B, T
 
     nproc, layout, extra = ROWS[name]
-    sides = {}
+    sides, load = {}, os.getloadavg()
     for side in (("ndtrain", "torch") if flip else ("torch", "ndtrain")):
         sides[side] = (run_ndtrain(nproc, extra, steps, cache) if side == "ndtrain"
                        else run_torch(nproc, layout, steps))
     row = {"row": name, "processes": nproc, "torch_layout": layout, "ndtrain": sides["ndtrain"],
-           "torch": sides["torch"], "ratio": None}
+           "torch": sides["torch"], "ratio": None, "load_before": load, "load_after": os.getloadavg()}
     if "error" in sides["ndtrain"] or "error" in sides["torch"]:
         return row
     dp = nproc if layout in ("ddp", "fsdp2") else 1
