@@ -2,7 +2,11 @@
 
 Each rank is a fresh interpreter (multiprocessing "spawn": CUDA-safe) with the torchrun
 environment, an optional default process group and a result file. Failures come back as one
-``SpawnError`` blaming one rank, with its traceback once. Torch is imported only inside ranks."""
+``SpawnError`` blaming one rank, with its traceback once. Torch is imported only inside ranks.
+
+The thread policy of every launch lives here too (``thread_policy``): one process, spawned ranks
+and torchrun workers all compute with the cores of the node shared by its local ranks, capped by
+an ``OMP_NUM_THREADS`` of the launching environment (with a warning in the start-up summary)."""
 from __future__ import annotations
 
 import os
@@ -15,6 +19,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
@@ -28,6 +33,97 @@ class SpawnError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None, details: str = "", exitcode: int | None = None):
         super().__init__(message)
         self.rank, self.details, self.exitcode = rank, details, exitcode
+
+
+THREAD_POLICY_ENV = "NDTRAIN_THREAD_POLICY"  # the launcher's policy, handed to its ranks (``apply_policy``)
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """Compute threads of one rank: the cores this process may run on (``os.sched_getaffinity``)
+    shared evenly by the ``local_ranks`` of the node, at least 1; an ``OMP_NUM_THREADS`` in the
+    launching environment (torchrun sets 1) caps it, with a ``warning`` when the cap is lower."""
+
+    cores: int  # cores of the node this launch may use
+    local_ranks: int  # ranks sharing them
+    cap: int | None  # OMP_NUM_THREADS of the launching environment (None: unset / not a number)
+
+    @property
+    def given(self) -> int:
+        """Cores one rank was given."""
+        return max(1, self.cores // self.local_ranks)
+
+    @property
+    def threads(self) -> int:
+        return min(self.given, self.cap) if self.cap else self.given
+
+    def warning(self) -> str | None:
+        if not self.cap or self.cap >= self.given:
+            return None
+        return (f"warning: OMP_NUM_THREADS={self.cap} in the environment caps each rank at {self.cap} compute "
+                f"thread(s), below the {self.given} core(s) it was given ({self.cores} cores / "
+                f"{self.local_ranks} local rank(s)); unset it or raise it to use them")
+
+    def describe(self, live: int | None = None) -> str:
+        """The start-up summary line; ``live``: ``torch.get_num_threads()`` when it differs."""
+        src = f"capped by OMP_NUM_THREADS={self.cap}" if self.cap and self.cap < self.given else "from the cores"
+        line = f"threads: {self.threads} per rank ({self.cores} cores / {self.local_ranks} local rank(s), {src})"
+        return line + (f"; torch uses {live} (set after start-up)" if live is not None and live != self.threads
+                       else "")
+
+
+def thread_policy(local_ranks: int, env=None, cores: int | None = None) -> ThreadPolicy:
+    """The one thread policy of every launch (one process, spawned ranks, torchrun workers).
+
+    ``local_ranks``: processes of this node sharing its cores; ``env``: the launching environment
+    (default ``os.environ``); ``cores``: default the affinity of this process. Raises ValueError
+    for ``local_ranks`` < 1."""
+    if local_ranks < 1:
+        raise ValueError(f"local_ranks ({local_ranks}) must be >= 1")
+    env = os.environ if env is None else env
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    cap = int(raw) if raw.isdigit() and int(raw) > 0 else None
+    return ThreadPolicy(max(1, cores), local_ranks, cap)
+
+
+def policy_env(policy: ThreadPolicy) -> dict[str, str]:
+    """What a spawned rank's environment carries of ``policy`` (read back by ``current_policy``);
+    ``spawn(threads=policy.threads)`` sets its threads."""
+    return {THREAD_POLICY_ENV: f"{policy.cores},{policy.local_ranks},{policy.cap or 0}"}
+
+
+_CURRENT: ThreadPolicy | None = None  # set by ``running_under`` in this process
+
+
+def current_policy() -> ThreadPolicy:
+    """The policy this process runs under: ``running_under``'s, else its launcher's (``policy_env``),
+    else that of one of ``LOCAL_WORLD_SIZE`` local ranks (default 1)."""
+    if _CURRENT is not None:
+        return _CURRENT
+    try:
+        cores, ranks, cap = (int(x) for x in os.environ.get(THREAD_POLICY_ENV, "").split(","))
+        return ThreadPolicy(cores, ranks, cap or None)
+    except ValueError:
+        return thread_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "") or 1))
+
+
+@contextmanager
+def running_under(policy: ThreadPolicy):
+    """Inside the block this process computes with ``policy.threads`` torch threads and reports
+    ``policy`` (``current_policy``); both are restored after it."""
+    import torch
+
+    global _CURRENT
+    old = torch.get_num_threads(), _CURRENT
+    _CURRENT = policy
+    torch.set_num_threads(policy.threads)
+    try:
+        yield policy
+    finally:
+        _CURRENT = old[1]
+        torch.set_num_threads(old[0])
 
 
 def free_port() -> int:

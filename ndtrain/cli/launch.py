@@ -25,13 +25,9 @@ import torch.distributed as dist
 from ndtrain.cli.preflight import backend_for, preflight
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.mesh import device_for_rank
-from ndtrain.spawn import SpawnError, free_port, spawn
+from ndtrain.spawn import SpawnError, free_port, policy_env, running_under, spawn, thread_policy
 
 __all__ = ["SpawnError", "backend_for", "free_port", "launch", "prepare_checked", "spawn"]
-
-
-def _threads_per_rank(nproc: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def _group_timeout(cfg: Config) -> timedelta:
@@ -209,8 +205,9 @@ def _join_torchrun(cfg: Config, run_dir: Path, world: int) -> None:
     from ndtrain.train.loop import run
 
     note_torchrun_restart(run_dir, dist.get_rank() if world > 1 else 0)
+    policy = thread_policy(int(os.environ.get("LOCAL_WORLD_SIZE", "") or 1))  # torchrun's OMP_NUM_THREADS caps
     try:
-        with _sigterm_as_interrupt(os.environ.get("RANK", "0") == "0"):
+        with _sigterm_as_interrupt(os.environ.get("RANK", "0") == "0"), running_under(policy):
             run(cfg, run_dir, data_path, device)
     finally:
         if dist.is_initialized():
@@ -221,10 +218,11 @@ def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int, elasti
     """``nproc`` local ranks (this process alone for one rank without restarts); ``elastic``: after a
     rank is lost for good, go on with the survivors (``ndtrain.fault.elastic.Elastic``)."""
     data_path = prepare_checked(cfg)
+    policy = thread_policy(nproc)  # the same rule as torchrun's workers (``ndtrain.spawn.thread_policy``)
     if nproc == 1 and not max_restarts:
         from ndtrain.train.loop import run
 
-        with _sigterm_as_interrupt(True):
+        with _sigterm_as_interrupt(True), running_under(policy):
             run(cfg, run_dir, data_path)
         return
     from ndtrain.fault.elastic import Elastic
@@ -232,7 +230,8 @@ def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int, elasti
     from ndtrain.train.outputs import refresh_plot
 
     def attempt(c: Config, n: int):
-        return spawn(_train_rank, n, (c, str(run_dir), str(data_path)), threads=_threads_per_rank(n))
+        p = policy if n == nproc else thread_policy(n)  # an elastic restart on fewer ranks: more each
+        return spawn(_train_rank, n, (c, str(run_dir), str(data_path)), threads=p.threads, env=policy_env(p))
 
     el = Elastic(cfg, nproc, Path(run_dir), attempt) if elastic else None
     try:

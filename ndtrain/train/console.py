@@ -154,9 +154,12 @@ class RunConsole:
 
         from ndtrain.train.progress_bar import RunProgress
 
-        # redirect_stdout: prints during the run scroll above the bar instead of tearing it
+        # redirect_stdout: prints during the run scroll above the bar instead of tearing it.
+        # 2 redraws / s, not rich's 10: each costs ~1 ms of CPU under the GIL beside the step's own
+        # dispatch (measured: 0.9 ms), and the bar changes once a step; the clock still ticks.
         self._bar = RunProgress(self.times, self.fields_line, console=Console(file=stream),
-                                redirect_stdout=True, redirect_stderr=True, transient=False)
+                                redirect_stdout=True, redirect_stderr=True, transient=False,
+                                refresh_per_second=2)
         self._bar.start()
         self._task = self._bar.add_task("train", total=self.total, completed=first_step - 1)
 
@@ -299,4 +302,15 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
         (f"plan: {t.steps} steps x {t.global_batch_size} seq x {T} tokens = "
          f"{t.steps * t.global_batch_size * T:,} tokens = {epochs:.2f} epochs of the train split"),
         f"compute: {fpt / 1e6:,.1f} MFLOP/token | {peak_s}",
+        *_thread_lines(),
     ]
+
+
+def _thread_lines() -> list[str]:
+    """The launch's thread policy (``ndtrain.spawn.thread_policy``) and its warning, if any."""
+    import torch
+
+    from ndtrain.spawn import current_policy
+
+    policy = current_policy()
+    return [policy.describe(torch.get_num_threads()), *filter(None, [policy.warning()])]

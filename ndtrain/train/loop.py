@@ -147,7 +147,7 @@ def _train(r: _Run, con: console.RunConsole) -> list[dict]:
     con.begin(first_step, stop)
     guard = bad_steps.BadStepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
     strag = straggler.StragglerMonitor(trainer.world, r.device)
-    prof = StepProfiler(cfg.logging.profile_steps, r.run_dir, r.rank, r.device.type)  # --profile-steps
+    prof = StepProfiler(cfg.logging.profile_steps, r.run_dir, r.rank, r.device.type, trainer)  # + phases
     gp.begin_steps()
     while trainer.step_count < stop:
         step = trainer.step_count + 1
