@@ -3,7 +3,10 @@
 Each parameter is drawn in float32 from its own CPU generator seeded by (seed, canonical name),
 then cast and copied, so its value depends only on (seed, name, shape): not on device, float64 vs
 float32, or which other layers exist. Scheme (Llama 3 / GPT-2): Normal(0, init_std), ``wo`` / ``w2``
-scaled by 1 / sqrt(2 * n_layers) (Radford 2019), RMSNorm gains ones."""
+scaled by 1 / sqrt(2 * n_layers) (Radford 2019), RMSNorm gains ones. ``hidden_std_factor`` multiplies
+the std of the hidden matrices (every >= 2-D linear or expert weight but the embedding, the output
+head and the router): muP's hidden init ~ 1 / sqrt(fan_in) (``training.mup_base_width``,
+``ndtrain.optim.mup.hidden_init_factor``)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,6 +22,7 @@ from ndtrain.model.norm import RMSNorm
 # FSDP1); removed so the init seed follows the model's own name.
 _WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _RESIDUAL_OUT = ("wo", "w2")
+_NOT_HIDDEN = ("output", "router")  # width-free fan-in or fan-out: muP keeps their init
 
 
 def canonical_name(name: str) -> str:
@@ -47,9 +51,10 @@ def _copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Initialise ``model`` (a ``Transformer`` or stage) in place. Raises NotImplementedError for an
-    unknown module type's parameter (new types add a rule here instead of keeping ``to_empty`` garbage)."""
+def init_weights(model: nn.Module, seed: int, hidden_std_factor: float = 1.0) -> None:
+    """Initialise ``model`` (a ``Transformer`` or stage) in place; ``hidden_std_factor`` as the module
+    docstring. Raises NotImplementedError for an unknown module type's parameter (new types add a rule
+    here instead of keeping ``to_empty`` garbage)."""
     cfg: ModelConfig = model.cfg
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -64,6 +69,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
             leaf = canonical_name(mod_name).rpartition(".")[2]
             if leaf in _RESIDUAL_OUT or (not isinstance(mod, nn.Linear) and name.rpartition(".")[2] in _RESIDUAL_OUT):
                 std = std / math.sqrt(2 * cfg.n_layers)
+            if len(shape) >= 2 and not isinstance(mod, nn.Embedding) and leaf not in _NOT_HIDDEN:
+                std = std * hidden_std_factor
             full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=param_generator(seed, name))
         else:
             raise NotImplementedError(f"init_weights: no rule for {name} ({type(mod).__name__})")

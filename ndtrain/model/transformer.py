@@ -58,10 +58,10 @@ class Transformer(nn.Module):
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, hidden_std_factor: float = 1.0) -> None:
         """Deterministic init, independent of device, dtype and which layers exist (``init.py``)."""
 
-        init_weights(self, seed)
+        init_weights(self, seed, hidden_std_factor)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_cache: KVCacheLike | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,12 +100,12 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> nn.Module:
+                seed: int = 0, hidden_std_factor: float = 1.0) -> nn.Module:
     """A ``Transformer`` built on meta, materialised on ``device`` in ``dtype`` (RoPE tables float32),
-    initialised, in train mode."""
+    initialised (``init.init_weights``), in train mode."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=dtype)  # free on meta
     model.to_empty(device=device)  # unties tied weights; init_weights re-ties them
-    model.init_weights(seed)
+    model.init_weights(seed, hidden_std_factor)
     return model

@@ -13,7 +13,11 @@ same amount at every width:
   ``sqrt(fan_out / fan_in)``, a width-free ratio.
 
 Everything else (embeddings, the output head, routers, convolutions, norms, biases) keeps
-``training.lr``. The init is not rescaled: the model's ``init_std`` stays what the config says.
+``training.lr``. The init of the hidden matrices is rescaled by ``hidden_init_factor`` =
+``sqrt(B / W)`` (muP's hidden init variance ~ 1 / fan_in; for Muon the spectral condition's init
+norm ~ sqrt(fan_out / fan_in), which a Gaussian of std ~ 1 / sqrt(W) meets): ``init_std`` is the
+base width's std. Embeddings, the head and the router keep ``init_std``; the output multiplier of
+full muP is not applied.
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ import math
 import torch
 
 from ndtrain.optim.muon import muon_param_kind
+
+
+def hidden_init_factor(width: int, base: int) -> float:
+    """The hidden matrices' init-std multiplier ``sqrt(base / width)``; 1 when ``base`` is 0 (off)."""
+    return math.sqrt(base / width) if base else 1.0
 
 
 def hidden_lr_factor(optimizer: str, scale: str, width: int, base: int) -> float:

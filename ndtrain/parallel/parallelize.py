@@ -145,11 +145,14 @@ def _whole_batch_loss_sum(model: nn.Module, batch: BatchPlan, forward_ctx, dtype
 
 
 def _build(cfg: Config, mesh: Mesh, device: torch.device) -> nn.Module:
+    from ndtrain.optim.mup import hidden_init_factor
+
+    factor = hidden_init_factor(cfg.model.dim, cfg.training.mup_base_width)
     if mesh.dims.pp > 1:  # only this rank's stage
         from ndtrain.parallel.pp.stage import build_pipeline_stage
 
-        return build_pipeline_stage(cfg, mesh, device, param_dtype(cfg), cfg.training.seed)
-    return build_model(cfg.model, device, param_dtype(cfg), cfg.training.seed)
+        return build_pipeline_stage(cfg, mesh, device, param_dtype(cfg), cfg.training.seed, factor)
+    return build_model(cfg.model, device, param_dtype(cfg), cfg.training.seed, factor)
 
 
 def _build_pipeline(model: nn.Module, grad_sync: GradSync, batch: BatchPlan, mesh: Mesh, cfg: Config,

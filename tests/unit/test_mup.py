@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ndtrain.mesh import ParallelDims
-from ndtrain.optim.mup import hidden_lr_factor
+from ndtrain.optim.mup import hidden_init_factor, hidden_lr_factor
 from ndtrain.train.loop import Trainer
 from tests.parallel import layout_parity as lp
 from tests.utils import tiny_config
@@ -36,10 +36,17 @@ def _update(opt: str, width: int, base: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def updates():
-    return {(o, w, b): _update(o, w, b) for o in ("muon", "adamw") for w in WIDTHS for b in (0, BASE)}
+    """First-step updates with the LR rule alone: the init factor held at 1, so both runs of a width
+    start from the same weights and differ only in their LRs."""
+    from ndtrain.optim import mup
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mup, "hidden_init_factor", lambda width, base: 1.0)
+        return {(o, w, b): _update(o, w, b) for o in ("muon", "adamw") for w in WIDTHS for b in (0, BASE)}
 
 
 def test_factors():
+    assert hidden_init_factor(128, 32) == 0.5 and hidden_init_factor(128, 0) == 1.0
     assert hidden_lr_factor("adamw", "moonlight", 256, 32) == 0.125
     assert hidden_lr_factor("muon", "moonlight", 128, 32) == 0.5
     assert hidden_lr_factor("muon", "original", 128, 32) == 1.0
@@ -69,3 +76,36 @@ def test_update_spectral_norm_is_width_independent_only_with_mup(updates, opt, s
         off = [torch.linalg.matrix_norm(updates[(opt, w, 0)][n], 2).item() for w in WIDTHS]
         assert max(on) / min(on) < spread_on, (n, on)
         assert off[-1] / off[0] > growth_off, (n, off)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_hidden_init_std_scales_by_sqrt_base_over_width(pp):
+    """With mup_base_width B at width W, every hidden matrix (attention / MLP projections) is the
+    unscaled draw times sqrt(B / W) exactly; the embedding, head and norms are the unscaled ones.
+    pp = 2: the stage builder applies the same rule (its stage's layers equal the whole model's)."""
+    from ndtrain.model import build_model
+    from ndtrain.parallel.pp.stage import build_pipeline_stage
+
+    w = 128
+    cfg = tiny_config({"model.dim": w, "model.ffn_hidden": 2 * w, "training.mup_base_width": BASE}, world=1)
+    dtype = getattr(torch, cfg.training.dtype)
+    ref = dict(build_model(cfg.model, dtype=dtype, seed=cfg.training.seed).named_parameters())
+    if pp == 1:
+        got = dict(Trainer(cfg, ParallelDims(world_size=1).build_mesh(), torch.device("cpu")).model.named_parameters())
+    else:  # both stages built in this process (the builder reads only its pp rank from the mesh)
+        from types import SimpleNamespace
+
+        cfg.parallel.pp, got = 2, {}
+        for rank in (0, 1):
+            mesh = SimpleNamespace(group=lambda axis, r=rank: SimpleNamespace(rank=r, size=2))
+            stage = build_pipeline_stage(cfg, mesh, torch.device("cpu"), dtype, cfg.training.seed,
+                                         hidden_init_factor(w, BASE))
+            got.update(dict(stage.named_parameters()))
+    f = math.sqrt(BASE / w)
+    assert len(got) >= 8
+    for n, p in got.items():
+        base = n.split(".")[-2] if n.endswith(".weight") else ""
+        hidden = p.dim() >= 2 and base in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+        torch.testing.assert_close(p.detach(), ref[n].detach() * (f if hidden else 1.0), rtol=0, atol=0,
+                                   msg=n)
+    assert any(n.endswith("wq.weight") for n in got) and any(n.startswith("tok_embeddings") for n in got)

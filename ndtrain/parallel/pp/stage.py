@@ -117,7 +117,7 @@ def _drop_tied_holder(model: nn.Module, info: StageInfo) -> None:
 
 
 def build_pipeline_stage(cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dtype,
-                         seed: int) -> nn.Module:
+                         seed: int, hidden_std_factor: float = 1.0) -> nn.Module:
     """This rank's stage: built on meta, pruned, materialised, ``init_weights(seed)`` (single-process
     values)."""
     from ndtrain.model.transformer import Transformer
@@ -128,7 +128,7 @@ def build_pipeline_stage(cfg: Config, mesh: Mesh, device: torch.device, dtype: t
     _prune(model, info, keep_tied_holder=True)
     model.to(dtype=dtype)
     model.to_empty(device=device)
-    model.init_weights(seed)
+    model.init_weights(seed, hidden_std_factor)
     _drop_tied_holder(model, info)
     setattr(model, STAGE_ATTR, info)
     return model.train()
