@@ -38,6 +38,7 @@ class HostReads(TorchDispatchMode):
         self.queue: deque = deque()
         self.fill: float | None = None
         self.reads = 0
+        self.shadows = None  # routing.Shadows: real twins of routing values (MoE), or None
 
     def expect(self, values) -> None:
         """Queue ``(dtype, value)`` pairs: the next reads of a fake tensor of that dtype, in order,
@@ -53,9 +54,16 @@ class HostReads(TorchDispatchMode):
             self.fill = old
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            return _grouped_mm_shape(func, args, kwargs or {})
         if func not in _READS:
+            if self.shadows is not None:
+                return self.shadows.dispatch(func, args, kwargs, lambda: func(*args, **(kwargs or {})))
             return func(*args, **(kwargs or {}))
         t = args[0]
+        known = None if self.shadows is None else self.shadows.read(t)
+        if known is not None:
+            return known
         if not isinstance(t, FakeTensor) or t.constant is not None:  # a real value exists: read it
             with unset_fake_temporarily():
                 return (t if t.constant is None else t.constant).item() if isinstance(t, FakeTensor) else t.item()
@@ -70,6 +78,15 @@ class HostReads(TorchDispatchMode):
         if dt == torch.bool:
             return bool(v)
         return float(v) if dt.is_floating_point else int(v)
+
+
+def _grouped_mm_shape(func, args, kwargs):
+    """``torch._grouped_mm`` of float32 fakes: the CPU kernel takes float32 (what a real CPU run
+    uses), its meta function bf16 only; the output's shape and strides are the bf16 meta's, its
+    dtype the inputs'."""
+    a, b = args[0], args[1]
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+    return torch.empty_strided(out.shape, out.stride(), dtype=a.dtype, device=a.device)
 
 
 @contextlib.contextmanager

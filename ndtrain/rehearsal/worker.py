@@ -64,6 +64,10 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
     with fake_process_group(rank, world):
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh("cpu")
         with fake_tensors() as reads:
+            if cfg.model.is_moe:  # routed counts computed from the forced routing (rehearsal.routing)
+                from ndtrain.rehearsal.routing import Shadows
+
+                reads.shadows = Shadows()
             trainer = Trainer(cfg, mesh, torch.device("cpu"))
             b = cfg.training.global_batch_size // mesh.dims.dp
             x = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)

@@ -118,3 +118,14 @@ def test_host_reads_answer_real_values_queued_values_by_dtype_and_stand_ins():
         with reads.as_value(0.0):
             assert float(x.max()) == 0.0
         assert reads.reads == 6
+
+
+def test_rehearsal_equals_real_run_moe_ep2_dp2_zero1_balanced():
+    """ep2 x dp2 ZeRO-1 on moe_debug under forced balanced routing: the dispatch's split sizes come
+    from the routing's counts (rehearsal.routing), so the all-to-all bytes equal the real run's."""
+    over = {"parallel.ep": 2, "parallel.zero_stage": 1, "training.moe_routing": "balanced"}
+    res = _check(4, "moe_debug", over)
+    (role,) = res["roles"]
+    # local batch 2 = 1 microbatch; per layer: counts, dispatch, combine forward, their two backward
+    assert role["collectives"]["ep"]["all_to_all_v"] == 2 * 5
+    assert role["axis_bytes"]["ep"] > 0

@@ -1,0 +1,123 @@
+"""Routed token counts in the fake world: the values a MoE step's shapes depend on.
+
+A fake tensor has no values, but an expert rank's shapes do: the tokens per expert
+(``bincount``), the all-to-all split sizes (host reads of the exchanged counts), the rows each
+expert's GEMM takes. Under forced routing (``training.moe_routing: balanced``, which the
+``--moe-routing`` choices ``uniform`` and ``balanced`` select) the expert of every token follows
+from its sequence position alone (``model.moe_capacity.balanced_assignment``), so those values are
+computable: ``Shadows`` keeps a real twin ("shadow") of every tensor derived from an ``arange``
+(the positions) by operators whose tensor inputs all have one (or are real / fake constants), and
+answers the data-dependent operators and host reads from the twins. Float data (the router's
+logits, activations) never gets a twin, so nothing large is computed for real.
+
+Collectives: the fake group moves nothing, so an all-to-all's received twin is modelled: every
+ep peer routes as this rank does (true for forced routing when the peers hold the same sequence
+positions, as under ep x dp); any other collective on a shadowed tensor drops its twin (its host
+reads then get the plain stand-ins, which only metrics read)."""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException, DynamicOutputShapeException, FakeTensor, unset_fake_temporarily)
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+ROUTINGS = ("uniform", "balanced", "skewed:S")
+_SEEDS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
+_LIMIT = 2**26  # elements of a twin: positions and routing indices are far below; never activations
+
+
+def parse_routing(text: str) -> tuple[str, float]:
+    """``uniform`` | ``balanced`` | ``skewed:S`` -> (kind, S); S = 1 unless skewed. Raises
+    ValueError (one line) otherwise; skewed is not modelled yet."""
+    if text in ("uniform", "balanced"):
+        return text, 1.0
+    if text.startswith("skewed:"):
+        raise ValueError(f"--moe-routing {text}: skewed routing is not modelled yet (use uniform | balanced)")
+    raise ValueError(f"--moe-routing ({text}) must be uniform | balanced | skewed:S")
+
+
+class Shadows:
+    """Real twins of fake tensors (module docstring); used by ``fake.HostReads``."""
+
+    def __init__(self):
+        self.table = WeakIdKeyDictionary()
+
+    def twin(self, t):
+        """The real value of ``t`` (a real tensor itself, a fake constant, a twin) or None."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, FakeTensor):
+            return t
+        if t.constant is not None:
+            return t.constant
+        return self.table.get(t)
+
+    def read(self, t):
+        """A host read of ``t`` from its twin, or None when it has none."""
+        v = self.twin(t) if isinstance(t, FakeTensor) else None
+        if v is None:
+            return None
+        with unset_fake_temporarily():
+            return v.item()
+
+    def dispatch(self, func, args, kwargs, run):
+        """``run()`` (the fake operator) with twins kept for its outputs; answers data-dependent
+        output shapes from the twins."""
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if func.namespace == "c10d":
+            out = run()
+            self._collective(func, args, tensors)
+            return out
+        if func not in _SEEDS and not tensors:
+            return run()
+        twins = [self.twin(a) for a in tensors]
+        if func not in _SEEDS and (any(v is None for v in twins) or sum(v.numel() for v in twins) > _LIMIT):
+            self._drop_written(func, args)
+            return run()
+        with unset_fake_temporarily():
+            real = func(*tree_map(self._real_arg, args), **tree_map(self._real_arg, kwargs or {}))
+        try:
+            out = run()
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            out = tree_map(_fake_like, real)
+        outs, _ = tree_flatten(out)
+        reals, _ = tree_flatten(real)
+        for o, r in zip(outs, reals):
+            if isinstance(o, FakeTensor) and isinstance(r, torch.Tensor) and r.numel() <= _LIMIT:
+                self.table[o] = r
+        return out
+
+    def _real_arg(self, a):
+        return self.twin(a) if isinstance(a, torch.Tensor) else a
+
+    def _drop_written(self, func, args) -> None:
+        """An in-place op with an input lacking a twin: the written tensors' twins are stale."""
+        for arg, val in zip(func._schema.arguments, args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(val, torch.Tensor):
+                self.table.pop(val, None)
+
+    def _collective(self, func, args, tensors) -> None:
+        """The received twin of an all-to-all of equal chunks: every peer sends what this rank
+        sends to itself (peers route alike); other collectives drop their outputs' twins."""
+        if func is torch.ops.c10d.alltoall_base_.default:
+            out, inp, pg = args[0], args[1], args[2]
+            src = self.twin(inp)
+            if src is not None and isinstance(out, FakeTensor):
+                pg = torch._C._distributed_c10d.ProcessGroup.unbox(pg)  # the boxed group the op gets
+                n, me = pg.size(), pg.rank()
+                with unset_fake_temporarily():
+                    mine = src.reshape(n, -1)[me]
+                    self.table[out] = mine.repeat(n).reshape(out.shape).clone()
+                return
+        for t in tensors:
+            if isinstance(t, FakeTensor):
+                self.table.pop(t, None)
+
+
+def _fake_like(r):
+    """A fake tensor of real ``r``'s shape, stride and dtype (called within the fake mode)."""
+    if not isinstance(r, torch.Tensor):
+        return r
+    return torch.empty_strided(r.shape, r.stride(), dtype=r.dtype)
