@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--hardware", default="H100")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override (repeatable); default for llama3_8b: parallel.tp=8, 8 sequences")
+    ap.add_argument("--roles", default="", help="comma-separated role indices to rehearse (default: all); "
+                    "-1 is the last")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rehearsal_speed.json"))
     args = ap.parse_args()
     from ndtrain.config import load_config
@@ -36,9 +38,13 @@ def main() -> int:
     sets = args.set or ["parallel.tp=8", "training.global_batch_size=8", "training.micro_batch_size=1"]
     over = dict(s.split("=", 1) for s in sets)
     cfg = load_config(args.config, over, world_size=args.gpus)
+    from ndtrain.rehearsal.roles import rank_roles
+
+    n_roles = len(rank_roles(cfg, args.gpus))
+    only = [int(i) % n_roles for i in args.roles.split(",")] if args.roles else None
     t0 = time.perf_counter()
     res = rehearse(args.config, over, cfg, args.gpus, args.hardware,
-                   progress=lambda text: print(text, file=sys.stderr, flush=True))
+                   progress=lambda text: print(text, file=sys.stderr, flush=True), only=only)
     entry = {"config": args.config, "overrides": over, "gpus": args.gpus, "layout": res["layout"],
              "hardware": args.hardware, "total_wall_s": time.perf_counter() - t0, "roles": [
                  {"role": r["role"]["name"], "rank": r["role"]["rank"], "ranks_alike": r["role"]["ranks_alike"],
@@ -48,8 +54,8 @@ def main() -> int:
                  for r in res["roles"]]}
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    runs = [e for e in old.get("runs", []) if (e["config"], e["gpus"], e["overrides"]) !=
-            (entry["config"], entry["gpus"], entry["overrides"])] + [entry]
+    key = lambda e: (e["config"], e["gpus"], e["overrides"], [r["role"] for r in e["roles"]])
+    runs = [e for e in old.get("runs", []) if key(e) != key(entry)] + [entry]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), "runs": runs}, indent=1) + "\n")
     print(json.dumps(entry, indent=1))

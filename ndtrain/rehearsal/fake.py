@@ -159,6 +159,15 @@ def _inline_receiver(header):
     return InlineReceiver
 
 
+def _gather_own_object(out: list, obj, group=None) -> None:
+    """``dist.all_gather_object`` in the fake world (it pickles through a real tensor): every
+    peer answers this rank's object. Only diagnostics gather objects (``comm.all_gather_object``,
+    which counts the bytes before the call); the pipeline's metric-name union is then this stage's
+    names, so its two metric all-reduces may differ by a few floats from a real run's."""
+    for i in range(len(out)):
+        out[i] = obj
+
+
 @contextlib.contextmanager
 def fake_pipeline_messages(header):
     """Within ``fake_tensors``: pipeline messages received inline, shaped by ``header``."""
@@ -176,15 +185,20 @@ def fake_pipeline_messages(header):
 def fake_tensors():
     """``FakeTensorMode`` + ``HostReads`` (yielded) for building and stepping a trainer; the
     parameter swap and the bad-step agreement adapted (module docstring), restored on exit."""
+    from ndtrain.parallel.pp import stage_metrics
     from ndtrain.train import trainer as trainer_mod
 
     mode, reads = FakeTensorMode(allow_non_fake_inputs=True), HostReads()
-    saved = (torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum)
+    saved = (torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum,
+             dist.all_gather_object, stage_metrics._reduce)
+    stage_metrics._reduce = _reading_zero(reads, saved[4])  # no stage's metric names changed
     torch.utils.swap_tensors = functools.partial(_swap_dropping_memo, saved[0], mode)
+    dist.all_gather_object = _gather_own_object
     trainer_mod.agree_bad_ranks = _reading_zero(reads, saved[1])
     trainer_mod.agree_bad_ranks_and_sum = _reading_zero(reads, saved[2])
     try:
         with mode, reads:
             yield reads
     finally:
-        torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum = saved
+        (torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum,
+         dist.all_gather_object, stage_metrics._reduce) = saved

@@ -69,10 +69,11 @@ def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int =
 
 
 def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: str = "H100",
-             warmup: int = 1, progress=None) -> dict:
+             warmup: int = 1, progress=None, only: list[int] | None = None) -> dict:
     """Rehearse every role of ``cfg`` (loaded from ``preset`` + ``overrides``, valid for ``world``)
     on ``hardware`` (a planner accelerator name: its device memory decides ``fits``).
-    ``progress(text)`` is told each role as it starts. Raises RehearsalError (a role failed),
+    ``progress(text)`` is told each role as it starts; ``only``: indices of the roles to rehearse
+    (None: all). Raises RehearsalError (a role failed),
     ValueError (unknown hardware; from ``planner.get_accelerator``)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.planner.hardware import get_accelerator
@@ -83,7 +84,9 @@ def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: st
     plan = planner_memory(cfg, world, acc.hbm_bytes)
     out = {"preset": preset, "overrides": overrides, "layout": str(dims), "world": world,
            "hardware": {"name": acc.name, "memory_bytes": acc.hbm_bytes}, "roles": []}
-    for role in roles:
+    for i, role in enumerate(roles):
+        if only is not None and i not in only:
+            continue
         if progress:
             progress(f"rehearsing {role.name} (rank {role.rank}, {role.ranks_alike} ranks alike)")
         res = run_role(preset, overrides, world, role, warmup)
