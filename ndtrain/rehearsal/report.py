@@ -16,6 +16,10 @@ def format_report(res: dict) -> str:
     lines = [(f"rehearsal of {res['preset']} on {res['world']} x {hw['name']} "
               f"({_mib(hw['memory_bytes'])} MiB each): {res['layout']}"),
              "peak tensor memory at the peak moment, MiB (allocator overhead not included)"]
+    if res.get("moe_routing"):
+        how = ("ep rank 0's experts get S x the mean, by sequence position" if res["moe_routing"].startswith("skewed:")
+               else "training.moe_routing=balanced: round-robin by sequence position")
+        lines.insert(1, f"moe routing: {res['moe_routing']} (forced; {how})")
     head = ["role", "ranks"] + [c[:11] for c in _MEM] + ["total", "planner", "fits", "wall s", "host MiB"]
     rows = []
     for r in res["roles"]:

@@ -39,9 +39,25 @@ def _ranges(ids: list[str]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out) or "-"
 
 
-def rank_roles(cfg: Config, world: int) -> list[Role]:
+def rank_roles(cfg: Config, world: int, routing: str | None = None) -> list[Role]:
     """One ``Role`` per pipeline stage of ``cfg`` on ``world`` ranks (pp outermost in the mesh, so
-    stage s's ranks are s * world / pp ...). ``cfg`` must be valid for ``world``."""
+    stage s's ranks are s * world / pp ...); under ``routing`` ``skewed:S`` two per stage: the
+    busiest ep rank (ep rank 0, ``rehearsal.routing.skewed_assignment``) and the other ep ranks
+    (alike: each gets the same smaller share), represented by ep rank 1 (mesh order (pp,
+    dp_replicate, edp_shard, ep, tp): global rank + tp). ``cfg`` must be valid for ``world``."""
+    roles = _stage_roles(cfg, world)
+    if not (routing or "").startswith("skewed:") or cfg.parallel.ep < 2:
+        return roles
+    out, ep = [], cfg.parallel.ep
+    for r in roles:
+        busy = r.ranks_alike // ep
+        out.append(Role(f"{r.name} | busiest ep rank", r.rank, busy, r.stage, r.layers, r.embedding, r.head, r.mtp))
+        out.append(Role(f"{r.name} | other ep ranks", r.rank + cfg.parallel.tp, r.ranks_alike - busy, r.stage,
+                        r.layers, r.embedding, r.head, r.mtp))
+    return out
+
+
+def _stage_roles(cfg: Config, world: int) -> list[Role]:
     p = cfg.parallel.pp
     per_stage = world // p
     if p == 1:

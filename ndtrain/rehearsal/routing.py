@@ -27,14 +27,58 @@ _SEEDS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.
 _LIMIT = 2**26  # elements of a twin: positions and routing indices are far below; never activations
 
 
-def parse_routing(text: str) -> tuple[str, float]:
-    """``uniform`` | ``balanced`` | ``skewed:S`` -> (kind, S); S = 1 unless skewed. Raises
-    ValueError (one line) otherwise; skewed is not modelled yet."""
+def parse_routing(text: str, ep: int = 1) -> tuple[str, float]:
+    """``uniform`` | ``balanced`` | ``skewed:S`` -> (kind, S); S = 1 unless skewed, where
+    1 <= S <= ``ep`` (the busiest ep rank's load over the mean). Raises ValueError (one line)."""
     if text in ("uniform", "balanced"):
         return text, 1.0
     if text.startswith("skewed:"):
-        raise ValueError(f"--moe-routing {text}: skewed routing is not modelled yet (use uniform | balanced)")
+        try:
+            s = float(text[len("skewed:"):])
+        except ValueError:
+            s = float("nan")
+        if ep < 2:
+            raise ValueError(f"--moe-routing {text} needs expert parallelism (parallel.ep > 1)")
+        if not 1.0 <= s <= ep:
+            raise ValueError(f"--moe-routing {text}: S must be a number in [1, ep = {ep}]")
+        return "skewed", s
     raise ValueError(f"--moe-routing ({text}) must be uniform | balanced | skewed:S")
+
+
+def skew_weights(s: float, ep: int) -> tuple[int, int]:
+    """Integer weights (a, b) of ep rank 0's experts and every other expert in the skewed cycle:
+    rank 0's load over the mean is a ep / (a + b (ep - 1)) = S, so a / b = S (ep - 1) / (ep - S)
+    (b = 0 at S = ep), to 1/64."""
+    from fractions import Fraction
+
+    if s >= ep:
+        return 1, 0
+    r = Fraction(s * (ep - 1) / (ep - s)).limit_denominator(64)
+    return r.numerator, r.denominator
+
+
+def skewed_assignment(s: float, ep: int):
+    """A ``balanced_assignment`` stand-in (same signature) for ``skewed:S``: slot j of the token at
+    sequence position p goes to ``L[(p k + j) mod len(L)]``, L a cycle in which each expert of ep
+    rank 0 appears a times and every other expert b times (``skew_weights``), interleaved. By
+    position only, so every ep peer routes alike and ep rank 0 is the busiest, S x the mean over
+    whole cycles. The k experts of a token need not be distinct (only the counts matter here)."""
+
+    def assign(shape, k, n_experts, shards=None, device="cpu"):
+        a, b = skew_weights(s, ep)
+        q = n_experts // ep
+        weight = [a if e < q else b for e in range(n_experts)]
+        with unset_fake_temporarily():  # a real tensor: its values are known (its own twin)
+            cycle = torch.tensor([e for r in range(max(a, b)) for e in range(n_experts) if weight[e] > r])
+        bt, t = shape
+        if shards is None or shards.size == 1:
+            pos = torch.arange(t, device=device)
+        else:
+            per = t // len(shards.local)
+            pos = torch.cat([c * per + torch.arange(per, device=device) for c in shards.local])
+        idx = cycle[(pos.unsqueeze(1) * k + torch.arange(k, device=device)) % cycle.numel()]  # (T_local, k)
+        return idx.expand(bt, t, k).reshape(bt * t, k)
+    return assign
 
 
 class Shadows:

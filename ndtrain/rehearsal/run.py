@@ -52,12 +52,12 @@ def planner_memory(cfg: Config, world: int, capacity: float) -> dict:
 
 
 def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int = 1,
-             timeout_s: float | None = None) -> dict:
+             timeout_s: float | None = None, routing: str | None = None) -> dict:
     """One role's worker process; returns its figures. Raises RehearsalError when it fails."""
     with tempfile.TemporaryDirectory(prefix="ndtrain_rehearse_") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"preset": preset, "overrides": overrides, "world": world,
-                                   "rank": role.rank, "warmup": warmup}))
+                                   "rank": role.rank, "warmup": warmup, "moe_routing": routing}))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.run([sys.executable, "-m", "ndtrain.rehearsal.worker", str(job), str(out)],
                               check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -69,27 +69,28 @@ def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int =
 
 
 def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: str = "H100",
-             warmup: int = 1, progress=None, only: list[int] | None = None) -> dict:
+             warmup: int = 1, progress=None, only: list[int] | None = None, routing: str | None = None) -> dict:
     """Rehearse every role of ``cfg`` (loaded from ``preset`` + ``overrides``, valid for ``world``)
     on ``hardware`` (a planner accelerator name: its device memory decides ``fits``).
     ``progress(text)`` is told each role as it starts; ``only``: indices of the roles to rehearse
-    (None: all). Raises RehearsalError (a role failed),
+    (None: all); ``routing``: ``--moe-routing`` of an MoE model (``cfg`` already has
+    ``training.moe_routing=balanced``). Raises RehearsalError (a role failed),
     ValueError (unknown hardware; from ``planner.get_accelerator``)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.planner.hardware import get_accelerator
 
     acc = get_accelerator(hardware)
     dims = ParallelDims.from_config(cfg.parallel, world)
-    roles = rank_roles(cfg, world)
+    roles = rank_roles(cfg, world, routing)
     plan = planner_memory(cfg, world, acc.hbm_bytes)
     out = {"preset": preset, "overrides": overrides, "layout": str(dims), "world": world,
-           "hardware": {"name": acc.name, "memory_bytes": acc.hbm_bytes}, "roles": []}
+           "hardware": {"name": acc.name, "memory_bytes": acc.hbm_bytes}, "moe_routing": routing, "roles": []}
     for i, role in enumerate(roles):
         if only is not None and i not in only:
             continue
         if progress:
             progress(f"rehearsing {role.name} (rank {role.rank}, {role.ranks_alike} ranks alike)")
-        res = run_role(preset, overrides, world, role, warmup)
+        res = run_role(preset, overrides, world, role, warmup, routing=routing)
         res["role"] = asdict(role)
         res["fits"] = res["memory_peak"]["total"] <= acc.hbm_bytes
         if "per_stage" in plan:

@@ -51,7 +51,7 @@ def pipeline_header(cfg, trainer):
     return header
 
 
-def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
+def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None) -> dict:
     """Build ``Trainer(cfg)`` as global ``rank`` of ``world`` in the fake world and measure a step
     after ``warmup`` steps. Raises RuntimeError if a step's host reads did not consume the
     queued batch-agreement values (the trainer's path changed under the rehearsal)."""
@@ -68,6 +68,7 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
                 from ndtrain.rehearsal.routing import Shadows
 
                 reads.shadows = Shadows()
+            skew = _skewed(routing, cfg.parallel.ep)
             trainer = Trainer(cfg, mesh, torch.device("cpu"))
             b = cfg.training.global_batch_size // mesh.dims.dp
             x = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
@@ -75,13 +76,27 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1) -> dict:
             def before_step():
                 _check_consumed(reads)
                 reads.expect(batch_reads(cfg, trainer))
-            with fake_pipeline_messages(pipeline_header(cfg, trainer)):
+            with fake_pipeline_messages(pipeline_header(cfg, trainer)), skew:
                 out = measure_step(trainer, x, x, warmup, before_step)
             _check_consumed(reads)
             out["host_reads"] = reads.reads
     out["wall_s"] = time.perf_counter() - t0
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _skewed(routing: str | None, ep: int):
+    """``skewed:S``: the model's forced routing replaced by ``routing.skewed_assignment`` (a
+    context); else a null context."""
+    import contextlib
+    from unittest import mock
+
+    from ndtrain.rehearsal.routing import parse_routing, skewed_assignment
+
+    if not routing or not routing.startswith("skewed:"):
+        return contextlib.nullcontext()
+    _, s = parse_routing(routing, ep)
+    return mock.patch("ndtrain.model.moe.balanced_assignment", skewed_assignment(s, ep))
 
 
 def _check_consumed(reads) -> None:
@@ -94,7 +109,7 @@ def main(argv: list[str]) -> int:
 
     job = json.loads(Path(argv[0]).read_text())
     cfg = load_config(job["preset"], job.get("overrides") or {}, world_size=job["world"])
-    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1))
+    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1), job.get("moe_routing"))
     Path(argv[1]).write_text(json.dumps(out))
     return 0
 

@@ -81,10 +81,12 @@ def test_rehearse_rejects_a_bad_layout_before_any_process(capsys):
         "ndtrain: invalid config: world_size (3) is not divisible by pp*dp_replicate*cp*tp (2)"
     assert main(["rehearse", "--config", "debug", "--gpus", "2", "--hardware", "Z9000"]) == 2
     assert capsys.readouterr().err.strip().startswith("ndtrain: invalid config: unknown hardware 'Z9000'; known: H100")
-    assert main(["rehearse", "--config", "moe_debug", "--gpus", "2"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "ndtrain: invalid config: rehearse: MoE models are not rehearsed yet (expert routing counts are not "
-        "modelled, so the all-to-all sizes would be wrong)")
+    assert main(["rehearse", "--config", "debug", "--gpus", "2", "--moe-routing", "balanced"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "ndtrain: invalid config: --moe-routing balanced needs an MoE model (model.moe_experts > 0)"
+    assert main(["rehearse", "--config", "moe_debug", "--gpus", "2", "--moe-routing", "even"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "ndtrain: invalid config: --moe-routing (even) must be uniform | balanced | skewed:S"
 
 
 def test_storage_bytes_of_fake_tensors():
@@ -129,3 +131,39 @@ def test_rehearsal_equals_real_run_moe_ep2_dp2_zero1_balanced():
     # local batch 2 = 1 microbatch; per layer: counts, dispatch, combine forward, their two backward
     assert role["collectives"]["ep"]["all_to_all_v"] == 2 * 5
     assert role["axis_bytes"]["ep"] > 0
+
+
+def test_skewed_routing_counts_and_roles():
+    """skewed:S: ep rank 0's experts get S x the mean over whole cycles; two roles per stage, the
+    busiest ep rank (ep 0) and the others (ep 1 = global rank + tp)."""
+    import torch
+
+    from ndtrain.rehearsal.routing import parse_routing, skew_weights, skewed_assignment
+
+    assert skew_weights(1.5, 2) == (3, 1) and skew_weights(4, 4) == (1, 0)
+    counts = torch.bincount(skewed_assignment(1.5, 2)((2, 32), 2, 8).reshape(-1), minlength=8)
+    assert counts.tolist() == [24] * 4 + [8] * 4  # rank 0: 96 of 128 assignments = 1.5 x the mean 64
+    with pytest.raises(ValueError, match=r"S must be a number in \[1, ep = 2\]"):
+        parse_routing("skewed:3", 2)
+    cfg = load_config("moe_debug", {"parallel.ep": 2, "parallel.pp": 2, "parallel.tp": 2}, world_size=8)
+    roles = rank_roles(cfg, 8, "skewed:1.5")
+    assert [(r.name, r.rank, r.ranks_alike) for r in roles] == [
+        ("stage 0: blocks 0 + embedding | busiest ep rank", 0, 2), ("stage 0: blocks 0 + embedding | other ep ranks", 2, 2),
+        ("stage 1: blocks 1 + head | busiest ep rank", 4, 2), ("stage 1: blocks 1 + head | other ep ranks", 6, 2)]
+
+
+def test_skewed_rehearsal_feeds_the_busiest_rank_s_times_the_mean(monkeypatch):
+    """In the fake world the dispatch hands each rank's experts the rows the routing implies:
+    moe_debug, 64 tokens x top-2 per rank, ep2, skewed:1.5 -> 192 rows on ep rank 0, 64 on ep rank 1."""
+    from ndtrain.model import moe
+    from ndtrain.rehearsal.worker import rehearse_rank
+
+    rows, orig = [], moe.GroupedExperts.forward
+    monkeypatch.setattr(moe.GroupedExperts, "forward", lambda self, x, c, *a, **k: rows.append(x.shape[0])
+                        or orig(self, x, c, *a, **k))
+    over = {"parallel.ep": 2, "parallel.zero_stage": 1, "training.moe_routing": "balanced"}
+    cfg = load_config("moe_debug", over, world_size=4)
+    for rank, want in ((0, 192), (1, 64)):
+        rows.clear()
+        rehearse_rank(cfg, 4, rank, warmup=0, routing="skewed:1.5")
+        assert rows == [want] * 2, rank  # one microbatch, two MoE layers
