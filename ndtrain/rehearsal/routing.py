@@ -24,6 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 ROUTINGS = ("uniform", "balanced", "skewed:S")
 _SEEDS = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
+_UNSET = {torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+          torch.ops.aten.new_empty_strided.default}  # values unset: no twin (a collective may fill them)
 _LIMIT = 2**26  # elements of a twin: positions and routing indices are far below; never activations
 
 
@@ -114,7 +116,7 @@ class Shadows:
             out = run()
             self._collective(func, args, tensors)
             return out
-        if func not in _SEEDS and not tensors:
+        if func in _UNSET or (func not in _SEEDS and not tensors):
             return run()
         twins = [self.twin(a) for a in tensors]
         if func not in _SEEDS and (any(v is None for v in twins) or sum(v.numel() for v in twins) > _LIMIT):
