@@ -7,9 +7,12 @@ What the fake world has to answer that real data would: a host read of a tensor'
 True, or values queued for a read the trainer checks (``expect``) -- so the step takes the path a
 healthy real step takes: the batch agreement sees equal local batches, the bad-step agreement sees
 no bad rank, Adam's step counter counts. The shapes, and so the bytes, never depend on them in a
-dense model; data-dependent shapes (MoE routing) need routed counts (not yet modelled).
+dense model; MoE routing's data-dependent shapes are answered from ``routing.Shadows`` (set as
+``HostReads.shadows``).
 
-Two adaptations, both local to the fake world: ``nn.Module._apply`` swaps fake parameters with
+Adaptations, all local to the fake world: ``torch._grouped_mm`` of float32 (its meta function
+takes bf16 only) shaped by the bf16 meta; ``dist.all_gather_object`` (it pickles through a real
+tensor) answered with this rank's object, the pipeline metric flags read as unchanged; ``nn.Module._apply`` swaps fake parameters with
 ``torch.utils.swap_tensors``, which refuses a tensor the fake-tensor converter's memo holds a weak
 reference to, so the swap drops those memo entries first; and the bad-step agreement's flags are
 read as 0.0 (no rank bad) while every other float reads 1.0."""
