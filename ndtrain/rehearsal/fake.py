@@ -120,6 +120,16 @@ def _reading_zero(reads: HostReads, fn):
     return wrapped
 
 
+def _real_world(fn):
+    """``fn`` run outside the fake mode (ZeRO's expert ``DeviceMesh``, built from the real mesh's
+    rank tensor: its ranks are values the fake mode would not have)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
 def _empty_in_thread(shape, dtype, device):
     """A fake ``torch.empty`` made in another thread, as a real step's receiver thread makes it:
     outside the main thread's dispatch modes (the memory tracker sees it only once used). The
@@ -189,11 +199,13 @@ def fake_tensors():
     """``FakeTensorMode`` + ``HostReads`` (yielded) for building and stepping a trainer; the
     parameter swap and the bad-step agreement adapted (module docstring), restored on exit."""
     from ndtrain.parallel.pp import stage_metrics
+    from ndtrain.parallel.zero import sharded_state
     from ndtrain.train import trainer as trainer_mod
 
     mode, reads = FakeTensorMode(allow_non_fake_inputs=True), HostReads()
     saved = (torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum,
-             dist.all_gather_object, stage_metrics._reduce)
+             dist.all_gather_object, stage_metrics._reduce, sharded_state.expert_domain)
+    sharded_state.expert_domain = _real_world(saved[5])  # a device mesh: host bookkeeping, built for real
     stage_metrics._reduce = _reading_zero(reads, saved[4])  # no stage's metric names changed
     torch.utils.swap_tensors = functools.partial(_swap_dropping_memo, saved[0], mode)
     dist.all_gather_object = _gather_own_object
@@ -204,4 +216,4 @@ def fake_tensors():
             yield reads
     finally:
         (torch.utils.swap_tensors, trainer_mod.agree_bad_ranks, trainer_mod.agree_bad_ranks_and_sum,
-         dist.all_gather_object, stage_metrics._reduce) = saved
+         dist.all_gather_object, stage_metrics._reduce, sharded_state.expert_domain) = saved

@@ -122,8 +122,12 @@ class Shadows:
         if func not in _SEEDS and (any(v is None for v in twins) or sum(v.numel() for v in twins) > _LIMIT):
             self._drop_written(func, args)
             return run()
-        with unset_fake_temporarily():
-            real = func(*tree_map(self._real_arg, args), **tree_map(self._real_arg, kwargs or {}))
+        try:
+            with unset_fake_temporarily():
+                real = func(*tree_map(self._real_arg, args), **tree_map(self._real_arg, kwargs or {}))
+        except (IndexError, RuntimeError):  # a twin the operator cannot take: no twins from here
+            self._drop_written(func, args)
+            return run()
         try:
             out = run()
         except (DynamicOutputShapeException, DataDependentOutputException):
