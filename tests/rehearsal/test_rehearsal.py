@@ -122,6 +122,7 @@ def test_host_reads_answer_real_values_queued_values_by_dtype_and_stand_ins():
         assert reads.reads == 6
 
 
+@pytest.mark.slow
 def test_rehearsal_equals_real_run_moe_ep2_dp2_zero1_balanced():
     """ep2 x dp2 ZeRO-1 on moe_debug under forced balanced routing: the dispatch's split sizes come
     from the routing's counts (rehearsal.routing), so the all-to-all bytes equal the real run's."""
