@@ -1,6 +1,6 @@
 """ndtrain against PyTorch's own implementation of each axis, whole process against whole process.
 
-    python bench/peers.py [--rounds 2] [--steps 12] [--rows single,ddp,...] [--quick] [--out peers.json]
+    python bench/peers.py [--rounds 2] [--steps 12] [--rows single,ddp,...] [--quick] [--out FILE]
 
 Each row runs, alternating (the order flips each round), a fresh set of processes of PyTorch's own
 layout of an independent plain Llama (``bench/peers_plain.py``, ``bench/peers_layouts.py``) and a
@@ -133,11 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--quick", action="store_true", help="the one-process row, 3 steps, one round")
-    ap.add_argument("--out", default="peers.json", help="file name under bench/results/ (or a path)")
+    ap.add_argument("--out", default="", help="file name under bench/results/ (or a path); default "
+                    "peers.json, peers_quick.json with --quick (the measured table is never overwritten by a smoke test)")
     args = ap.parse_args(argv)
     rows, steps, rounds = args.rows.split(","), args.steps, args.rounds
     if args.quick:
         rows, steps, rounds = ["single"], 3, 1
+    args.out = args.out or ("peers_quick.json" if args.quick else "peers.json")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")

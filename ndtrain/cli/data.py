@@ -33,8 +33,10 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command != "prepare":
         return 1
     try:
-        prepare(args.sources, args.out, args.workers, args.tokenizer, args.text_field, args.vocab_size,
-                args.chunk_docs, args.cache_dir, progress=not args.no_progress)
+        manifest = prepare(args.sources, args.out, args.workers, args.tokenizer, args.text_field,
+                           args.vocab_size, args.chunk_docs, args.cache_dir, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data prepare: {e}") from None
+    if manifest.get("already_prepared"):
+        print(f"{args.out}: already prepared from these inputs; nothing to do", flush=True)
     return 0

@@ -156,6 +156,8 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
             raise ConfigError("--elastic continues after a lost rank by restarting: give --max-restarts K (K >= 1)")
     validate(cfg, world)
     preflight(cfg, Path(run_dir), world)
+    # data errors are one line before the run directory is announced or locked (torchrun: per node)
+    data_path = None if under_torchrun else prepare_checked(cfg)
     lock = _lock(Path(run_dir), under_torchrun)
     try:
         if _already_finished(cfg, run_dir, announce):
@@ -164,7 +166,7 @@ def launch(cfg: Config, run_dir: Path, nproc: int | None = None, announce: bool 
         if under_torchrun:
             _join_torchrun(cfg, Path(run_dir), world)
         else:
-            _run_local(cfg, Path(run_dir), world, max_restarts, elastic)
+            _run_local(cfg, Path(run_dir), world, max_restarts, elastic, data_path)
     finally:
         if lock is not None:
             lock.release()
@@ -214,10 +216,12 @@ def _join_torchrun(cfg: Config, run_dir: Path, world: int) -> None:
             dist.destroy_process_group()
 
 
-def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int, elastic: bool = False) -> None:
+def _run_local(cfg: Config, run_dir: Path, nproc: int, max_restarts: int, elastic: bool = False,
+               data_path: Path | None = None) -> None:
     """``nproc`` local ranks (this process alone for one rank without restarts); ``elastic``: after a
-    rank is lost for good, go on with the survivors (``ndtrain.fault.elastic.Elastic``)."""
-    data_path = prepare_checked(cfg)
+    rank is lost for good, go on with the survivors (``ndtrain.fault.elastic.Elastic``); ``data_path``:
+    the prepared data (None: prepared here)."""
+    data_path = data_path if data_path is not None else prepare_checked(cfg)
     policy = thread_policy(nproc)  # the same rule as torchrun's workers (``ndtrain.spawn.thread_policy``)
     if nproc == 1 and not max_restarts:
         from ndtrain.train.loop import run

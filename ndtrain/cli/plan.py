@@ -16,6 +16,7 @@ GPU per direction. ``python -m ndtrain.cli.plan ...`` works without the main CLI
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import sys
@@ -67,14 +68,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-fp8-dispatch", action="store_true", help="dispatch all-to-all in fp8 (combine stays bf16)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="expert load imbalance: busiest rank's tokens / the mean (>= 1)")
-    p.add_argument("--mttf-hours", type=float, default=0.0,
+    p.add_argument("--mttf-hours", type=_positive, default=0.0,
                    help="mean time to failure of one GPU with its share of host and network, hours; the "
                         "job's is this / gpus (default: Llama 3 405B's 466 interruptions in 54 days on 16,384)")
-    p.add_argument("--checkpoint-save-s", type=float, default=0.0,
+    p.add_argument("--checkpoint-save-s", type=_positive, default=0.0,
                    help="seconds to save a checkpoint (default: the rank's shard at 2 GB/s)")
-    p.add_argument("--checkpoint-load-s", type=float, default=0.0,
+    p.add_argument("--checkpoint-load-s", type=_positive, default=0.0,
                    help="seconds to load it after a restart (default: the rank's shard at 2 GB/s)")
-    p.add_argument("--restart-s", type=float, default=-1.0,
+    p.add_argument("--restart-s", type=_non_negative, default=-1.0,
                    help="seconds from an interruption to the relaunched job (default 600)")
     p.add_argument("--measure", action="store_true",
                    help="measure matmul peak and all-reduce alpha/beta on this machine")
@@ -98,8 +99,25 @@ def _accelerator(args: argparse.Namespace, acc=None):
     return acc
 
 
+def _positive(text: str) -> float:
+    """argparse type: a finite float > 0 (the goodput flags; leave a flag out for its default)."""
+    v = float(text)
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number > 0 (leave the flag out for its default)")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
+    return v
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``ndtrain plan``; returns the exit code (2 on bad input, 1 if nothing fits)."""
+    from ndtrain.planner.goodput import NeverFinishes
     from ndtrain.planner.model_spec import load_model_spec
     from ndtrain.planner.search import evaluate, recommend, search
 
@@ -144,24 +162,27 @@ def run_plan(args: argparse.Namespace) -> int:
                      checkpoint_load_s=args.checkpoint_load_s, restart_s=args.restart_s)
     except (ValueError, KeyError) as e:
         return _fail(str(e))
-    if args.layout:
-        try:
-            layout = parse_layout(args.layout)
-        except ValueError as e:
-            return _fail(str(e))
-        for note in layout_assumptions(args.layout, layout):
-            print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
-        plans = [evaluate(spec, cluster, w, layout)]
-        rec = plans[0] if plans[0].fits else None
-        for rule in plans[0].unsupported:
-            print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)
-        everything = plans
-    else:
-        everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported)
-        rec = recommend(everything)
-        plans = everything[:args.top] if args.top else everything
-        if rec is not None and rec not in plans:
-            plans = [rec] + plans
+    try:  # an MTTF far below a checkpoint interval: one line, not an overflow
+        if args.layout:
+            try:
+                layout = parse_layout(args.layout)
+            except ValueError as e:
+                return _fail(str(e))
+            for note in layout_assumptions(args.layout, layout):
+                print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
+            plans = [evaluate(spec, cluster, w, layout)]
+            rec = plans[0] if plans[0].fits else None
+            for rule in plans[0].unsupported:
+                print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)
+            everything = plans
+        else:
+            everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported)
+            rec = recommend(everything)
+            plans = everything[:args.top] if args.top else everything
+            if rec is not None and rec not in plans:
+                plans = [rec] + plans
+    except NeverFinishes as e:
+        return _fail(str(e))
     reasons = _reasons(args, rec, everything, spec, cluster, w)
     if cluster.precision_note():
         print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)

@@ -40,6 +40,25 @@ def preflight(cfg: Config, run_dir: Path, world: int) -> None:
     check_run_dir_writable(run_dir)
     check_resume_compatible(cfg, run_dir)
     check_start_checkpoint_shapes(cfg, run_dir)
+    check_lora_targets(cfg)
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """``finetune.lora_targets`` must each match a bias-free linear of the single-process model (built
+    on the meta device), so that a typo stops the launch, not every rank after start-up."""
+    if not cfg.finetune.lora_rank:
+        return
+    import torch
+
+    from ndtrain.model import Transformer
+    from ndtrain.model.lora import find_targets, is_plain_linear, parse_targets
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    try:
+        find_targets(model, parse_targets(cfg.finetune.lora_targets), is_plain_linear)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def backend_for(cfg: Config) -> str:

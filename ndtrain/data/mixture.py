@@ -192,6 +192,11 @@ class MixtureData:
         return f"MixtureData({str(self.path)!r}, sources={self.names})"
 
 
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
+    """The largest id of a (memory-mapped) token array, read in chunks of ``chunk`` ids (-1 if empty)."""
+    return max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+
+
 def prepare_mixture(cfg, vocab_size: int) -> Path:
     """Resolve ``cfg.sources`` (tokenizing text and hf sources into the cache) and write
     ``<cache>/mixtures/<key>/mixture.json``; return that folder. Raises ValueError from the sources,
@@ -212,6 +217,9 @@ def prepare_mixture(cfg, vocab_size: int) -> Path:
     streams = [open_streams(s, cfg.val_fraction) for s in resolved]
     for entry, st in zip(resolved, streams):
         for split in ("train", "val"):
+            top = _max_token(st[split].tokens)
+            if top >= vocab_size:  # before any rank starts, not at the first batch that holds it
+                raise ValueError(f"source {entry['name']}: token id {top} >= model.vocab_size ({vocab_size})")
             if st[split].num_sequences(cfg.seq_len) < 1:
                 raise ValueError(f"source {entry['name']}: the {split} split has {len(st[split].tokens)} tokens, "
                                  f"fewer than one sequence of data.seq_len + 1 ({cfg.seq_len + 1})")

@@ -126,13 +126,14 @@ def prepare(sources: list[str], out: str | Path, workers: int = 1, tokenizer: st
         raise ValueError(f"--workers ({workers}) and --chunk-docs ({chunk_docs}) must be >= 1")
     cfg = DataConfig(source=",".join(sources), text_field=text_field, tokenizer=tokenizer, cache_dir=cache_dir)
     out = Path(out)
-    if (out / MANIFEST).is_file():
-        return json.loads((out / MANIFEST).read_text())
     tok = load_tokenizer(cfg, vocab_size)
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32  # the .idx format has no uint32 code
     inputs = {"fingerprint": source_fingerprint(cfg), "sources": list(sources), "text_field": text_field,
               "tokenizer": tokenizer_id(tok.spec), "eos_id": tok.eos_id, "chunk_docs": chunk_docs,
               "dtype": np.dtype(dtype).name}
+    if (out / MANIFEST).is_file():  # finished before: the same inputs (else ValueError), nothing to do
+        _pin(out, inputs)
+        return {**json.loads((out / MANIFEST).read_text()), "already_prepared": True}
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     _pin(out, inputs)

@@ -51,6 +51,10 @@ class Goodput:
                 "goodput": self.efficiency}
 
 
+class NeverFinishes(ValueError):
+    """The failure rate outpaces every checkpoint interval: the expected time is unbounded."""
+
+
 def young_interval(save_s: float, job_mttf_s: float) -> float:
     """Young's checkpoint interval sqrt(2 * save_s * M) (seconds of work between saves)."""
     return math.sqrt(2.0 * save_s * job_mttf_s)
@@ -62,6 +66,9 @@ def daly_wall_time(work_s: float, interval_s: float, save_s: float, recover_s: f
     if interval_s <= 0 or job_mttf_s <= 0:
         raise ValueError(f"checkpoint interval ({interval_s}) and MTTF ({job_mttf_s}) must be positive")
     m = job_mttf_s
+    if (recover_s + interval_s + save_s) / m > 700:  # exp would overflow: failures outpace all progress
+        raise NeverFinishes(f"the job's MTTF ({m:.3g} s) is far below a checkpoint interval + save + restart "
+                         f"({interval_s + save_s + recover_s:.3g} s): the run would never finish")
     return m * math.exp(recover_s / m) * math.expm1((interval_s + save_s) / m) * work_s / interval_s
 
 

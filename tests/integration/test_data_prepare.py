@@ -53,6 +53,10 @@ def test_interrupted_prepare_resumes_to_the_same_files(corpus, tmp_path):
     (out / "parts" / "part-000003.len.npy").unlink()  # killed while publishing part 3: it is redone
     prepare(srcs, out, chunk_docs=10, progress=False)
     assert _bytes(out) == _bytes(tmp_path / "full")
+    again = prepare(srcs, out, chunk_docs=10, progress=False)  # finished: the same inputs do nothing
+    assert again.pop("already_prepared") is True and _bytes(out) == _bytes(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"holds a prepare of other inputs \(chunk_docs differ\)"):
+        prepare(srcs, out, chunk_docs=11, progress=False)  # a finished folder refuses other inputs too
     with pytest.raises(ValueError, match=r"holds a prepare of other inputs \(chunk_docs differ\)"):
         (out / "manifest.json").unlink()
         prepare(srcs, out, chunk_docs=11, progress=False)

@@ -119,13 +119,17 @@ def test_mixture_documents_when_masking(mixture):
     assert docs[row].tolist() == want.tolist()
 
 
-def test_vocab_overflow_names_the_source(tmp_path):
-    np.save(tmp_path / "big.npy", np.full(1000, 400, dtype=np.uint16))
+def test_vocab_overflow_names_the_source_before_any_batch(tmp_path):
+    """Found while preparing (before any rank starts), in either split: here only the val split's
+    last token is past the vocabulary, which the first training batches would never read."""
+    ids = np.full(1000, 7, dtype=np.uint16)
+    ids[-1] = 400
+    np.save(tmp_path / "big.npy", ids)
     cfg = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), seq_len=T,
                      sources=f"tokens:{tmp_path}/big.npy@1")
-    data = MixtureData(prepare_mixture(cfg, 300))
     with pytest.raises(ValueError, match=r"^source s0: token id 400 >= model.vocab_size \(300\)$"):
-        data.get("train", [0], T)
+        prepare_mixture(cfg, 300)
+    assert MixtureData(prepare_mixture(cfg, 401)).get("train", [0], T)[0].max() == 7
 
 
 def test_config_forms_agree():

@@ -122,3 +122,21 @@ def test_reading_the_state_before_step_one_leaves_the_optimizer_fresh():
             tr.step(*global_batch(step))
         runs.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_bad_targets_stop_the_launch_before_any_process(tmp_path, capsys):
+    """The same rule before launch: ``ndtrain train`` exits 2 with the one line, and no run directory
+    is made (the check builds the model on the meta device in the launching process)."""
+    from ndtrain.cli.commands import main
+    from ndtrain.cli.preflight import check_lora_targets
+
+    cfg = tiny_config(LORA)
+    cfg.finetune.lora_targets = "*.nothing"
+    with pytest.raises(ConfigError, match=r"^finetune.lora_targets: '\*.nothing' matches no module"):
+        check_lora_targets(cfg)
+    run = tmp_path / "run"
+    assert main(["train", "--config", "debug", "--run-dir", str(run), "--finetune.lora_rank=4",
+                 "--finetune.lora_targets=*.attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("(Attention, matched by '*.attention') is not a bias-free linear LoRA can adapt")
+    assert len(err) == 1 and not run.exists()

@@ -173,3 +173,21 @@ def test_nvlink_domain_alignment_warnings():
         ("tp x cp = 16 does not divide the 72-GPU NVLink domain: some of its groups straddle two domains "
          "and cross the NIC (modelled as inside one)")]
     assert alignment_warnings(Cluster(get_accelerator("H100"), 512), parse_layout("tp=8,dp_shard=64")) == []
+
+
+@pytest.mark.parametrize("flag, value, want", [
+    ("--mttf-hours", "-5", "argument --mttf-hours: -5 must be a number > 0"),
+    ("--mttf-hours", "0", "argument --mttf-hours: 0 must be a number > 0"),
+    ("--checkpoint-save-s", "-1", "argument --checkpoint-save-s: -1 must be a number > 0"),
+    ("--restart-s", "nan", "argument --restart-s: nan must be a number >= 0"),
+    ("--mttf-hours", "1e-9", "the run would never finish")])
+def test_goodput_flags_out_of_range_are_one_line_errors(flag, value, want, capsys):
+    """Exit 2 and a line naming the flag (argparse) or the unbounded expected time (an MTTF far below
+    one checkpoint interval), never a math-domain or overflow traceback."""
+    from ndtrain.cli.commands import main
+
+    try:
+        rc = main(["plan", "--model", "llama3_8b", "--hardware", "H100", "--gpus", "64", flag, value])
+    except SystemExit as e:  # argparse's own exit
+        rc = e.code
+    assert rc == 2 and want in capsys.readouterr().err

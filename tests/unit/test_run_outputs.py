@@ -165,11 +165,11 @@ def test_loss_png_after_a_stop_at_step_and_after_an_interruption(tmp_path, monke
 
     real_step, calls = Trainer.step, []
 
-    def interrupted_step(self, inputs, labels):
+    def interrupted_step(self, inputs, labels, documents=None):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt  # Ctrl-C during step 3, before any checkpoint or evaluation
-        return real_step(self, inputs, labels)
+        return real_step(self, inputs, labels, documents)
 
     monkeypatch.setattr(Trainer, "step", interrupted_step)
     cut = tmp_path / "cut"
