@@ -302,8 +302,26 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
         (f"plan: {t.steps} steps x {t.global_batch_size} seq x {T} tokens = "
          f"{t.steps * t.global_batch_size * T:,} tokens = {epochs:.2f} epochs of the train split"),
         f"compute: {fpt / 1e6:,.1f} MFLOP/token | {peak_s}",
+        *_feature_lines(cfg),
         *_thread_lines(),
     ]
+
+
+def _feature_lines(cfg) -> list[str]:
+    """One line naming the optimizer and the training features that are on (none for a plain AdamW
+    run), so a run shows that a key it was given took effect."""
+    t, f = cfg.training, cfg.finetune
+    on = []
+    if t.optimizer == "muon":
+        on.append(f"Muon (lr {t.muon_lr or t.lr:g}, {t.muon_scale} scale, {t.muon_ns_steps} NS steps)"
+                  + (f" + QK-clip tau {t.qk_clip:g}" if t.qk_clip else ""))
+    if t.mup_base_width:
+        on.append(f"width transfer from model.dim {t.mup_base_width} (hidden LRs and init std)")
+    if f.lora_rank:
+        on.append(f"LoRA rank {f.lora_rank} alpha {f.lora_alpha:g} on {f.lora_targets} (base frozen)")
+    if cfg.data.document_mask:
+        on.append("packed documents masked (data.document_mask)")
+    return [f"training: {'; '.join(on)}"] if on else []
 
 
 def _thread_lines() -> list[str]:

@@ -250,3 +250,18 @@ def test_param_count_is_the_whole_model():
 
     cfg = load_config("debug").model
     assert console.param_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_feature_line_names_what_is_on_and_nothing_for_a_plain_run():
+    from ndtrain.config import load_config
+    from ndtrain.train.console import _feature_lines
+
+    cfg = load_config("debug")
+    assert _feature_lines(cfg) == []
+    t = cfg.training
+    t.optimizer, t.qk_clip, t.mup_base_width, t.lr = "muon", 50.0, 32, 1e-3
+    cfg.finetune.lora_rank, cfg.data.document_mask = 4, True
+    assert _feature_lines(cfg) == [
+        "training: Muon (lr 0.001, moonlight scale, 5 NS steps) + QK-clip tau 50; width transfer from "
+        "model.dim 32 (hidden LRs and init std); LoRA rank 4 alpha 16 on *.wq,*.wk,*.wv,*.wo (base frozen); "
+        "packed documents masked (data.document_mask)"]
