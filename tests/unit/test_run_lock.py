@@ -105,20 +105,31 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
         RunDirLock(tmp_path).acquire()  # another host's process cannot be checked: it counts as live
 
 
-def test_launch_releases_the_lock_on_every_exit(tmp_path, capsys):
-    """Taken after the pre-start checks (a rejected layout leaves no directory), released when the
-    launch returns early (already finished) or fails; a stale one is announced and logged."""
+def test_launch_releases_the_lock_on_every_exit(tmp_path, capsys, monkeypatch):
+    """Taken after the pre-start checks and the data preparation (a rejected layout or a missing
+    corpus leaves no directory and no lock), released when the launch returns early (already
+    finished) or fails after taking it; a stale one is announced and logged."""
+    from ndtrain.cli import launch as launchmod
+
     with pytest.raises(ConfigError):
         launch(load_config("debug", {"parallel.tp": 3}), tmp_path / "bad", 2)
     assert not (tmp_path / "bad").exists()
+    cfg = load_config("debug", {"data.source": str(tmp_path / "missing-*.txt"),
+                                "data.cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(ConfigError, match="data: "):  # before the lock: nothing made
+        launch(cfg, tmp_path / "nodata", 1)
+    assert not (tmp_path / "nodata").exists()
     run = tmp_path / "run"
     run.mkdir()
     dead = _dead_pid()
     (run / LOCK_NAME).write_text(json.dumps({"pid": dead, "host": lockmod.socket.gethostname()}))
-    cfg = load_config("debug", {"data.source": str(tmp_path / "missing-*.txt"),
-                                "data.cache_dir": str(tmp_path / "cache")})
-    with pytest.raises(ConfigError, match="data: "):  # fails after the lock was taken
-        launch(cfg, run, 1)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("rank 0 failed")
+
+    monkeypatch.setattr(launchmod, "_run_local", crash)
+    with pytest.raises(RuntimeError, match="rank 0 failed"):  # fails after the lock was taken
+        launch(load_config("debug", {"data.cache_dir": str(tmp_path / "cache")}), run, 1)
     assert capsys.readouterr().out.splitlines()[0] == (
         f"note: run dir {run}: its lock was left by pid {dead}, which no longer runs; taken over")
     assert [e["pid"] for e in read_events(run, "lock_taken_over")] == [dead]
