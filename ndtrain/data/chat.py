@@ -25,9 +25,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +35,7 @@ import torch
 from ndtrain.config import DataConfig
 from ndtrain.data.chat_template import ChatTemplate, load_chat_template
 from ndtrain.data.corpus import resolve_files, source_fingerprint
-from ndtrain.data.shards import SPLITS, TokenData, _tokenizer_id
+from ndtrain.data.shards import SPLITS, TokenData, _tokenizer_id, publish_folder
 from ndtrain.data.tokenizer import HFTokenizer, Tokenizer, cache_root, load_tokenizer
 
 FORMAT_VERSION = 1
@@ -149,30 +146,17 @@ def prepare_chat(cfg: DataConfig, vocab_size: int) -> Path:
     fingerprint = source_fingerprint(cfg)
     root = cache_root(cfg) / "chat"
     final = root / chat_key(cfg, tok, template, fingerprint)
-    if (final / "meta.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
+
+    def build(tmp: Path) -> dict:
         t0 = time.perf_counter()
         meta = _write(cfg, tok, template, tmp)
-        if tok.spec != "bytes":
-            shutil.copyfile(tok.spec, tmp / "tokenizer.json")
         meta.update(format="chat", format_version=FORMAT_VERSION, fingerprint=fingerprint, tokenizer=tok.spec,
                     eos_id=tok.eos_id, tokenizer_vocab_size=tok.vocab_size, model_vocab_size=vocab_size,
                     source=cfg.source, chat_template=template.name, template_digest=template.digest,
                     val_fraction=cfg.val_fraction, prepare_seconds=round(time.perf_counter() - t0, 3))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process published first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        return meta
+
+    return publish_folder(final, tok, build)
 
 
 class ChatData(TokenData):

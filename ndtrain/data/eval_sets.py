@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ndtrain.config import DataConfig
 from ndtrain.data.corpus import source_fingerprint
-from ndtrain.data.shards import FORMAT_VERSION, _doc_chunks, shard_key
+from ndtrain.data.shards import FORMAT_VERSION, _doc_chunks, publish_folder, shard_key
 from ndtrain.data.tokenizer import Tokenizer, cache_root
 
 HELD_OUT = "val"  # the source naming the run's own validation split
@@ -35,11 +32,8 @@ def prepare_eval_set(cfg: DataConfig, source: str, tok: Tokenizer) -> Path | Non
     fingerprint = source_fingerprint(sub)
     root = cache_root(cfg) / "evalsets"
     final = root / shard_key(sub, tok, fingerprint)
-    if (final / "meta.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
+
+    def build(tmp: Path) -> dict:
         dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
         n_tokens, n_docs = 0, 0
         with open(tmp / "val.bin", "wb") as f:
@@ -50,23 +44,12 @@ def prepare_eval_set(cfg: DataConfig, source: str, tok: Tokenizer) -> Path | Non
         if n_tokens < 2:
             raise ValueError(f"eval set source {source!r} gives {n_tokens} tokens (need >= 2)")
         (tmp / "train.bin").write_bytes(b"")
-        if tok.spec != "bytes":
-            shutil.copyfile(tok.spec, tmp / "tokenizer.json")
-        meta = {"dtype": np.dtype(dtype).name, "num_tokens": {"train": 0, "val": n_tokens},
+        return {"dtype": np.dtype(dtype).name, "num_tokens": {"train": 0, "val": n_tokens},
                 "num_documents": n_docs, "format_version": FORMAT_VERSION, "fingerprint": fingerprint,
                 "tokenizer": tok.spec, "eos_id": tok.eos_id, "tokenizer_vocab_size": tok.vocab_size,
                 "source": source, "text_field": cfg.text_field, "eval_set": True}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process published first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return publish_folder(final, tok, build)
 
 
 def _one_source(cfg: DataConfig, source: str) -> DataConfig:

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -112,20 +112,34 @@ def prepare_data(cfg: DataConfig, vocab_size: int) -> Path:
     tok = load_tokenizer(cfg, vocab_size)
     root = cache_root(cfg) / "shards"
     final = root / shard_key(cfg, tok, fingerprint)
-    if (final / "meta.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
+
+    def build(tmp: Path) -> dict:
         t0 = time.perf_counter()
         meta = _write_shards(cfg, tok, tmp)
-        if tok.spec != "bytes":  # keep a copy: the folder stays usable if the original moves
-            shutil.copyfile(tok.spec, tmp / "tokenizer.json")
         meta.update(format_version=FORMAT_VERSION, fingerprint=fingerprint, tokenizer=tok.spec,
                     eos_id=tok.eos_id, tokenizer_vocab_size=tok.vocab_size, model_vocab_size=vocab_size,
                     source=cfg.source, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
                     max_corpus_bytes=cfg.max_corpus_bytes,
                     prepare_seconds=round(time.perf_counter() - t0, 3))
+        log.info("prepared %s tokens in %.1fs", meta["num_tokens"], meta["prepare_seconds"])
+        return meta
+
+    return publish_folder(final, tok, build)
+
+def publish_folder(final: Path, tok: Tokenizer, build: Callable[[Path], dict]) -> Path:
+    """The cached folder ``final``, built once: ``build(tmp)`` writes its files into a fresh
+    ``final.parent/.tmp-*`` folder and returns its ``meta.json`` dict; a copy of the tokenizer file
+    joins them (absent for "bytes") and the folder is published with one ``os.rename`` (module
+    docstring: a crash leaves no partial folder; the loser of a race discards its copy). Returns
+    ``final`` at once when it already holds ``meta.json``. Raises what ``build`` raises."""
+    if (final / "meta.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
+    try:
+        meta = build(tmp)
+        if tok.spec != "bytes":  # keep a copy: the folder stays usable if the original moves
+            shutil.copyfile(tok.spec, tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.rename(tmp, final)
@@ -133,13 +147,10 @@ def prepare_data(cfg: DataConfig, vocab_size: int) -> Path:
             if not (final / "meta.json").is_file():  # not a lost race: a real error
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process published first
-        else:
-            log.info("prepared %s tokens in %.1fs -> %s", meta["num_tokens"], meta["prepare_seconds"], final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
 
 class TokenData:
     """Read-only view of a prepared folder: fixed-length training windows from the memmaps.
