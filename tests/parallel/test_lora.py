@@ -1,6 +1,6 @@
 """LoRA under data and tensor parallelism: after 4 AdamW steps the adapters of every layout equal
 the single-process run's (float64, 1e-8 relative: only the order of float64 sums differs across
-ranks, seen about 1e-14; a wrong split or a missing gradient reduction is off by ~1e-2), and the
+ranks, seen about 1e-14), and the
 frozen base never moves (bitwise). One spawned group of 2 gloo ranks runs every layout."""
 from __future__ import annotations
 
