@@ -15,9 +15,10 @@ One microbatch's forward on one rank is a list of operations, each timed on its 
   FLOPs (the causal half of the T x T pairs; forward 2 matmuls, backward 5 since it recomputes
   QK^T) at ``peak x attention_efficiency``, bounded below by reading Q, K, V, O (+ dO, dQ, dK, dV
   backward) once.
-* **Memory-bound ops** (RMSNorm, RoPE, SwiGLU's product, residual adds, fused cross entropy, MoE
-  permute / unpermute; backward twice the forward bytes): bytes at ``hbm_efficiency`` x HBM
-  bandwidth. With sequence parallelism the norms and residuals see tokens / tp.
+* **Memory-bound ops** (RMSNorm, RoPE, SwiGLU's product, residual adds, cross entropy, MoE
+  permute / unpermute): bytes at ``hbm_efficiency`` x HBM bandwidth, per the layout's execution
+  mode (``Layout.mode``: fused by ``compile``, several kernels each in ``eager``; ``exec_mode.py``).
+  With sequence parallelism the norms and residuals see tokens / tp.
 
 The per-generation constants (``GENERATIONS``; see docs/planner.md for the sources) are the only
 efficiency numbers; the same ones serve every model, layout and published run of a generation.
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from ndtrain.planner import mixer_time
+from ndtrain.planner.exec_mode import block_memory_seconds, loss_memory_seconds
 from ndtrain.planner.hardware import COMPUTE_EFFICIENCY, HARDWARE, Cluster
 
 
@@ -185,22 +187,6 @@ def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[
     return attention_gemms(spec, tokens, tp) + ffn_gemms(spec, tokens, tp, ep, moe)
 
 
-def block_memory_bytes(spec, tokens: float, tp: int, sp: bool, moe: bool, e: int = 2) -> float:
-    """Forward bytes of one block's memory-bound ops on one rank: 2 RMSNorms and 2 residual adds
-    (read + write h per token; tokens / tp under SP), RoPE of q and k, SwiGLU's product (read 2f,
-    write f), MoE permute + unpermute of the top-k copies."""
-    h, D = spec.dim, spec.head_dim
-    seq = tokens / tp if sp else tokens
-    norms_res = seq * e * (2 * 2 * h + 2 * 3 * h)
-    rope = tokens * e * 2 * (spec.n_heads + spec.n_kv_heads) * D / tp
-    if moe:
-        f = (spec.top_k * spec.moe_ffn_hidden + spec.n_shared_experts * spec.shared_ffn_hidden) / tp
-        perm = 4 * tokens * spec.top_k * h * e
-    else:
-        f, perm = spec.ffn_hidden / tp, 0.0
-    return norms_res + rope + tokens * e * 3 * f + perm
-
-
 def attention_times(spec, tokens: float, seq_len: int, tp: int, peak: float, hbm: float, c,
                     ratio: float, efficiency: float = FLAT_EFFICIENCY, e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's FlashAttention core on one rank: ``tokens`` queries
@@ -271,9 +257,9 @@ def stage_op_times(spec, cluster: Cluster, seq_len: int, lay, n_dense: int, n_mo
             continue
         _add_linears(out, ffn_gemms(spec, tokens, lay.tp, lay.ep, moe), count, r)
         if c is not None:
-            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (r.hbm * c.hbm_efficiency)
-            out.mem_fwd += count * mem
-            out.mem_bwd += count * 2 * mem
+            f, b = block_memory_seconds(spec, tokens, lay.tp, lay.seq_parallel, moe, lay.mode, r.hbm * c.hbm_efficiency)
+            out.mem_fwd += count * f
+            out.mem_bwd += count * b
     mixers = mixers if mixers is not None else (("attention", n_dense + n_moe),)
     if last and spec.mtp_depth:
         mixers = tuple(mixers) + (("attention", spec.mtp_depth),)
@@ -303,17 +289,17 @@ def _add_head(out: OpTimes, spec, tokens, lay, r: _Rates) -> None:
     out.head_fwd += passes * f
     out.head_bwd += passes * b
     if c is not None:
-        ce = passes * tokens * spec.vocab_size / lay.tp * 2 * 2 / (r.hbm * c.hbm_efficiency)
-        out.mem_fwd += ce
-        out.mem_bwd += ce
+        ce_f, ce_b = loss_memory_seconds(tokens, spec.vocab_size / lay.tp, lay.mode, r.hbm * c.hbm_efficiency, passes)
+        out.mem_fwd += ce_f
+        out.mem_bwd += ce_b
     for _ in range(spec.mtp_depth):
         moe = spec.last_layer_is_moe
         shapes = [(tokens, spec.dim, 2 * spec.dim / lay.tp, 1)] + block_gemms(spec, tokens, lay.tp, lay.ep, moe)
         _add_linears(out, shapes, 1, r)
         if c is not None:
-            mem = block_memory_bytes(spec, tokens, lay.tp, lay.seq_parallel, moe) / (r.hbm * c.hbm_efficiency)
-            out.mem_fwd += mem
-            out.mem_bwd += 2 * mem
+            f, b = block_memory_seconds(spec, tokens, lay.tp, lay.seq_parallel, moe, lay.mode, r.hbm * c.hbm_efficiency)
+            out.mem_fwd += f
+            out.mem_bwd += b
 
 
 def optimizer_seconds(state_bytes: float, acc, efficiency: float = 0.0) -> float:

@@ -14,6 +14,7 @@ from ndtrain.config.schema import ParallelConfig
 from ndtrain.config.validate import ModelFacts, check_axes, seq_len_rule
 from ndtrain.errors import ConfigError
 from ndtrain.mixer_spec import non_softmax_mixers
+from ndtrain.planner.exec_mode import MODES
 from ndtrain.parallel.ac_policy import every_blocks
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
@@ -36,6 +37,7 @@ class Layout:
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved)
     sp: int = -1  # sequence parallel with TP: 1 / 0; -1 = on when tp > 1
     cp_impl: str = "ring"  # ring | allgather (Llama 3) | ulysses
+    mode: str = "compile"  # memory-bound ops: compile (fused) | kernels (Triton norm / SwiGLU) | eager
 
     @property
     def dp(self) -> int:
@@ -67,6 +69,8 @@ class Layout:
             parts.append(f"cp_impl={self.cp_impl}")
         if self.sp >= 0 and self.sp != (self.tp > 1):
             parts.append(f"sp={self.sp}")
+        if self.mode != "compile":
+            parts.append(f"mode={self.mode}")
         return ",".join(parts)
 
     def short(self) -> str:
@@ -92,7 +96,7 @@ def parse_layout(text: str) -> Layout:
         key = aliases.get(key, key)
         if key not in known:
             raise ValueError(f"unknown layout key {key!r}; known: {', '.join(known)}")
-        if key in ("ac", "pp_schedule", "cp_impl"):
+        if key in ("ac", "pp_schedule", "cp_impl", "mode"):
             kw[key] = value
         else:
             try:
@@ -174,6 +178,8 @@ def config_overrides(lay: Layout, workload: Workload) -> dict:
     par = parallel_config(lay)
     out = {f"parallel.{f.name}": getattr(par, f.name) for f in fields(par)
            if getattr(par, f.name) != getattr(ParallelConfig, f.name, None)}
+    if lay.mode == "kernels":  # ndtrain's Triton RMSNorm / SwiGLU (compile and eager: the run's own flags)
+        out["training.kernels"] = "triton"
     out.update({"data.seq_len": workload.seq_len, "training.global_batch_size": workload.global_batch_seqs,
                 "training.micro_batch_size": lay.microbatch, "training.activation_checkpoint": lay.ac})
     return out
@@ -202,6 +208,8 @@ def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_n
         errs.append(seq_len_rule(workload.seq_len, spec.max_seq_len))
     if lay.cp_impl not in CP_IMPLS:
         errs.append(f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
+    if lay.mode not in MODES:
+        errs.append(f"mode ({lay.mode}) must be one of {MODES}")
     try:
         check_activation_checkpoint(lay.ac, "ac")
         check_axes(model_facts(spec), parallel_config(lay), workload.seq_len, lay.ac, dp=lay.dp,
