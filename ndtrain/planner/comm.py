@@ -59,7 +59,7 @@ def estimate_collective_time(kind: str, nbytes: float, n: int, bytes_per_s: floa
 def axis_spans(lay: Layout) -> dict:
     """Consecutive ranks one group of each axis spans (stride x size), TP innermost."""
     tp, cp, ds, dr = lay.tp, lay.cp, lay.dp_shard, lay.dp_replicate
-    return {"tp": tp, "cp": tp * cp, "ep": tp * lay.ep, "dp_shard_cp": tp * cp * ds,
+    return {"tp": tp, "cp": tp * cp, "ep": lay.etp * lay.ep, "dp_shard_cp": tp * cp * ds,
             "dp_replicate": tp * cp * ds * dr, "dp_cp": tp * cp * ds * dr, "pp": lay.world}
 
 
@@ -129,7 +129,9 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
             out["cp_bwd"] = out["cp_fwd"]
     if lay.ep > 1 and stage["moe_layers"]:  # GShard / Switch: dispatch + combine all-to-all
         links["ep"] = L.name("ep")
-        a2a = moe_all_to_all(spec, cluster, w, lay, tokens / (t if lay.seq_parallel else 1))
+        # folded: the tp group's tokens split over its tp / expert_tp expert-TP groups (fewest bytes)
+        share = lay.etp / t if lay.folded else 1 / (t if lay.seq_parallel else 1)
+        a2a = moe_all_to_all(spec, cluster, w, lay, tokens * share)
         out.update({k: v for k, v in a2a.items() if k.startswith("ep_")})
     if lay.pp > 1:
         links["pp"] = L.name("pp")
@@ -141,13 +143,13 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
 
     def shard(kind, nbytes_dense, nbytes_expert):
         tm = L.time(kind, "dp_shard_cp", nbytes_dense, n_sh)
-        return tm + L.time(kind, "dp_shard_cp", nbytes_expert, max(1, n_sh // lay.ep))
+        return tm + L.time(kind, "dp_shard_cp", nbytes_expert, lay.expert_dp if lay.folded else max(1, n_sh // lay.ep))
 
     if lay.dp * lay.cp > 1:
         links["dp"] = L.name("dp_shard_cp") if n_sh > 1 else L.name("dp_replicate")
         if z == 0:
             out["dp_grad"] = L.time("all_reduce", "dp_cp", gb * dense, lay.dp * lay.cp) + \
-                L.time("all_reduce", "dp_cp", gb * expert, max(1, lay.dp * lay.cp // lay.ep))
+                L.time("all_reduce", "dp_cp", gb * expert, lay.expert_dp)
         else:
             rep = L.time("all_reduce", "dp_replicate", gb * (dense + expert) / n_sh, lay.dp_replicate)
             rs = shard("reduce_scatter", gb * dense, gb * expert)
@@ -162,23 +164,39 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
     return out
 
 
+def remote_nodes_per_token(spec, n_nodes: int, max_nodes: int = 0) -> float:
+    """Expected remote nodes one token's top-k experts touch on an ep group over ``n_nodes`` nodes
+    (E / N experts each, uniform routing): node-limited (M > 0) min(M, k, N) nodes uniformly, so
+    M' (N - 1) / N remote; else each remote node is missed by all k picks (without replacement)
+    with probability C(E - E/N, k) / C(E, k)."""
+    if n_nodes <= 1:
+        return 0.0
+    k, E = spec.top_k, spec.n_experts
+    if max_nodes:
+        return min(max_nodes, k, n_nodes) * (n_nodes - 1) / n_nodes
+    per = E // n_nodes
+    return (n_nodes - 1) * (1 - math.comb(E - per, k) / math.comb(E, k))
+
+
 def moe_all_to_all(spec, cluster: Cluster, w: Workload, lay: Layout, tokens: float) -> dict:
     """Expert dispatch + combine of one MoE layer for one microbatch of ``tokens`` tokens on one
     rank (GShard, Lepikhin 2020; DeepSeek-V3 report 2024, sections 3.2.2 and 3.3). Per token
     top-k copies of width h go out (dispatch) and come back (combine).
 
-    * Split by link: the ep group of ``ep`` ranks (stride tp) has ``g = min(ep, gpus_per_node /
-      tp)`` ranks on each node and spans ``N = ep / g`` nodes. Uniform routing sends a copy to a
-      rank of this node with probability g / ep (1 / ep of it stays on this rank) and across nodes
-      with (ep - g) / ep: inter = s k h b (ep - g) / ep, intra = s k h b (g - 1) / ep bytes.
-    * Node-limited routing (``moe_max_nodes`` M > 0, DeepSeek-V3 uses M = 4): each token reaches at
-      most M' = min(M, k, N) nodes and crosses the inter-node link once per remote node (to the
-      rank with the same local index, which forwards over NVLink): inter = s h b M' (N - 1) / N,
-      intra = s k h b (g - 1) / g.
+    * Split by link: the ep group of ``ep`` ranks (stride: the experts' tp, ``Layout.etp``) has
+      ``g = min(ep, gpus_per_node / etp)`` ranks on each node and spans ``N = ep / g`` nodes.
+    * ``moe_dispatch=flat``: every routed copy travels on its own. Uniform routing sends a copy to
+      a rank of this node with probability g / ep (1 / ep of it stays on this rank) and across
+      nodes with (ep - g) / ep: inter = s k h b (ep - g) / ep, intra = s k h b (g - 1) / ep bytes
+      (node-limited routing does not change these expectations).
+    * ``moe_dispatch=hierarchical``: a token crosses the NIC once per remote node it reaches (to
+      the rank with the same local index, which forwards over NVLink): inter = s h b R with R
+      the expected remote nodes (``remote_nodes_per_token``; with ``moe_max_nodes`` M, DeepSeek-V3
+      uses 4: M' (N - 1) / N), intra = s k h b (g - 1) / g (its own copies and the forwarded ones).
     * fp8 dispatch (``moe_fp8_dispatch``): dispatch b = 1 byte + one fp32 scale per 128 values;
       combine and both backward all-to-alls stay bf16 (as DeepSeek-V3).
-    * The NVLink and the NIC parts run at the same time: a pass takes the longer of the two, then
-      the busiest rank's share: x ``moe_imbalance`` (tokens of the busiest rank / the mean).
+    * The NVLink and the NIC parts run at the same time, each at its own (bottleneck) bandwidth:
+      a pass takes the longer of the two, then the busiest rank's share: x ``moe_imbalance``.
     * Overlap: with shared experts the dispatch / combine overlaps with the shared expert's GEMMs
       on the local tokens (DeepSeek-V3's shared-expert overlap); under ``dualpipev`` a microbatch's
       all-to-all overlaps with the other microbatch's whole layer (attention + experts); both at
@@ -190,15 +208,13 @@ def moe_all_to_all(spec, cluster: Cluster, w: Workload, lay: Layout, tokens: flo
     from ndtrain.planner.hardware import COMPUTE_EFFICIENCY
 
     h, k, ep = spec.dim, spec.top_k, lay.ep
-    gpn = max(1, cluster.gpus_per_node // lay.tp)
-    g = max(1, min(ep, gpn))
+    g = max(1, min(ep, cluster.gpus_per_node // lay.etp))
     n_nodes = -(-ep // g)
     b_disp = 1 + 4 / 128 if w.moe_fp8_dispatch else w.act_bytes
 
     def volume(b: float) -> tuple[float, float]:
-        if w.moe_max_nodes and n_nodes > 1:
-            m_eff = min(w.moe_max_nodes, k, n_nodes)
-            return tokens * h * b * m_eff * (n_nodes - 1) / n_nodes, tokens * k * h * b * (g - 1) / g
+        if lay.moe_dispatch == "hierarchical" and n_nodes > 1:
+            return tokens * h * b * remote_nodes_per_token(spec, n_nodes, w.moe_max_nodes), tokens * k * h * b * (g - 1) / g
         return tokens * k * h * b * (ep - g) / ep, tokens * k * h * b * (g - 1) / ep
 
     _, bw_in, lat_in = cluster.link(1)

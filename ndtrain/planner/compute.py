@@ -166,9 +166,10 @@ def attention_gemms(spec, tokens: float, tp: int) -> list[tuple[float, float, fl
     return [(tokens, (a + 2 * spec.n_kv_heads) * D / tp, h, 1), (tokens, h, a * D / tp, 1)]
 
 
-def ffn_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
+def ffn_gemms(spec, tokens: float, tp: int, ep: int, moe: bool, etp: int = 0) -> list[tuple[float, float, float, int]]:
     """(m, n, k, count) of one block's SwiGLU / MoE GEMMs on one rank (EP: the rank's E / ep
-    experts, each fed tokens * top_k * ep / E rows)."""
+    experts split etp ways (the experts' tp, 0: the attention tp), each fed tokens x (etp / tp) x
+    top_k x ep / E rows: a folded mesh's expert-TP group takes etp / tp of the tp group's tokens)."""
     h = spec.dim
     if not moe:
         f = spec.ffn_hidden / tp
@@ -177,14 +178,15 @@ def ffn_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[fl
     if spec.n_shared_experts:
         fs = spec.n_shared_experts * spec.shared_ffn_hidden / tp
         out += [(tokens, 2 * fs, h, 1), (tokens, h, fs, 1)]
-    rows = tokens * spec.top_k * ep / spec.n_experts
-    fe, local = spec.moe_ffn_hidden / tp, max(1, spec.n_experts // ep)
+    etp = etp or tp
+    rows = tokens * etp / tp * spec.top_k * ep / spec.n_experts
+    fe, local = spec.moe_ffn_hidden / etp, max(1, spec.n_experts // ep)
     return out + [(rows, 2 * fe, h, local), (rows, h, fe, local)]
 
 
-def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool) -> list[tuple[float, float, float, int]]:
+def block_gemms(spec, tokens: float, tp: int, ep: int, moe: bool, etp: int = 0) -> list[tuple[float, float, float, int]]:
     """(m, n, k, count) of one softmax-attention block's forward GEMMs on one rank."""
-    return attention_gemms(spec, tokens, tp) + ffn_gemms(spec, tokens, tp, ep, moe)
+    return attention_gemms(spec, tokens, tp) + ffn_gemms(spec, tokens, tp, ep, moe, etp)
 
 
 def attention_times(spec, tokens: float, seq_len: int, tp: int, peak: float, hbm: float, c,
@@ -255,7 +257,7 @@ def stage_op_times(spec, cluster: Cluster, seq_len: int, lay, n_dense: int, n_mo
     for count, moe in ((n_dense, False), (n_moe, True)):
         if not count:
             continue
-        _add_linears(out, ffn_gemms(spec, tokens, lay.tp, lay.ep, moe), count, r)
+        _add_linears(out, ffn_gemms(spec, tokens, lay.tp, lay.ep, moe, lay.etp), count, r)
         if c is not None:
             f, b = block_memory_seconds(spec, tokens, lay.tp, lay.seq_parallel, moe, lay.mode, r.hbm * c.hbm_efficiency)
             out.mem_fwd += count * f
@@ -294,7 +296,7 @@ def _add_head(out: OpTimes, spec, tokens, lay, r: _Rates) -> None:
         out.mem_bwd += ce_b
     for _ in range(spec.mtp_depth):
         moe = spec.last_layer_is_moe
-        shapes = [(tokens, spec.dim, 2 * spec.dim / lay.tp, 1)] + block_gemms(spec, tokens, lay.tp, lay.ep, moe)
+        shapes = [(tokens, spec.dim, 2 * spec.dim / lay.tp, 1)] + block_gemms(spec, tokens, lay.tp, lay.ep, moe, lay.etp)
         _add_linears(out, shapes, 1, r)
         if c is not None:
             f, b = block_memory_seconds(spec, tokens, lay.tp, lay.seq_parallel, moe, lay.mode, r.hbm * c.hbm_efficiency)

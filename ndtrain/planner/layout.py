@@ -38,6 +38,12 @@ class Layout:
     sp: int = -1  # sequence parallel with TP: 1 / 0; -1 = on when tp > 1
     cp_impl: str = "ring"  # ring | allgather (Llama 3) | ulysses
     mode: str = "compile"  # memory-bound ops: compile (fused) | kernels (Triton norm / SwiGLU) | eager
+    # the folded expert mesh (parallel.expert_tp / parallel.edp): -1 = experts split by the attention
+    # tp, ep borrowed from dp_shard x cp (the tied mesh); >= 1: each stage's ranks also form an
+    # (edp, ep, expert_tp) mesh, expert_tp innermost, so ep may span tp, cp and dp ranks
+    expert_tp: int = -1
+    edp: int = 0  # expert data-parallel degree (0: derived, ranks per stage / (ep x expert_tp))
+    moe_dispatch: str = "flat"  # flat | hierarchical: each token crosses to each remote node once
 
     @property
     def dp(self) -> int:
@@ -46,6 +52,22 @@ class Layout:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def folded(self) -> bool:
+        return self.expert_tp >= 1
+
+    @property
+    def etp(self) -> int:
+        """The experts' tensor-parallel degree (the attention tp on the tied mesh)."""
+        return self.expert_tp if self.folded else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same expert shard: edp (folded), else dp x cp / ep."""
+        if self.folded:
+            return self.edp or max(1, self.world // (self.pp * self.ep * self.expert_tp))
+        return max(1, self.dp * self.cp // self.ep)
 
     @property
     def seq_parallel(self) -> bool:
@@ -71,12 +93,18 @@ class Layout:
             parts.append(f"sp={self.sp}")
         if self.mode != "compile":
             parts.append(f"mode={self.mode}")
+        if self.folded:
+            parts += [f"expert_tp={self.expert_tp}"] + ([f"edp={self.edp}"] if self.edp else [])
+        if self.moe_dispatch != "flat":
+            parts.append(f"moe_dispatch={self.moe_dispatch}")
         return ",".join(parts)
 
     def short(self) -> str:
         """Compact form for tables, e.g. ``TP8 PP16 DP64 z1 ac=none mb1 1f1b``."""
         axes = [f"{n}{getattr(self, k)}" for n, k in (("TP", "tp"), ("CP", "cp"), ("PP", "pp"),
                                                       ("EP", "ep")) if getattr(self, k) > 1]
+        if self.folded:
+            axes.append(f"ETP{self.expert_tp}")
         dp = f"DP{self.dp}" if self.dp_replicate == 1 else f"DP{self.dp_replicate}x{self.dp_shard}"
         v = self.pp_virtual_stages
         sched = f" {self.pp_schedule}" + (f"/v{v}" if v > 1 else "") if self.pp > 1 else ""
@@ -96,7 +124,7 @@ def parse_layout(text: str) -> Layout:
         key = aliases.get(key, key)
         if key not in known:
             raise ValueError(f"unknown layout key {key!r}; known: {', '.join(known)}")
-        if key in ("ac", "pp_schedule", "cp_impl", "mode"):
+        if key in ("ac", "pp_schedule", "cp_impl", "mode", "moe_dispatch"):
             kw[key] = value
         else:
             try:
@@ -164,12 +192,52 @@ def model_facts(spec):
                       cp_rules.left_context(spec.mixers) if spec.mixers else 0, spec.mixers)
 
 
+def _spans_tp(lay: Layout) -> bool:
+    """The folded expert group reaches beyond dp_shard x cp (EP spans tp ranks, or edp is set)."""
+    return lay.folded and (lay.edp > 0 or (lay.dp_shard * lay.cp) % lay.ep != 0)
+
+
+def runtime_lacks(lay: Layout) -> list[str]:
+    """Keys the layout needs that this ndtrain's ``ParallelConfig`` does not have yet: ``edp`` for an
+    expert mesh folded over tp ranks, ``moe_dispatch`` for hierarchical dispatch."""
+    have = {f.name for f in fields(ParallelConfig)}
+    need = (["edp"] if _spans_tp(lay) else []) + (["moe_dispatch"] if lay.moe_dispatch != "flat" else [])
+    return [k for k in need if k not in have]
+
+
 def parallel_config(lay: Layout) -> ParallelConfig:
-    """The ``parallel`` section of a config running ``lay`` (field names are the config's)."""
+    """The ``parallel`` section of a config running ``lay`` (field names are the config's). An expert
+    mesh over tp ranks the config cannot express is checked with ep = 1 here (``fold_rules`` checks
+    its arithmetic)."""
+    have, lacks = {f.name for f in fields(ParallelConfig)}, runtime_lacks(lay)
+    extra = {"expert_tp": lay.expert_tp} if lay.folded else {}
+    extra.update({k: getattr(lay, k) for k in ("edp", "moe_dispatch") if k in have and k not in lacks
+                  and getattr(lay, k) != getattr(Layout, k)})
+    ep = 1 if "edp" in lacks else lay.ep
     return ParallelConfig(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp,
-                          pp=lay.pp, ep=lay.ep, zero_stage=lay.zero_stage,
+                          pp=lay.pp, ep=ep, zero_stage=lay.zero_stage,
                           sequence_parallel=lay.seq_parallel, cp_impl=lay.cp_impl,
-                          pp_schedule=lay.pp_schedule, pp_virtual_stages=lay.pp_virtual_stages)
+                          pp_schedule=lay.pp_schedule, pp_virtual_stages=lay.pp_virtual_stages, **extra)
+
+
+def fold_rules(spec, lay: Layout) -> list[str]:
+    """The arithmetic of the folded expert mesh and of the dispatch (empty: valid): ep x expert_tp x
+    edp fill each stage's ranks, ep divides the experts and expert_tp their hidden width."""
+    errs = []
+    if lay.moe_dispatch not in ("flat", "hierarchical"):
+        errs.append(f"moe_dispatch ({lay.moe_dispatch}) must be flat or hierarchical")
+    if not lay.folded:
+        return errs + ([f"edp ({lay.edp}) needs expert_tp >= 1 (the folded expert mesh)"] if lay.edp else [])
+    stage = lay.world // lay.pp
+    if not spec.is_moe:
+        errs.append("expert_tp (the folded expert mesh) needs a MoE model")
+    elif spec.n_experts % lay.ep or spec.moe_ffn_hidden % lay.expert_tp:
+        errs.append(f"ep ({lay.ep}) must divide the experts ({spec.n_experts}) and expert_tp ({lay.expert_tp}) "
+                    f"their hidden width ({spec.moe_ffn_hidden})")
+    if stage % (lay.ep * lay.expert_tp) or (lay.edp and lay.edp * lay.ep * lay.expert_tp != stage):
+        errs.append(f"edp x ep x expert_tp ({lay.expert_dp} x {lay.ep} x {lay.expert_tp}) must be the ranks of "
+                    f"one pipeline stage ({stage})")
+    return errs
 
 
 def config_overrides(lay: Layout, workload: Workload) -> dict:
@@ -210,6 +278,10 @@ def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_n
         errs.append(f"cp_impl ({lay.cp_impl}) must be one of {CP_IMPLS}")
     if lay.mode not in MODES:
         errs.append(f"mode ({lay.mode}) must be one of {MODES}")
+    errs += fold_rules(spec, lay)
+    if runtime and runtime_lacks(lay):
+        errs.append(f"parallel.{', parallel.'.join(runtime_lacks(lay))}: not in this ndtrain's config yet "
+                    "(an expert mesh folded over tp ranks / hierarchical dispatch)")
     try:
         check_activation_checkpoint(lay.ac, "ac")
         check_axes(model_facts(spec), parallel_config(lay), workload.seq_len, lay.ac, dp=lay.dp,

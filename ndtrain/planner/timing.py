@@ -14,7 +14,8 @@ the blocks' linear layers run at the FP8 peak; attention and the output head run
 Overlap assumptions (stated, the same for every case):
   * TP / SP collectives: forward ones are exposed (they sit between dependent GEMMs); backward ones
     overlap with the weight-gradient GEMMs (half the backward), as in Megatron-LM's asynchronous TP
-    communication (Narayanan 2021, Korthikanti 2022); the excess is exposed.
+    communication (Narayanan 2021, Korthikanti 2022); the excess is exposed. Inside a TPU torus
+    slice both directions hide behind the layer's GEMMs (XLA's collective matmul, ``torus.py``).
   * CP ring (Liu 2023): each K/V block exchange overlaps with the previous block's attention; the
     excess over attention compute is exposed. All-gather CP (Llama 3) and Ulysses are exposed.
   * EP all-to-all and PP send / recv are exposed (on the critical path of each microbatch).
@@ -35,6 +36,7 @@ from ndtrain.planner.layout import Layout, Workload, microbatches
 from ndtrain.planner.memory import PRECISIONS, rank_params, recompute_fraction
 from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import estimate_pipeline_time, rank_layers
+from ndtrain.planner.torus import in_slice_tp, torus_tp_exposed
 
 
 @dataclass
@@ -86,7 +88,7 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     m = microbatches(lay, w)
     ops, t_attn_layer, _, prm = _slowest_stage(spec, cluster, w, lay, eff)
     n_layers, n_moe = prm["moe_layers"] + prm["dense_layers"], prm["moe_layers"]
-    local = {"dense": prm["dense"] / lay.tp, "expert": prm["expert"] / (lay.tp * lay.ep),
+    local = {"dense": prm["dense"] / lay.tp, "expert": prm["expert"] / (lay.etp * lay.ep),
              "moe_layers": n_moe, "layers": n_layers}
     c = estimate_axis_comm(spec, cluster, w, lay, local)
 
@@ -99,6 +101,10 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
            "zero": max(0.0, c["zero_fwd"] - t_fwd_c)}
     bwd = {"tp": n_layers * max(0.0, c["tp_bwd"] - 0.5 * t_bwd_layer), "ep": n_moe * c["ep_bwd"],
            "pp": lay.pp_virtual_stages * c["pp"], "zero": max(0.0, c["zero_bwd"] - t_bwd_c - t_rc)}
+    if in_slice_tp(cluster, lay):  # collective matmul: TP under the layer's own GEMMs (torus.py)
+        per = max(n_layers, 1)
+        f_tp, b_tp = torus_tp_exposed(c["tp_fwd"], c["tp_bwd"], ops.gemm_fwd / per, ops.gemm_bwd / per)
+        fwd["tp"], bwd["tp"] = n_layers * f_tp, n_layers * b_tp
     if lay.cp_impl == "ring":
         fwd["cp"] = n_layers * max(0.0, c["cp_fwd"] - t_attn_layer)
         bwd["cp"] = n_layers * max(0.0, c["cp_bwd"] - 2.5 * t_attn_layer)

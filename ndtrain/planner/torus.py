@@ -27,6 +27,25 @@ Ranks fill the torus x first, then y, then z (``torus_shape``); a mesh axis whos
 """
 from __future__ import annotations
 
+# Overlap of TP inside a slice: XLA's SPMD partitioner decomposes a TP all-gather / reduce-scatter
+# into per-neighbour steps along the ring and runs each step under the partial matmul it feeds
+# ("collective matmul": Wang et al. 2023, "Overlap Communication with Dependent Computation via
+# Decomposition in Large Deep Learning Models"; the torus's neighbour links are what make the steps
+# cheap), so forward TP collectives hide behind the layer's forward GEMMs and backward ones behind
+# all of its backward GEMMs. A switched GPU fabric runs them exposed forward (timing.py).
+
+
+def in_slice_tp(cluster, lay) -> bool:
+    """True when the layout's TP groups lie inside one TPU torus slice (the overlap above applies)."""
+    acc = cluster.accelerator
+    return bool(acc.torus_dims) and lay.tp > 1 and lay.tp <= cluster.gpus_per_node
+
+
+def torus_tp_exposed(tp_fwd: float, tp_bwd: float, gemm_fwd: float, gemm_bwd: float) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one layer's TP collectives inside a slice: what the
+    layer's forward / backward GEMMs (seconds) do not cover."""
+    return max(0.0, tp_fwd - gemm_fwd), max(0.0, tp_bwd - gemm_bwd)
+
 
 def torus_shape(chips: int, n_dims: int = 3) -> tuple:
     """A torus shape for ``chips`` chips: prime factors, largest first, each multiplied into the
