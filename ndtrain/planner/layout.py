@@ -4,7 +4,11 @@ Layout strings look like ``"tp=8,cp=1,pp=16,dp_shard=64,dp_replicate=1,ep=1,zero
 microbatch=1,pp_schedule=1f1b,pp_virtual_stages=1"``; missing keys take defaults, ``dp_shard=-1``
 takes the ranks left over. Field names are the config's (``parallel.pp_schedule``...); ``schedule``,
 ``v`` and ``virtual_stages`` are accepted as short aliases when parsing. Axis order outer to inner is ndtrain's mesh order ``pp, dp_replicate, dp_shard, cp, tp`` (TP
-innermost, on the fastest link); ``ep`` borrows ranks from ``dp_shard x cp``.
+innermost, on the fastest link); ``ep`` borrows ranks from ``dp_shard x cp``, unless ``expert_tp``
+>= 1 folds an expert mesh (edp, ep, expert_tp) over each stage's ranks, where ep may span tp ranks
+(``fold_rules``). ``mode`` (compile | kernels | eager) is how the memory-bound ops run
+(``exec_mode.py``); ``moe_dispatch`` (flat | hierarchical) how tokens reach remote experts
+(``comm.moe_all_to_all``).
 """
 from __future__ import annotations
 

@@ -171,3 +171,20 @@ def test_unknown_mode_is_a_rule_not_a_crash():
         op_table("jit")
     assert str(parse_layout("dp_shard=8,mode=eager")).endswith(",mode=eager")
     assert "mode" not in str(parse_layout("dp_shard=8"))
+
+
+def test_cli_layout_mode_eager_is_slower_and_round_trips(capsys):
+    """``ndtrain plan --layout ...,mode=eager``: the mode reaches the time model (slower than the
+    default compiled mode) and the printed layout names it."""
+    import json
+
+    from ndtrain.cli.plan import main
+
+    base = ["--model", "llama3_8b", "--hardware", "H100", "--gpus", "8", "--json", "--layout"]
+    times = {}
+    for mode in ("compile", "eager"):
+        assert main(base + [f"dp_shard=8,zero_stage=3,ac=full,microbatch=1,mode={mode}"]) == 0
+        row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        times[mode] = row["step_time_s"]
+        assert ("mode=eager" in row["layout"]) == (mode == "eager")
+    assert times["eager"] > times["compile"]
