@@ -198,7 +198,7 @@ def moe_all_to_all(spec, cluster: Cluster, w: Workload, lay: Layout, tokens: flo
     * The NVLink and the NIC parts run at the same time, each at its own (bottleneck) bandwidth:
       a pass takes the longer of the two, then the busiest rank's share: x ``moe_imbalance``.
     * Overlap: with shared experts the dispatch / combine overlaps with the shared expert's GEMMs
-      on the local tokens (DeepSeek-V3's shared-expert overlap); under ``dualpipev`` a microbatch's
+      on the local tokens (DeepSeek-V3's shared-expert overlap; ``moe_shared_overlap=0``: not); under ``dualpipev`` a microbatch's
       all-to-all overlaps with the other microbatch's whole layer (attention + experts); both at
       ``COMPUTE_EFFICIENCY`` (or ``--efficiency``) x the 16-bit peak. The excess is exposed.
 
@@ -230,7 +230,8 @@ def moe_all_to_all(spec, cluster: Cluster, w: Workload, lay: Layout, tokens: flo
     bwd = 2 * seconds(w.act_bytes)
     eff = getattr(cluster.accelerator, "compute_efficiency", 0.0) or COMPUTE_EFFICIENCY
     rate = cluster.mfu_peak_flops_per_s * eff
-    shared = 2 * tokens * 3 * h * spec.shared_ffn_hidden * spec.n_shared_experts / lay.tp
+    overlap = lay.moe_shared_overlap != 0  # -1: wherever there are shared experts
+    shared = 2 * tokens * 3 * h * spec.shared_ffn_hidden * spec.n_shared_experts / lay.tp * overlap
     hide_f, hide_b = shared / rate, 2 * shared / rate
     if lay.pp_schedule == "dualpipev":  # the other microbatch's layer: attention + active experts
         layer = 2 * tokens * spec.layer_params(True, active=True) / lay.tp

@@ -48,6 +48,9 @@ class Layout:
     expert_tp: int = -1
     edp: int = 0  # expert data-parallel degree (0: derived, ranks per stage / (ep x expert_tp))
     moe_dispatch: str = "flat"  # flat | hierarchical: each token crosses to each remote node once
+    # the dispatch under the shared experts' GEMMs: 1 / 0 (parallel.moe_shared_overlap); -1 = modelled
+    # on wherever the model has shared experts (DeepSeek-V3 / Megatron runs), not set in the config
+    moe_shared_overlap: int = -1
 
     @property
     def dp(self) -> int:
@@ -101,6 +104,8 @@ class Layout:
             parts += [f"expert_tp={self.expert_tp}"] + ([f"edp={self.edp}"] if self.edp else [])
         if self.moe_dispatch != "flat":
             parts.append(f"moe_dispatch={self.moe_dispatch}")
+        if self.moe_shared_overlap >= 0:
+            parts.append(f"moe_shared_overlap={self.moe_shared_overlap}")
         return ",".join(parts)
 
     def short(self) -> str:
@@ -218,6 +223,8 @@ def parallel_config(lay: Layout) -> ParallelConfig:
     extra.update({k: getattr(lay, k) for k in ("edp", "moe_dispatch") if k in have and k not in lacks
                   and getattr(lay, k) != getattr(Layout, k)})
     ep = 1 if "edp" in lacks else lay.ep
+    if lay.moe_shared_overlap >= 0:  # the trainer's own rule checks it (ep > 1, shared experts)
+        extra["moe_shared_overlap"] = bool(lay.moe_shared_overlap)
     return ParallelConfig(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp,
                           pp=lay.pp, ep=ep, zero_stage=lay.zero_stage,
                           sequence_parallel=lay.seq_parallel, cp_impl=lay.cp_impl,

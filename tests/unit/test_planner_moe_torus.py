@@ -190,3 +190,14 @@ def test_tp_inside_a_torus_overlaps_with_the_layers_gemms():
     assert torus_tp_exposed(3.0, 5.0, 1.0, 6.0) == (2.0, 0.0)
     gpu = estimate_step_time(spec, Cluster(H100, 64), w, lay)
     assert gpu.parts["tp_comm"] >= gpu.microbatches * 32 * gpu.raw_comm["tp_fwd"] * 0.999
+
+
+def test_shared_overlap_off_exposes_the_dispatch_and_reaches_the_config():
+    from ndtrain.planner.layout import parallel_config, parse_layout
+
+    on = _a2a(Layout(dp_shard=512, ep=64))
+    off = _a2a(Layout(dp_shard=512, ep=64, moe_shared_overlap=0))
+    assert off["ep_fwd_raw"] == on["ep_fwd_raw"] and off["ep_fwd"] == off["ep_fwd_raw"] > on["ep_fwd"]
+    lay = parse_layout("dp_shard=512,ep=64,moe_shared_overlap=1")
+    assert parallel_config(lay).moe_shared_overlap is True and "moe_shared_overlap=1" in str(lay)
+    assert not parallel_config(Layout(dp_shard=512, ep=64)).moe_shared_overlap  # -1: the config's default
