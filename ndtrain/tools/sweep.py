@@ -209,6 +209,7 @@ def layout_name(par: dict) -> str:
             if ax == "pp":
                 s += f":{par['pp_schedule']}" + (f"(v{par['pp_virtual_stages']})"
                                                  if par["pp_virtual_stages"] > 1 else "")
+            s += f"[{par['pp_layout'].replace('|', '/')}]" if ax == "pp" and par.get("pp_layout") else ""
             s += f":{par['cp_impl']}" if ax == "cp" else ""
             s += f"({par['cp_layout']})" if ax == "cp" and "cp_layout" in par else ""
             s += "+sp" if ax == "tp" and par.get("sequence_parallel") else ""
@@ -231,6 +232,13 @@ WORLD8 = (
     {"dp_shard": 2, "cp": 2, "cp_impl": "ulysses", "tp": 2, "sequence_parallel": True},
     {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
     {"dp_shard": 4, "cp": 2, "cp_impl": "ring", "ep": 4},
+)
+# uneven pipeline layouts (parallel.pp_layout) over the 4 blocks: the embedding alone on stage 0
+# (1F1B); the embedding and the head each alone on a virtual stage (interleaved, Llama 3's end
+# stages). A feature with MTP puts its depths with the head (``feature_layouts``)
+PP_LAYOUTS = (
+    (2, {"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 1, "pp_layout": "E|t*4,L"}),
+    (2, {"pp": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2, "pp_layout": "E|t*3|t|L"}),
 )
 # the layouts crossed with activation checkpointing and with the other dtypes: one per axis / kind
 REPRESENTATIVE = (
@@ -265,8 +273,12 @@ def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
     else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``, and with shared experts
-    their ep layouts again with ``moe_shared_overlap``."""
+    their ep layouts again with ``moe_shared_overlap``; ``FULL_PRODUCT`` features also run
+    ``PP_LAYOUTS``."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
+    if feature in FULL_PRODUCT:  # MTP depths sit with the head: "L" -> "mL"
+        mtp = "m" * int(FEATURES[feature].get("mtp_depth", 0))
+        out += [(w, {**par, "pp_layout": par["pp_layout"].replace("L", mtp + "L")}) for w, par in PP_LAYOUTS]
     if FEATURES[feature].get("moe_experts", 0):
         out += expert_tp_layouts(out)
     if FEATURES[feature].get("moe_shared_experts", 0):
@@ -349,6 +361,8 @@ SUBSET = (
     ("lora", 2, {"dp_shard": 2}, {"zero": 3, "ac": "full"}),
     ("packed", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 3, "ac": "full"}),  # documents cut by cp
     ("packed", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1}),  # documents split by microbatch
+    ("mtp", 2, {"pp": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2, "pp_layout": "E|t*3|t|mL"},
+     {"zero": 0}),  # uneven layout: embedding and head + MTP each alone on a virtual stage
     ("muon", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # whole-matrix Newton-Schulz over tp
 )
 
