@@ -4,7 +4,7 @@ One spawned group of 2 ranks runs a 5-block model under four layouts: 1F1B with 
 on stage 0 (``E|t*5,L``); interleaved pp2 x v2 with the embedding and the head each alone on a
 virtual stage, Llama 3's end stages (``E|t*3|t*2|L``); DualPipeV with rank 0 holding the lone
 embedding and the last block with the head (``E|t*2|t*2|t,L``); zero-bubble with a tied head
-(``Et*4|t,L``). Reference: the same model in one process on the whole batch. float64, 4 steps,
+(``Et*4|t,L``); interleaved with an MTP depth beside the lone head (``E|t*3|t*2|mL``). Reference: the same model in one process on the whole batch. float64, 4 steps,
 clipping active: the layouts only reorder sums (~1e-15), so losses and gradient norms must agree to
 1e-8 relative and every parameter to 1e-9; a block on the wrong stage, a lost embedding gradient or
 a wrong message would be off by far more (one step moves the weights by ~1e-3). The interleaved
@@ -26,54 +26,60 @@ from tests.parallel.test_pp import global_batch, param_diff
 from tests.utils import tiny_config
 
 N_LAYERS, STEPS = 5, 4
-LAYOUTS = {  # name: (schedule, v, tie_embeddings, layout)
-    "1f1b": ("1f1b", 1, False, "E|t*5,L"),
-    "interleaved": ("interleaved", 2, False, "E|t*3|t*2|L"),
-    "dualpipev": ("dualpipev", 1, False, "E|t*2|t*2|t,L"),
-    "zero_bubble_tied": ("zero_bubble", 1, True, "Et*4|t,L"),
+LAYOUTS = {  # name: (schedule, v, tie_embeddings, mtp_depth, layout)
+    "1f1b": ("1f1b", 1, False, 0, "E|t*5,L"),
+    "interleaved": ("interleaved", 2, False, 0, "E|t*3|t*2|L"),
+    "dualpipev": ("dualpipev", 1, False, 0, "E|t*2|t*2|t,L"),
+    "zero_bubble_tied": ("zero_bubble", 1, True, 0, "Et*4|t,L"),
+    "interleaved_mtp": ("interleaved", 2, False, 1, "E|t*3|t*2|mL"),
 }
 BLOCKS = {  # blocks per rank under each layout (rank 0, rank 1)
     "1f1b": ([], ["0", "1", "2", "3", "4"]), "interleaved": (["3", "4"], ["0", "1", "2"]),
     "dualpipev": (["4"], ["0", "1", "2", "3"]), "zero_bubble_tied": (["0", "1", "2", "3"], ["4"]),
+    "interleaved_mtp": (["3", "4"], ["0", "1", "2"]),
 }
 
 
-def cfg_of(pp: int, sched: str = "1f1b", v: int = 1, tie: bool = False, layout: str = "") -> Config:
+def cfg_of(pp: int, sched: str = "1f1b", v: int = 1, tie: bool = False, mtp: int = 0,
+           layout: str = "") -> Config:
     return tiny_config({"model.vocab_size": 64, "model.dim": 32, "model.n_layers": N_LAYERS,
-                        "model.tie_embeddings": tie, "data.seq_len": 8, "training.global_batch_size": 8,
+                        "model.tie_embeddings": tie, "model.mtp_depth": mtp, "data.seq_len": 8, "training.global_batch_size": 8,
                         "training.lr": 1e-3},
                        parallel={"pp": pp, "dp_shard": -1, "pp_schedule": sched, "pp_microbatches": 4 if pp > 1 else 0,
                                  "pp_virtual_stages": v, "pp_layout": layout})
 
 
-def reference(tie: bool, steps: int) -> Trainer:
-    return Trainer(cfg_of(1, tie=tie), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
+def reference(tie: bool = False, mtp: int = 0) -> Trainer:
+    return Trainer(cfg_of(1, tie=tie, mtp=mtp), ParallelDims(world_size=1).build_mesh(), torch.device("cpu"))
 
 
-def _ref_run(tie: bool, steps: int) -> dict:
-    ref = reference(tie, steps)
+def _ref_run(tie: bool, mtp: int, steps: int) -> dict:
+    ref = reference(tie, mtp)
     out = [ref.step(*global_batch(s)) for s in range(steps)]
     return {"loss": [o["loss"] for o in out], "gn": [o["grad_norm"] for o in out],
+            "mtp": [o.get("mtp_loss", 0.0) for o in out],
             "params": {n: q.detach().clone() for n, q in ref.model.named_parameters()}}
 
 
 def _layouts(rank: int, world: int, tmp: str) -> dict:
-    refs = {tie: _ref_run(tie, STEPS) for tie in (False, True)}
+    refs = {(tie, mtp): _ref_run(tie, mtp, STEPS) for _, _, tie, mtp, _ in LAYOUTS.values()}
     mesh = ParallelDims(pp=world, world_size=world).build_mesh()
     out = {}
-    for name, (sched, v, tie, layout) in LAYOUTS.items():
-        cfg = cfg_of(world, sched, v, tie, layout)
+    for name, (sched, v, tie, mtp, layout) in LAYOUTS.items():
+        cfg = cfg_of(world, sched, v, tie, mtp, layout)
         validate(cfg, world)
         tr = Trainer(cfg, mesh, torch.device("cpu"))
-        ref, loss_err, gn_err = refs[tie], 0.0, 0.0
+        ref, loss_err, gn_err = refs[(tie, mtp)], 0.0, 0.0
         for s in range(STEPS):
             d = tr.step(*global_batch(s))
-            loss_err = max(loss_err, abs(d["loss"] - ref["loss"][s]) / ref["loss"][s])
+            loss_err = max(loss_err, abs(d["loss"] - ref["loss"][s]) / ref["loss"][s],
+                           abs(d.get("mtp_loss", 0.0) - ref["mtp"][s]) / max(ref["mtp"][s], 1e-30))
             gn_err = max(gn_err, abs(d["grad_norm"] - ref["gn"][s]) / ref["gn"][s])
         names = dict(tr.model.named_parameters())
         out[name] = {"loss_err": loss_err, "gn_err": gn_err, "param_diff": param_diff(tr.model, ref["params"]),
                      "blocks": sorted(tr.model.layers.keys()), "embedding": "tok_embeddings.weight" in names,
-                     "head": "output.weight" in names, "gn0": ref["gn"][0]}
+                     "head": "output.weight" in names, "mtp": any(n.startswith("mtp.") for n in names),
+                     "gn0": ref["gn"][0], "mtp0": ref["mtp"][0]}
         if name == "interleaved":
             ckpt.save_checkpoint(Path(tmp) / name, STEPS, tr.tensor_state(), {"step": STEPS})
     return out
@@ -91,11 +97,11 @@ def _flat(tree, prefix: str = "") -> dict:
 def _resume_in_one_process(tmp_path: Path) -> None:
     """The interleaved layout's checkpoint, loaded into one process: the reference's tensors after
     STEPS steps, and the next step's loss and gradient norm."""
-    ref = reference(False, STEPS + 1)
+    ref = reference()
     for s in range(STEPS):
         ref.step(*global_batch(s))
     want = {k: v.clone() for k, v in _flat(ref.tensor_state()).items() if torch.is_tensor(v)}
-    fresh = reference(False, STEPS + 1)
+    fresh = reference()
     state = fresh.tensor_state()
     ckpt.load_tensors(tmp_path / "interleaved" / f"step_{STEPS:08d}", state)  # raises on a missing name
     fresh.load_tensor_state(state)
@@ -119,4 +125,6 @@ def test_uneven_layouts_match_one_process_and_resume_there(tmp_path):
             assert e["blocks"] == BLOCKS[name][rank], (name, rank, e["blocks"])
         assert res[0][name]["embedding"] and res[1 - (name == "dualpipev")][name]["head"], name
     assert not res[0]["1f1b"]["head"] and not res[1]["1f1b"]["embedding"]
+    assert res[1]["interleaved_mtp"]["mtp"] and not res[0]["interleaved_mtp"]["mtp"]
+    assert res[0]["interleaved_mtp"]["mtp0"] > 0.0  # the MTP loss was compared (and is not zero)
     _resume_in_one_process(tmp_path)

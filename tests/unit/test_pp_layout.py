@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from ndtrain.config import ConfigError, load_config
-from ndtrain.parallel.pp.layout import balanced_runs, check_layout, expand, format_layout, layout_runs, parse_layout
+from ndtrain.parallel.pp.layout import (
+    balanced_runs,
+    check_layout,
+    expand,
+    format_layout,
+    layout_runs,
+    parse_layout,
+)
 from ndtrain.parallel.pp.rules import split_layers
 
 
@@ -40,7 +47,7 @@ def test_syntax_errors_name_the_token_and_its_position(text, match):
     ("tE|tL", 2, 2, 0, "'E' must appear once, first in virtual stage 0"),
     ("Et|E|tL", 3, 2, 0, "'E' must appear once"),
     ("Et|Lt", 2, 2, 0, "'L' must appear once, last in the last virtual stage"),
-    ("Et|tL", 2, 2, 1, "places 0 MTP depths .* model.mtp_depth is 1"),
+    ("Et|tmL", 2, 2, 2, "places 1 MTP depths .* model.mtp_depth is 2"),
     ("Et|tm|L", 3, 2, 1, "'m' must sit on the last virtual stage"),  # Megatron allows it; here not
     ("Et|mtL", 2, 2, 1, "a block 't' after 'm' / 'L'"),
     ("Et*3|(tt|)*29,m|L", 32, 61, 1, "'m' must sit on the last virtual stage"),
@@ -52,7 +59,7 @@ def test_layout_rules_name_what_failed(text, n_stages, n_layers, mtp, match):
 
 def test_layout_runs_and_format_round_trip():
     assert layout_runs("E|t*3|t|t,L", 4, 5) == [[], [0, 1, 2], [3], [4]]
-    assert layout_runs("Et*2|t,mL", 2, 3, 1) == [[0, 1], [2]]
+    assert layout_runs("Et*2|t,mL", 2, 3, 1) == [[0, 1], [2]] == layout_runs("Et*2|tL", 2, 3, 1)  # m implied
     for runs, mtp in (([[], [0, 1, 2], [3], [4]], 0), ([[0], [1], [2], [3, 4]], 1), ([[0, 1, 2]], 0),
                       ([[]] + [[i] for i in range(126)] + [[]], 0)):
         text = format_layout(runs, mtp)

@@ -6,7 +6,7 @@ order separated by ``|``; ``E`` the token embedding, ``t`` a transformer block, 
 ``L`` the final norm, output head and loss; ``X*N`` / ``(...)*N`` repeat; commas and spaces are
 cosmetic. ``"E|(t|)*126,L"`` is Llama 3 405B on pp16 x v8. Here ``E`` must open stage 0 and ``L``
 close the last stage, MTP depths sit with ``L`` (their stage needs the last hidden state and the
-head), and no stage may be empty. Pure Python; raises ``ConfigError`` naming the rule."""
+head; a layout without ``m`` puts them there too), and no stage may be empty. Pure Python; raises ``ConfigError`` naming the rule."""
 from __future__ import annotations
 
 from ndtrain.errors import ConfigError, require
@@ -74,7 +74,8 @@ def check_layout(text: str, n_stages: int, n_layers: int, mtp_depth: int = 0) ->
     joined = "".join(stages)
     n_t, n_m = joined.count("t"), joined.count("m")
     require(n_t == n_layers, f"{head} places {n_t} transformer blocks ('t'); model.n_layers is {n_layers}")
-    require(n_m == mtp_depth, f"{head} places {n_m} MTP depths ('m'); model.mtp_depth is {mtp_depth}")
+    require(n_m in (0, mtp_depth), f"{head} places {n_m} MTP depths ('m'); model.mtp_depth is {mtp_depth} "
+                                   "(write all of them on the last stage, or none: they then sit with 'L')")
     require(joined.count("E") == 1 and stages[0].startswith("E"),
             f"{head}: the embedding 'E' must appear once, first in virtual stage 0")
     require(joined.count("L") == 1 and stages[-1].endswith("L"),
@@ -102,12 +103,10 @@ def balanced_runs(blocks: list[float], n_stages: int, first_extra: float = 0.0,
                   last_extra: float = 0.0) -> list[list[int]]:
     """Block ids of each virtual stage, balanced by per-block costs ``blocks`` (stage 0 adds
     ``first_extra``, the embedding; the last ``last_extra``, the head): with at least one block per
-    stage, ``rules.split_layers`` unchanged; with one or two blocks fewer than stages, the first
+    stage, ``split_layers`` unchanged; with one or two blocks fewer than stages, the first
     stage holds only the embedding and (two fewer) the last only the head, the rest split evenly by
     cost (Llama 3, 2024, section 3.3.2; the planner's ``split_stages`` does the same). Raises
     ConfigError with more than two stages beyond the blocks."""
-    from ndtrain.parallel.pp.rules import split_layers
-
     n = len(blocks)
     if n >= n_stages:
         return split_layers(blocks, n_stages, first_extra, last_extra)
@@ -115,6 +114,44 @@ def balanced_runs(blocks: list[float], n_stages: int, first_extra: float = 0.0,
     require(spare <= 2, f"n_layers ({n}) < pp * pp_virtual_stages ({n_stages}) - 2: every pipeline stage but "
                         "the first and the last (which may hold only the embedding / the head) needs a block")
     return [[]] + split_layers(blocks, n_stages - spare) + [[]] * (spare - 1)
+
+
+def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
+                 last_extra: float = 0.0) -> list[list[int]]:
+    """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (stage 0 adds
+    ``first_extra``, the last ``last_extra``): minimal largest cost, then sum of squares. Used by the
+    trainer and the planner. Raises ValueError if len(blocks) < n_stages."""
+    n = len(blocks)
+    if n < n_stages:
+        raise ValueError(f"n_layers ({n}) < pipeline stages pp * v ({n_stages})")
+    pre = [0.0]
+    for c in blocks:
+        pre.append(pre[-1] + c)
+
+    def cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
+        return (pre[j] - pre[i] + (first_extra if s == 0 else 0.0)
+                + (last_extra if s == n_stages - 1 else 0.0))
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][j]: first j blocks in s stages
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev == inf:
+                    continue
+                c = cost(s - 1, i, j)
+                cand = (max(prev[0], c), prev[1] + c * c)
+                if cand < best[s][j]:
+                    best[s][j], cut[s][j] = cand, i
+    runs, j = [], n
+    for s in range(n_stages, 0, -1):
+        i = cut[s][j]
+        runs.append(list(range(i, j)))
+        j = i
+    return runs[::-1]
 
 
 def format_layout(runs: list[list[int]], mtp_depth: int = 0) -> str:

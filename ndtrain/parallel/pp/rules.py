@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ndtrain.errors import require
-from ndtrain.parallel.pp.layout import check_layout
+from ndtrain.parallel.pp.layout import check_layout, split_layers  # noqa: F401  (the planner imports it here)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 
@@ -111,44 +111,6 @@ def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int 
     args = (pp, pp_schedule, tp, cp, zero_stage, activation_checkpoint, compiled, device)
     check_overlap(pp_overlap, *args)
     return str(pp_overlap).lower() != "false" and not overlap_blockers(*args)
-
-
-def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
-                 last_extra: float = 0.0) -> list[list[int]]:
-    """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (stage 0 adds
-    ``first_extra``, the last ``last_extra``): minimal largest cost, then sum of squares. Used by the
-    trainer and the planner. Raises ValueError if len(blocks) < n_stages."""
-    n = len(blocks)
-    if n < n_stages:
-        raise ValueError(f"n_layers ({n}) < pipeline stages pp * v ({n_stages})")
-    pre = [0.0]
-    for c in blocks:
-        pre.append(pre[-1] + c)
-
-    def cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
-        return (pre[j] - pre[i] + (first_extra if s == 0 else 0.0)
-                + (last_extra if s == n_stages - 1 else 0.0))
-
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][j]: first j blocks in s stages
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, n_stages + 1):
-        for j in range(s, n - (n_stages - s) + 1):
-            for i in range(s - 1, j):
-                prev = best[s - 1][i]
-                if prev == inf:
-                    continue
-                c = cost(s - 1, i, j)
-                cand = (max(prev[0], c), prev[1] + c * c)
-                if cand < best[s][j]:
-                    best[s][j], cut[s][j] = cand, i
-    runs, j = [], n
-    for s in range(n_stages, 0, -1):
-        i = cut[s][j]
-        runs.append(list(range(i, j)))
-        j = i
-    return runs[::-1]
 
 
 def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int, pp_layout: str = "") -> list[str]:

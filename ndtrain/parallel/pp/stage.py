@@ -21,8 +21,7 @@ from torch import nn
 from ndtrain.mesh import AXES, Mesh
 from ndtrain.mixer_spec import stage_seq_costs
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
-from ndtrain.parallel.pp.layout import balanced_runs, layout_runs
-from ndtrain.parallel.pp.rules import split_layers  # noqa: F401  (the one split rule; the planner's too)
+from ndtrain.parallel.pp.layout import balanced_runs, layout_runs, split_layers  # noqa: F401  (split_layers: tests)
 
 if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
     from ndtrain.config import Config, ModelConfig
