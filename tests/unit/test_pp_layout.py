@@ -123,3 +123,13 @@ def test_validation_checks_the_layout_before_any_process():
     # 5 blocks over 8 stages: more than the two end stages would be empty
     with pytest.raises(ConfigError, match=r"n_layers \(5\) < pp \* pp_virtual_stages \(8\) - 2"):
         load_config("debug", {**over, "parallel.pp_virtual_stages": 4}, world_size=2)
+
+
+def test_rehearsal_roles_follow_the_layout():
+    """``ndtrain rehearse`` takes its roles from the same stage plan: a stage with only the embedding."""
+    from ndtrain.rehearsal.roles import rank_roles
+
+    cfg = load_config("debug", {"model.n_layers": 5, "parallel.pp": 2, "parallel.pp_layout": "E|t*5,L"},
+                      world_size=4)
+    assert [(r.name, r.ranks_alike) for r in rank_roles(cfg, 4)] == [
+        ("stage 0: blocks - + embedding", 2), ("stage 1: blocks 0-4 + head", 2)]
