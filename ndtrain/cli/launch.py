@@ -102,7 +102,7 @@ def _announce(on: bool, run_dir: Path, cfg: Config | None = None) -> None:
         from ndtrain.parallel.pp.rules import inert_settings
 
         p = cfg.parallel
-        for note in inert_settings(p.pp, p.pp_schedule, p.pp_virtual_stages):
+        for note in inert_settings(p.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_layout):
             print(f"note: {note}", flush=True)
         from ndtrain.hf.rules import export_note
 

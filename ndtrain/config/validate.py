@@ -221,8 +221,8 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     (its field names); raises ``ConfigError`` naming the first rule that fails. ``dp`` given: the
     batch rules too. ``runtime=False`` keeps only the arithmetic every implementation needs
     (divisibility, ranges) and drops what ndtrain's runtime does not implement yet (MoE / MLA / MTP
-    under tp or cp; ZeRO-3 with MTP; all-gather CP; DualPipeV's m >= 2 pp; pipeline
-    end chunks holding only the embedding / head): the planner models such layouts and marks them."""
+    under tp or cp; ZeRO-3 with MTP; all-gather CP; DualPipeV's m >= 2 pp): the planner models
+    such layouts and marks them. ``parallel.pp_layout`` (when ``p`` has it) is checked either way."""
     if runtime:  # linear / window / sparse mixers: their cp rule (mixer_spec), head counts over tp
         check_mixer_layout(f.mixers, p.cp)
         tp_rules.check_mixer_heads(p.tp, f.mixers, f.mixer_fields)
@@ -238,7 +238,8 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
                    mtp=mtp, seq_aux_loss=f.seq_aux_loss and runtime, capacity=f.capacity and runtime,
                    mixers=f.mixers, halo=f.cp_halo, moe=moe)
     pp_rules.check(p.pp, f.n_layers, sched, v, p.pp_microbatches, activation_checkpoint, moe=moe,
-                   mtp=mtp, end_stages_may_hold_no_block=not runtime)
+                   mtp=mtp, end_stages_may_hold_no_block=not runtime, layout=getattr(p, "pp_layout", ""),
+                   mtp_depth=f.mtp_depth)
     dp_shard = None if p.dp_shard == -1 else p.dp_shard
     ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0,
                    shared_overlap=runtime and getattr(p, "moe_shared_overlap", False), shared_ffn=f.moe_ffn[1])

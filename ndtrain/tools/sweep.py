@@ -50,11 +50,7 @@ _MLA = {"attention": "mla", "mla_q_rank": 16, "mla_kv_rank": 16, "mla_rope_dim":
 _MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden": 16, "moe_aux_loss_coef": 0.01,
         "moe_z_loss_coef": 0.001, "moe_bias_update_rate": 0.01}
 FEATURES: dict[str, dict] = {
-    "dense": {},
-    "tied": {"tie_embeddings": True},
-    "moe": _MOE,
-    "mla": _MLA,
-    "mtp": {"mtp_depth": 1},
+    "dense": {}, "tied": {"tie_embeddings": True}, "moe": _MOE, "mla": _MLA, "mtp": {"mtp_depth": 1},
     # one layer of each linear-family mixer, then softmax attention: linear (elu+1, Katharopoulos
     # 2020), Mamba-2 (Dao & Gu 2024; 2 B / C groups so tp2 splits them), Gated DeltaNet (Yang et al.
     # 2024; 2 key, 4 value heads); chunk 3 divides neither the 8 nor the 4 tokens of a cp rank, so
@@ -86,6 +82,9 @@ ZERO_STAGES = (0, 1, 2, 3)
 AC_POLICIES = example_policies()  # ndtrain.parallel.ac_policy: the one list
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
+# uneven pp_layouts on pp2 (4 blocks): the embedding alone (1F1B); embedding and head alone (Llama 3)
+PP_LAYOUTS = ({"pp_schedule": "1f1b", "pp_virtual_stages": 1, "pp_layout": "E|t*4,L"},
+              {"pp_schedule": "interleaved", "pp_virtual_stages": 2, "pp_layout": "E|t*3|t|L"})
 
 
 @dataclass(frozen=True)
@@ -191,6 +190,7 @@ def _variants(deg: dict[str, int]) -> list[dict]:
     scheds = PP_SCHEDULES if sum(v > 1 for v in deg.values()) == 1 and deg["pp"] == 2 else PP_SCHEDULES[1:]
     pp_opts = [{}] if deg["pp"] == 1 else [
         {"pp_schedule": s, "pp_virtual_stages": 2 if s == "interleaved" else 1} for s in scheds]
+    pp_opts += list(PP_LAYOUTS) if deg["pp"] > 1 and scheds is PP_SCHEDULES else []  # pp2 alone
     borrow = deg["dp_shard"] * deg["cp"]
     ep_opts = [{}] + [{"ep": e} for e in (2, 4) if e <= borrow and borrow % e == 0]
     out = []
@@ -206,9 +206,9 @@ def layout_name(par: dict) -> str:
     for ax in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
         if par.get(ax, 1) > 1:
             s = f"{ax}{par[ax]}"
-            if ax == "pp":
-                s += f":{par['pp_schedule']}" + (f"(v{par['pp_virtual_stages']})"
-                                                 if par["pp_virtual_stages"] > 1 else "")
+            if ax == "pp":  # v > 1, and a pp_layout with '/' for '|' (the name is a table cell)
+                v, lay = par["pp_virtual_stages"], par.get("pp_layout", "").replace("|", "/")
+                s += f":{par['pp_schedule']}" + (f"(v{v})" if v > 1 else "") + (f"[{lay}]" if lay else "")
             s += f":{par['cp_impl']}" if ax == "cp" else ""
             s += f"({par['cp_layout']})" if ax == "cp" and "cp_layout" in par else ""
             s += "+sp" if ax == "tp" and par.get("sequence_parallel") else ""

@@ -207,7 +207,7 @@ def test_stage_split_balances_compute_like_llama3():
 @pytest.mark.parametrize("overrides,world,rule", [
     ({"parallel.pp": "2", "parallel.pp_schedule": "interleaved"}, 2, r"needs pp_virtual_stages >= 2"),
     ({"parallel.pp": "2", "parallel.pp_virtual_stages": "2"}, 2, r"> 1 needs pp_schedule=interleaved"),
-    ({"parallel.pp": "4", "model.n_layers": "2"}, 4, r"n_layers \(2\) < pp \* pp_virtual_stages \(4\)"),
+    ({"parallel.pp": "4", "model.n_layers": "1"}, 4, r"n_layers \(1\) < pp \* pp_virtual_stages \(4\) - 2"),
     ({"parallel.pp": "2", "parallel.pp_microbatches": "9", "training.global_batch_size": "8"}, 2,
      r"pp_microbatches \(9\) exceeds the local batch \(8"),
     ({"parallel.pp": "2", "parallel.pp_schedule": "zero_bubble",

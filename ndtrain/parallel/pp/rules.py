@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from ndtrain.errors import require
+from ndtrain.parallel.pp.layout import check_layout, split_layers  # noqa: F401  (the planner imports it here)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "dualpipev")
 
 
 def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: int = 1,
           pp_microbatches: int = 0, activation_checkpoint: str = "none", moe: bool = False,
-          mtp: bool = False, end_stages_may_hold_no_block: bool = False) -> None:
-    """Schedule name; v > 1 exactly for interleaved; each of the pp * v virtual stages holds a block
-    (``end_stages_may_hold_no_block``: the planner's Llama 3 layout; validation passes False);
-    DualPipeV needs n_layers >= 2 pp. ``moe`` / ``mtp`` restrict nothing (kept for callers)."""
+          mtp: bool = False, end_stages_may_hold_no_block: bool = False, layout: str = "",
+          mtp_depth: int = 0) -> None:
+    """Schedule name; v > 1 exactly for interleaved; ``layout`` (``parallel.pp_layout``) set: it fits
+    the pp * v virtual stages, n_layers and ``mtp_depth`` (``layout.check_layout``); else each stage
+    but the first and the last holds a block (those two may hold only the embedding / the head,
+    Llama 3's layout), and the planner's ``end_stages_may_hold_no_block`` keeps its v > 1 form;
+    DualPipeV without a layout needs n_layers >= 2 pp. ``moe`` / ``mtp`` restrict nothing."""
     v = pp_virtual_stages
     require(pp >= 1, f"parallel.pp ({pp}) must be >= 1")
     require(pp_schedule in SCHEDULES, f"parallel.pp_schedule ({pp_schedule}) must be "
@@ -24,21 +28,33 @@ def check(pp: int, n_layers: int, pp_schedule: str = "1f1b", pp_virtual_stages: 
     else:
         require(v == 1, f"pp_virtual_stages ({v}) > 1 needs pp_schedule=interleaved (got {pp_schedule})")
     if pp == 1:
+        if layout:  # one stage: the whole model ("Et*NL"), else the layout is meant for another pp
+            check_layout(layout, 1, n_layers, mtp_depth)
         return
     if pp_schedule == "dualpipev":  # rank r holds stages r and 2 pp - 1 - r
         v = 2
         require(pp_microbatches == 0 or pp_microbatches >= 2 * pp,
                 f"pp_schedule=dualpipev needs pp_microbatches ({pp_microbatches}) >= 2 * pp ({2 * pp})")
-    spare = 2 if end_stages_may_hold_no_block and v > 1 else 0
-    require(pp_schedule != "dualpipev" or n_layers >= 2 * pp,
-            f"n_layers ({n_layers}) < 2 * pp ({2 * pp}): pp_schedule=dualpipev holds 2 chunks per rank, "
-            "each needs at least one block")
-    require(n_layers + spare >= pp * v, f"n_layers ({n_layers}) < pp * pp_virtual_stages ({pp * v})"
-                                        + (" - 2" if spare else "") + ": every pipeline stage needs at "
-                                        "least one block")
+    if layout:
+        check_layout(layout, pp * v, n_layers, mtp_depth)
+    else:
+        _check_default_split(pp, n_layers, pp_schedule, v, end_stages_may_hold_no_block)
     if pp_schedule in ("zero_bubble", "dualpipev"):
         require(activation_checkpoint == "none", f"pp_schedule={pp_schedule} needs activation_checkpoint=none "
                                                  "(its W pass reuses the activations its B pass kept)")
+
+
+def _check_default_split(pp: int, n_layers: int, pp_schedule: str, v: int, planner: bool) -> None:
+    """The balanced split's room: DualPipeV a block per chunk; else n_layers >= pp * v - 2 (the
+    end stages may hold only the embedding / head; the planner's form: only with v > 1)."""
+    require(pp_schedule != "dualpipev" or n_layers >= 2 * pp,
+            f"n_layers ({n_layers}) < 2 * pp ({2 * pp}): pp_schedule=dualpipev holds 2 chunks per rank, "
+            "each needs at least one block")
+    spare = 0 if planner and v == 1 else 2
+    require(n_layers + spare >= pp * v, f"n_layers ({n_layers}) < pp * pp_virtual_stages ({pp * v})"
+                                        + (" - 2" if spare else "") + ": every pipeline stage"
+                                        + (" but the first and the last (which may hold only the embedding"
+                                           " / the head)" if spare else "") + " needs at least one block")
 
 
 def check_microbatches(pp: int, pp_schedule: str, n_micro: int) -> None:
@@ -97,45 +113,7 @@ def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int 
     return str(pp_overlap).lower() != "false" and not overlap_blockers(*args)
 
 
-def split_layers(blocks: list[float], n_stages: int, first_extra: float = 0.0,
-                 last_extra: float = 0.0) -> list[list[int]]:
-    """Cut ``blocks`` (per-block costs) into ``n_stages`` contiguous non-empty runs (stage 0 adds
-    ``first_extra``, the last ``last_extra``): minimal largest cost, then sum of squares. Used by the
-    trainer and the planner. Raises ValueError if len(blocks) < n_stages."""
-    n = len(blocks)
-    if n < n_stages:
-        raise ValueError(f"n_layers ({n}) < pipeline stages pp * v ({n_stages})")
-    pre = [0.0]
-    for c in blocks:
-        pre.append(pre[-1] + c)
-
-    def cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
-        return (pre[j] - pre[i] + (first_extra if s == 0 else 0.0)
-                + (last_extra if s == n_stages - 1 else 0.0))
-
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][j]: first j blocks in s stages
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, n_stages + 1):
-        for j in range(s, n - (n_stages - s) + 1):
-            for i in range(s - 1, j):
-                prev = best[s - 1][i]
-                if prev == inf:
-                    continue
-                c = cost(s - 1, i, j)
-                cand = (max(prev[0], c), prev[1] + c * c)
-                if cand < best[s][j]:
-                    best[s][j], cut[s][j] = cand, i
-    runs, j = [], n
-    for s in range(n_stages, 0, -1):
-        i = cut[s][j]
-        runs.append(list(range(i, j)))
-        j = i
-    return runs[::-1]
-
-
-def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int) -> list[str]:
+def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int, pp_layout: str = "") -> list[str]:
     """One sentence per pipeline setting without effect (pp = 1 runs one stage whatever the schedule),
     printed as a note before training, not an error."""
     if pp > 1:
@@ -146,4 +124,6 @@ def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int) -> list[st
                      "microbatches forward then backward)")
     if pp_virtual_stages > 1:
         notes.append(f"parallel.pp_virtual_stages={pp_virtual_stages} has no effect with pp=1")
+    if pp_layout:
+        notes.append(f"parallel.pp_layout={pp_layout} has no effect with pp=1 (one stage holds the whole model)")
     return notes

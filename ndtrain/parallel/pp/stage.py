@@ -3,8 +3,10 @@ initial weights (docs/pipeline_parallel.md, "Stages").
 
 Rank r's chunk c is virtual stage ``c * p + r`` (Megatron-LM, Narayanan et al. 2021; DualPipeV: r
 and 2p-1-r). Stage 0 holds the embedding, stage S-1 the norm, head, MTP modules and an embedding
-copy for their lookup. Balance (Llama 3, 2024): contiguous runs minimising the largest forward
-FLOPs per token (2 x active parameters + attention's 4 T C; embedding and head 2 V C each). A stage
+copy for their lookup. The blocks of each virtual stage: ``parallel.pp_layout`` when set
+(``layout.py``), else balanced (Llama 3, 2024): contiguous runs minimising the largest forward
+FLOPs per token (2 x active parameters + attention's 4 T C; embedding and head 2 V C each), the end
+stages holding only the embedding / head when there are one or two blocks fewer than stages. A stage
 is a ``Transformer`` with what it does not own deleted or None, so names are the full model's and
 ``init_weights`` (seeded per name) gives single-process values."""
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from ndtrain.mesh import AXES, Mesh
 from ndtrain.mixer_spec import stage_seq_costs
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
-from ndtrain.parallel.pp.rules import split_layers  # the one split rule (the planner's too)
+from ndtrain.parallel.pp.layout import balanced_runs, layout_runs, split_layers  # noqa: F401  (split_layers: tests)
 
 if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
     from ndtrain.config import Config, ModelConfig
@@ -87,11 +89,27 @@ def plan_stage(cfg: Config, rank: int) -> StageInfo:
     p, v = cfg.parallel.pp, cfg.parallel.pp_virtual_stages
     vshape = cfg.parallel.pp_schedule == "dualpipev" and p > 1
     v = 2 if vshape else v
-    emb, blocks, head = layer_costs(cfg.model, cfg.data.seq_len)
-    runs = split_layers(blocks, p * v, emb, head)
+    runs = stage_runs(cfg, p * v)
     ids = [rank, 2 * p - 1 - rank] if vshape else [c * p + rank for c in range(v)]
     chunks = [[str(i) for i in runs[s]] for s in ids]
     return StageInfo(rank, p, v, chunks, cfg.model.tie_embeddings, vshape, cfg.model.mtp_depth > 0)
+
+
+def stage_runs(cfg: Config, n_stages: int) -> list[list[int]]:
+    """Block ids of each of the ``n_stages`` virtual stages: ``parallel.pp_layout`` when set, else
+    balanced by ``layer_costs``. Raises ConfigError on a layout that does not fit the model."""
+    layout = getattr(cfg.parallel, "pp_layout", "")
+    if layout:
+        return layout_runs(layout, n_stages, cfg.model.n_layers, cfg.model.mtp_depth)
+    key = (repr(cfg.model), cfg.data.seq_len)  # every rank's plan needs every block's cost: build once
+    if key not in _COSTS:
+        _COSTS.clear()  # one model at a time is enough (rehearsal roles, calibration)
+        _COSTS[key] = layer_costs(cfg.model, cfg.data.seq_len)
+    emb, blocks, head = _COSTS[key]
+    return balanced_runs(blocks, n_stages, emb, head)
+
+
+_COSTS: dict[tuple[str, int], tuple[float, list[float], float]] = {}
 
 
 def _prune(model: nn.Module, info: StageInfo, keep_tied_holder: bool) -> None:
