@@ -31,14 +31,14 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.moe_overlap import WaitTimer  # noqa: E402
-from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
-from ndtrain.mesh import ParallelDims  # noqa: E402
-from ndtrain.model.moe import moe_layers  # noqa: E402
-from ndtrain.parallel import flight_recorder  # noqa: E402
-from ndtrain.spawn import spawn  # noqa: E402
-from ndtrain.tools.bench_utils import write_result  # noqa: E402
-from ndtrain.train.loop import Trainer  # noqa: E402
+from bench.moe_overlap import WaitTimer
+from ndtrain.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from ndtrain.mesh import ParallelDims
+from ndtrain.model.moe import moe_layers
+from ndtrain.parallel import flight_recorder
+from ndtrain.spawn import spawn
+from ndtrain.tools.bench_utils import write_result
+from ndtrain.train.loop import Trainer
 
 C, L, FE, E, K, B, T, VOCAB, WORLD, NODE = 128, 2, 128, 16, 4, 4, 64, 1024, 4, 2
 SETTINGS = [(d, r) for r in ("learned", "balanced") for d in ("flat", "hierarchical")]
@@ -116,7 +116,7 @@ def main() -> None:
     out = {"world": WORLD, "node_size": NODE, "model": {"C": C, "L": L, "E": E, "k": K, "hidden": FE},
            "tokens_per_rank": B * T, "steps": args.steps, "settings": {}}
     for d, r in SETTINGS:
-        name, flat = f"{d}/{r}", f"flat/{r}"
+        name = f"{d}/{r}"
         row = {k: max(x[name][k] for x in rows) for k in ("step_median_s", "busiest_rank_mem_bytes")}
         row["a2a_share"] = max(x[name]["a2a_share"] for x in rows)
         row["bytes_per_step_all_ranks"] = {a: sum(x[name]["bytes_per_step"][a] for x in rows) for a in AXES}

@@ -15,7 +15,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.model import moe_balance
 from ndtrain.model.mlp import FeedForward
-from ndtrain.model.moe_balance import moe_layers  # noqa: F401  (re-exported)
+from ndtrain.model.moe_balance import moe_layers  # also re-exported
 from ndtrain.model.moe_capacity import SequenceShards, balanced_assignment, capacity_keep
 
 
