@@ -50,6 +50,7 @@ class ModelConfig:
     moe_route_scale: float = 1.0  # multiplies the routed weights (DeepSeek-V3 routed_scaling_factor)
     moe_n_groups: int = 1  # group-limited routing: experts split into groups (DeepSeek-V3 n_group)
     moe_topk_groups: int = 1  # ... and tokens pick experts only within their best groups (topk_group)
+    moe_max_nodes: int = 0  # node-limited routing: a token's experts lie on at most this many nodes of the ep group (DeepSeek-V3; 0 = off)
     moe_capacity_factor: float = 0.0  # expert capacity = ceil(cf * tokens * k / E) per microbatch (0 = dropless)
     moe_aux_loss_coef: float = 0.0  # Switch Transformer load-balancing loss weight (Fedus 2021)
     moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss weight
@@ -210,6 +211,8 @@ class ParallelConfig:
     keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
     expert_tp: int = 1  # MoE experts under tp: 1 = whole experts per tp rank, tp = each expert's hidden split over tp
+    moe_dispatch: str = "flat"  # flat | hierarchical: hierarchical sends a token once per remote node, the node forwards it to its experts (DeepSeek-V3)
+    node_size: int = 0  # ranks per node for moe_dispatch / model.moe_max_nodes (0 = torchrun's LOCAL_WORLD_SIZE, else the launch's processes)
     moe_shared_overlap: bool = False  # ep > 1: run the shared experts while the MoE dispatch all-to-all is in flight (Megatron moe_shared_expert_overlap)
     cp_impl: str = "ring"  # ring | ulysses
     cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)

@@ -22,6 +22,7 @@ from ndtrain.errors import ConfigError, require
 from ndtrain.mixer_spec import MixerFields, check_mixer_layout, check_mixers, non_softmax_mixers
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.dp import rules as dp_rules
+from ndtrain.parallel.ep import hier_rules
 from ndtrain.parallel.ep import rules as ep_rules
 from ndtrain.parallel.muon import rules as muon_rules
 from ndtrain.parallel.pp import rules as pp_rules
@@ -172,6 +173,7 @@ def _validate_axes(cfg, world_size: int | None) -> None:
     world-size rules."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     check_axes(ModelFacts.of_config(m), p, cfg.data.seq_len, t.activation_checkpoint)
+    hier_rules.check(p, m, world_size)  # moe_dispatch, node_size, moe_max_nodes
     pp_rules.check_overlap(p.pp_overlap, p.pp, p.pp_schedule, p.tp, p.cp, p.zero_stage, t.activation_checkpoint,
                            t.compile, _overlap_device(p.pp_overlap, t.device))
     if world_size is not None:

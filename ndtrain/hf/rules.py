@@ -71,7 +71,7 @@ def _active_fields(cfg: ModelConfig) -> set[str]:
     if cfg.is_moe:
         out |= _MOE_BASE | {"moe_shared_experts", "moe_shared_ffn_hidden", "moe_shared_gate", "moe_route_scale",
                             "moe_n_groups", "moe_topk_groups", "moe_layer_start", "moe_layer_interleave",
-                            "moe_bias_update_rate", "moe_capacity_factor"}
+                            "moe_bias_update_rate", "moe_capacity_factor", "moe_max_nodes"}
     if "gated_deltanet" in mixers:
         out |= {"linear_heads", "linear_key_head_dim", "linear_value_heads", "linear_value_head_dim",
                 "linear_conv_kernel", "linear_norm_eps"}

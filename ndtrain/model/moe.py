@@ -15,7 +15,7 @@ from torch import nn
 from ndtrain.config import ModelConfig
 from ndtrain.model import moe_balance
 from ndtrain.model.mlp import FeedForward
-from ndtrain.model.moe_balance import moe_layers  # noqa: F401  (re-exported)
+from ndtrain.model.moe_balance import moe_layers  # also re-exported
 from ndtrain.model.moe_capacity import SequenceShards, balanced_assignment, capacity_keep
 
 
@@ -51,6 +51,28 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
         raise RuntimeError(f"torch._grouped_mm cannot run on {x.dtype} {tuple(x.shape)} x {tuple(w.shape)}")
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each group
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))  # (M, N)
+
+
+def keep_best_blocks(choice: torch.Tensor, blocks: int, keep: int) -> torch.Tensor:
+    """choice (N, E) -> choice with every expert outside the ``keep`` best of ``blocks`` contiguous
+    expert blocks set to -inf. Block score: the sum of its two best entries (DeepSeek-V3's code for
+    group-limited routing; its node-limited routing uses the same rule with a node's experts as a group)."""
+    n, e = choice.shape
+    grouped = choice.view(n, blocks, e // blocks)  # (N, G, E/G)
+    gscore = grouped.topk(min(2, e // blocks), dim=-1).values.sum(-1)  # (N, G)
+    mask = torch.zeros_like(gscore, dtype=torch.bool)
+    mask.scatter_(1, gscore.topk(keep, dim=-1).indices, True)
+    return choice.masked_fill(~mask.unsqueeze(-1).expand_as(grouped).reshape(n, e), float("-inf"))
+
+
+def set_route_nodes(model: nn.Module, nodes: int) -> None:
+    """Give every MoE layer of ``model`` ``nodes`` node blocks for ``model.moe_max_nodes`` (a one-process
+    model then routes as a layout whose ep group spans ``nodes`` nodes). Raises ValueError if ``nodes``
+    does not divide the experts."""
+    for m in moe_layers(model):
+        if m.n_experts % nodes:
+            raise ValueError(f"moe_experts ({m.n_experts}) is not divisible by the {nodes} route nodes")
+        m.route_nodes = nodes
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -109,6 +131,9 @@ class MoE(nn.Module):
         self.token_mask: torch.Tensor | None = None  # (B, T) bool, routed tokens; None = all (docstring)
         self.shared_overlap = False  # set by expert parallel (parallel.moe_shared_overlap); docstring
         self.routing = "learned"  # learned | balanced (training.moe_routing, set by the trainer)
+        # node-limited routing's node count (contiguous expert blocks): set by expert parallel from the
+        # layout (ep / node_size), or by set_route_nodes to replay a layout's routing in one process
+        self.route_nodes = 1
 
     def init_buffers(self) -> None:
         """Zero the aux-loss-free bias (called by ``init_weights``)."""
@@ -125,20 +150,18 @@ class MoE(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits (N, E) -> scores (N, E), idx (N, k) int64 (descending biased score), weights (N, k).
 
-        Selection uses ``scores + expert_bias`` within the ``moe_topk_groups`` best of ``moe_n_groups``
-        groups (group score: sum of its two best biased scores, DeepSeek-V3); weights are the unbiased
+        Selection uses ``scores + expert_bias`` within the ``moe_max_nodes`` best of the ``route_nodes``
+        node blocks (when fewer than all), then within the ``moe_topk_groups`` best of ``moe_n_groups``
+        groups (block score: sum of its two best biased scores, DeepSeek-V3); weights are the unbiased
         scores, renormalised if ``moe_renormalize``, times ``moe_route_scale``. ``forced`` (N, k): the
         experts to use instead of the selection (balanced routing); weights are taken the same way."""
         c = self.cfg
         scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores.detach() + self.expert_bias.to(scores.dtype)  # (N, E)
+        if c.moe_max_nodes > 0 and self.route_nodes > c.moe_max_nodes:  # node-limited, then group-limited
+            choice = keep_best_blocks(choice, self.route_nodes, c.moe_max_nodes)
         if c.moe_n_groups > 1:
-            n, e, g = choice.shape[0], self.n_experts, c.moe_n_groups
-            grouped = choice.view(n, g, e // g)  # (N, G, E/G)
-            gscore = grouped.topk(min(2, e // g), dim=-1).values.sum(-1)  # (N, G)
-            keep = torch.zeros_like(gscore, dtype=torch.bool)
-            keep.scatter_(1, gscore.topk(c.moe_topk_groups, dim=-1).indices, True)
-            choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(n, e), float("-inf"))
+            choice = keep_best_blocks(choice, c.moe_n_groups, c.moe_topk_groups)
         idx = choice.topk(self.top_k, dim=-1).indices if forced is None else forced  # (N, k)
         weights = scores.gather(1, idx)  # (N, k)
         if c.moe_renormalize:
@@ -166,6 +189,26 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             shared = torch.sigmoid(self.shared_gate(flat)) * shared
         return shared
+
+    def _routed_output(self, flat: torch.Tensor, xs: torch.Tensor, counts: torch.Tensor, order: torch.Tensor,
+                       weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed experts' weighted sum (N, C) in ``flat``'s dtype, and the shared output when it ran
+        overlapped with the dispatch (else None). xs (M, C) = flat rows in expert order, order (M,)
+        their assignment positions (token * k + slot), weights (N, k)."""
+        n, k, c = flat.shape[0], self.top_k, flat.shape[1]
+        if getattr(self.experts, "weights_inside", False):  # hierarchical dispatch: weighted sums per node
+            ys = self.experts(xs, counts, weights.reshape(-1)[order], order // k)  # (M, C)
+            y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C): a token's sums, other rows 0
+            return y.view(n, k, c).sum(1).to(flat.dtype), None
+        shared = None
+        if self.shared is not None and self.shared_overlap and getattr(self.experts, "accepts_side_fn", False):
+            # after the caller's gather, so the input's gradient still sums in the same order (overlap docstring)
+            ys, shared = self.experts(xs, counts, side_fn=lambda: self.shared_output(flat))
+        else:
+            ys = self.run_experts(xs, counts)  # (M, C)
+        y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C), dropped rows stay 0
+        out_dtype = torch.promote_types(ys.dtype, weights.dtype)
+        return (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(flat.dtype), shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_tokens(x, self.token_mask)
@@ -196,15 +239,7 @@ class MoE(nn.Module):
         kept = int(counts.sum())
         order = order[:kept]
         xs = flat[order // k]  # (M, C) tokens in expert order
-        shared = None
-        if self.shared is not None and self.shared_overlap and getattr(self.experts, "accepts_side_fn", False):
-            # after the gather above, so the input's gradient still sums in the same order (overlap docstring)
-            ys, shared = self.experts(xs, counts, side_fn=lambda: self.shared_output(flat))
-        else:
-            ys = self.run_experts(xs, counts)  # (M, C)
-        y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C), dropped rows stay 0
-        out_dtype = torch.promote_types(ys.dtype, weights.dtype)
-        out = (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, C)
+        out, shared = self._routed_output(flat, xs, counts, order, weights)  # (N, C), overlapped shared or None
         if self.shared is not None:
             out = out + (self.shared_output(flat) if shared is None else shared)
         if self.training and torch.is_grad_enabled():

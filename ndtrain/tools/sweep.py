@@ -32,6 +32,7 @@ import torch
 
 from ndtrain.config import Config, ConfigError, apply_overrides, load_config, validate
 from ndtrain.parallel.ac_policy import example_policies
+from ndtrain.tools.sweep_layouts import expert_tp_layouts, hierarchical_layouts
 
 STEPS = 2  # optimizer steps per combination
 V, T, G = 65, 16, 4  # vocab (odd: tp pads it), tokens per sequence, global batch (sequences)
@@ -215,6 +216,7 @@ def layout_name(par: dict) -> str:
             etp = par.get("expert_tp", 1) if ax == "tp" else 1
             s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""
             s += "+overlap" if ax == "ep" and par.get("moe_shared_overlap") else ""
+            s += "+hier" if ax == "ep" and par.get("moe_dispatch") == "hierarchical" else ""  # 1-rank nodes
             parts.append(s)
     return " x ".join(parts) or "single"
 
@@ -254,23 +256,17 @@ def enumerate_layouts(max_world: int = 4) -> list[tuple[int, dict]]:
     return sorted(out, key=lambda wv: (wv[0], layout_name(wv[1])))
 
 
-def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-    """The ``layouts`` with tp > 1 again with ``expert_tp`` = tp (MoE only: each expert's hidden
-    split over tp instead of whole experts per tp rank), leaving out pp (stages add nothing to how
-    an expert is split)."""
-    return [(w, {**par, "expert_tp": par["tp"]}) for w, par in layouts
-            if par.get("tp", 1) > 1 and par.get("pp", 1) == 1]
-
-
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
     else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``, and with shared experts
-    their ep layouts again with ``moe_shared_overlap``."""
+    their ep layouts again with ``moe_shared_overlap``; ``moe`` adds ``hierarchical_layouts``."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
     if FEATURES[feature].get("moe_experts", 0):
         out += expert_tp_layouts(out)
     if FEATURES[feature].get("moe_shared_experts", 0):
         out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out if par.get("ep", 1) > 1]
+    if feature == "moe":
+        out += hierarchical_layouts(out)
     return out
 
 
@@ -323,7 +319,7 @@ def enumerate_combos(tiers: tuple[str, ...] = TIERS) -> list[Combo]:
 # feature, ZeRO stage, checkpointing policy and dtype at least once, on 1 or 2 ranks, and one
 # representative of each composition made to work lately (EP x ZeRO-3, MoE x TP with split experts,
 # MLA + MTP x CP, linear mixers x CP / TP, MTP x ZeRO-3, MTP x DualPipeV, fused loss x PP, the shared
-# expert under the dispatch all-to-all)
+# expert under the dispatch all-to-all, hierarchical dispatch)
 _PP = {"pp": 2, "pp_virtual_stages": 1}
 SUBSET = (
     ("dense", 2, {"dp_shard": 2}, {"zero": 2}),
@@ -340,6 +336,7 @@ SUBSET = (
     ("mtp", 2, {**_PP, "pp_schedule": "dualpipev"}, {"zero": 1}),  # MoE-free MTP, V
     ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 3}),
     ("moe_shared", 2, {"dp_shard": 2, "ep": 2, "moe_shared_overlap": True}, {"zero": 1}),
+    ("moe", 2, {"dp_shard": 2, "ep": 2, "moe_dispatch": "hierarchical", "node_size": 1}, {"zero": 1}),
     ("moe", 2, {"dp_shard": 2}, {"zero": 3, "dtype": "float16"}),
     ("moe_balanced", 2, {"cp": 2, "ep": 2, "cp_impl": "ring"}, {"zero": 1}),  # round-robin by global position
     ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp

@@ -61,10 +61,25 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
         if not isinstance(moe, MoE):
             continue
         check_experts(moe.n_experts, ep.size)
-        moe.experts = ExpertParallelExperts(moe.experts, ep, tally=moe.stats)
+        moe.experts = _ep_experts(moe, ep, mesh, cfg)
         moe.shared_overlap = bool(cfg.parallel.moe_shared_overlap) and moe.shared is not None
         names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names
+
+
+def _ep_experts(moe: MoE, ep: AxisGroup, mesh: Mesh, cfg: Config) -> ExpertParallelExperts:
+    """The layer's ep experts for ``parallel.moe_dispatch`` (flat or hierarchical, ``ep.hierarchical``);
+    sets the router's node count for ``model.moe_max_nodes``."""
+    p = cfg.parallel
+    if p.moe_dispatch == "flat" and cfg.model.moe_max_nodes == 0:
+        return ExpertParallelExperts(moe.experts, ep, tally=moe.stats)
+    from ndtrain.parallel.ep import hier_rules, hierarchical
+
+    node_size = hier_rules.resolve_node_size(p.node_size, mesh.dims.world_size)
+    moe.route_nodes = hier_rules.ep_nodes(ep.size, node_size)
+    if p.moe_dispatch == "flat":
+        return ExpertParallelExperts(moe.experts, ep, tally=moe.stats)
+    return hierarchical.HierarchicalExperts(moe.experts, ep, hierarchical.node_groups(mesh, node_size), moe.stats)
 
 
 class _Params:
