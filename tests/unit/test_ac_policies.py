@@ -76,3 +76,30 @@ def test_deepseek_drops_mla_heads_and_norm_outputs():
     qkv = tokens * heads * (12 + 12 + 8) * 8
     norms = 2 * tokens * 32 * 8
     assert kept_none - kept_ds >= 2 * (qkv + norms)
+
+
+def test_planner_knows_every_policy():
+    """Every policy the trainer has gets an activation estimate and a recompute cost: per layer
+    ``none`` > ``core_attn`` > ``deepseek`` > ``op`` (8B, fused attention, T 8192) and ``full``
+    least; MLA's ``deepseek`` keeps less than its ``core_attn``; the attention recompute is
+    charged to ``core_attn`` (as ``selective``) and not to ``op``."""
+    from ndtrain.planner import Cluster, Workload, estimate_memory, estimate_step_time, get_accelerator, parse_layout
+    from ndtrain.planner.model_spec import load_model_spec
+
+    cl = Cluster(get_accelerator("H100"), 8)
+    w = Workload(seq_len=8192, global_batch_tokens=8 * 8192)
+    for preset in ("llama3_8b", "deepseek_v3"):
+        spec, _ = load_model_spec(preset)
+        act, step = {}, {}
+        for ac in example_policies():
+            lay = parse_layout(f"tp=8,dp_shard=1,ac={ac}")
+            act[ac] = estimate_memory(spec, w, lay, 80e9).breakdown["activations"]
+            step[ac] = estimate_step_time(spec, cl, w, lay).step_time_s
+        assert act["none"] > act["core_attn"] > act["full"] and act["none"] > act["op"] > act["full"], preset
+        assert act["none"] > act["deepseek"] > act["full"], preset
+        assert step["core_attn"] == pytest.approx(step["selective"]) and step["op"] < step["core_attn"]
+        assert step["none"] == pytest.approx(step["op"]) and step["full"] > step["core_attn"]
+        if preset == "deepseek_v3":
+            assert act["deepseek"] < act["core_attn"]
+        else:
+            assert act["core_attn"] > act["deepseek"] > act["op"]
