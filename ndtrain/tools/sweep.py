@@ -350,6 +350,10 @@ SUBSET = (
     ("packed", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 3, "ac": "full"}),  # documents cut by cp
     ("packed", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1}),  # documents split by microbatch
     ("muon", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # whole-matrix Newton-Schulz over tp
+    ("deepseek", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 1, "ac": "deepseek"}),  # norms + MLA latents
+    ("dense", 2, {"dp_shard": 2}, {"zero": 3, "ac": "deepseek"}),  # recipes recompute with gathered weights
+    ("dense", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 0, "ac": "core_attn"}),  # ring core recomputed
+    ("moe", 2, {"dp_shard": 2}, {"zero": 3, "ac": "op"}),
 )
 
 
