@@ -174,7 +174,7 @@ class TrainingConfig:
     muon_adamw_patterns: str = "tok_embeddings.*,output.*,*.router.*,*.conv1d.*"  # comma-separated fnmatch names kept on AdamW (besides 1-D params)
     qk_clip: float = 0.0  # QK-clip threshold tau (MuonClip, Kimi K2; muon only): after each step, scale wq / wk of every head whose max logit exceeded tau (0 = off)
     mup_base_width: int = 0  # muP-style transfer: hidden-matrix LRs and init std scaled from this base model.dim to the run's (0 = off; docs/optimizers.md)
-    activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective
+    activation_checkpoint: str = "none"  # none | full | every:C | sqrt | selective | op | core_attn | deepseek
     kernels: str = "eager"  # eager | triton | auto: op implementations (ndtrain.model.kernels; auto = triton with CUDA)
     fused_loss: bool = False  # output head + cross-entropy fused, chunked, never the (B, T, V) logits (Triton with kernels=triton, else PyTorch; ndtrain.parallel.fused_head)
     compile: bool = False  # torch.compile each transformer block's forward (hooks, checkpointing and ZeRO stay eager; ndtrain.parallel.compile)

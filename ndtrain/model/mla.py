@@ -66,6 +66,24 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(b, s, h, self.rope_dim)], dim=-1)  # (B, S, H, d_n+d_r)
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    def queries(self, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The query up-projection: q_in (B, T, d_q) latent (or (B, T, C)) -> q (B, H, T, d_n+d_r) with
+        RoPE on its d_r slice. A method so activation checkpointing can recompute it."""
+        b, t, _ = q_in.shape
+        q = self.wq_b(q_in) if hasattr(self, "wq_a") else self.wq(q_in)  # (B, T, H*(d_n+d_r))
+        q = q.view(b, t, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (B, T, H, d_n), (B, T, H, d_r)
+        return torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1).transpose(1, 2)
+
+    def attend(self, q_in: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Up-projections and attention from the latents: q_in (B, T, d_q), c_kv (B, T, d_c) normalised,
+        k_rope (B, T, d_r) rotated -> (B, H, T, d_v). One method, so activation checkpointing
+        (``deepseek``) can keep just the latents and recompute the per-head q, k, v."""
+        q = self.queries(q_in, cos, sin)  # (B, H, T, d_n+d_r)
+        k, v = self.expand_kv(c_kv, k_rope)
+        return self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
+
     def enter_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Identity on one device; tp installs Megatron's f here (``tp.plan``), so the down-projections
         run before the head split. x (B, T, d_q + d_c + d_r) -> same (sp: (B, T/tp, .) -> (B, T, .))."""
@@ -80,14 +98,11 @@ class MLAttention(nn.Module):
         qkv = self.enter_heads(torch.cat([q_in, self.kv_norm(c_kv), k_rope], dim=-1))
         q_in, c_kv, k_rope = qkv.split([q_in.shape[-1], self.kv_rank, self.rope_dim], dim=-1)
         b, t, _ = qkv.shape
-        q = (self.wq_b(q_in) if latent else self.wq(q_in)).view(b, t, -1, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (B, T, H, d_n), (B, T, H, d_r)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1).transpose(1, 2)  # (B, H, T, d_n+d_r)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).squeeze(2)  # (B, T, d_r)
         if kv_cache is None:
-            k, v = self.expand_kv(c_kv, k_rope)
-            out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents=documents)
+            out = self.attend(q_in, c_kv, k_rope, cos, sin, documents)
         else:
+            q = self.queries(q_in, cos, sin)  # (B, H, T, d_n+d_r)
             past = kv_cache.length
             c_all, r_all = kv_cache.update(self.layer_id, c_kv.unsqueeze(1), k_rope.unsqueeze(1))  # (B, 1, S, .)
             k, v = self.expand_kv(c_all.squeeze(1), r_all.squeeze(1))

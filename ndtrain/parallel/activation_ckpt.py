@@ -12,9 +12,15 @@
 * ``sqrt``      - ``every:C`` with C = round(sqrt(L)): O(sqrt(L)) block inputs.
 * ``selective`` - per block, keep the outputs of matrix multiplies (``aten.mm / addmm / bmm``)
   and recompute everything else: the attention core (softmax(QK^T)V, whose saved state grows with
-  T^2 in a non-fused kernel) and the elementwise ops (RoPE, SiLU, products, norms) (Korthikanti
-  et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"). Implemented as a
-  per-op policy with ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+  T^2 in a non-fused kernel) and the elementwise ops (RoPE, SiLU, products, norms). No matmul is
+  recomputed, as in Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models"), but elementwise tensors are dropped too. Implemented as a per-op policy
+  with ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+* ``op``        - torchtitan's op-level selective checkpointing: as ``selective``, and the outputs
+  of the fused attention kernels (``aten._scaled_dot_product_*_attention``: output and log-sum-exp)
+  are kept too, so the attention core is not recomputed; norms and elementwise ops are.
+* ``core_attn`` / ``deepseek`` - recompute of named parts only (Megatron's core-attention
+  recompute; DeepSeek-V3's RMSNorm and MLA up-projection recompute): ``ndtrain.parallel.ac_recompute``.
 
 Mechanism: ``torch.utils.checkpoint``'s non-reentrant checkpoint (its generator form), opened in
 the first block's forward pre-hook and closed in the last block's forward hook of each region, so
@@ -36,15 +42,29 @@ from ndtrain.parallel.ac_policy import parse_policy  # the one parser (also used
 
 _REPLAYING: list[int] = []  # levels of the regions replaying their blocks (checkpoint recompute)
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_aten = torch.ops.aten
+# fused attention kernels whose outputs the op policy keeps (torchtitan's save list, plus the CPU one)
+_SDPA = {getattr(_aten, n).default for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, n)}
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS or op in _SDPA else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def selective_context_fn():
     """Forward / recompute contexts of the selective policy (matmul outputs are saved)."""
     return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def op_context_fn():
+    """Forward / recompute contexts of the op policy (matmul and fused-attention outputs are saved)."""
+    return create_selective_checkpoint_contexts(_keep_matmuls_and_attention)
 
 
 class _Region:
@@ -96,7 +116,12 @@ def apply_activation_checkpoint(model: nn.Module, policy: str) -> list[_Region]:
     kind, c = parse_policy(policy, len(blocks))
     if kind == "none":
         return []
-    ctx = selective_context_fn if kind == "selective" else noop_context_fn
+    if kind == "parts":  # no block regions: norms / cores / MLA up-projections are recomputed
+        from ndtrain.parallel.ac_recompute import apply_part_recompute
+
+        apply_part_recompute(model, policy)
+        return []
+    ctx = {"selective": selective_context_fn, "op": op_context_fn}.get(policy, noop_context_fn)
     regions = []
     for i in range(0, len(blocks), c):
         seg = blocks[i:i + c]

@@ -35,7 +35,7 @@ class Layout:
     dp_replicate: int = 1
     ep: int = 1
     zero_stage: int = 0
-    ac: str = "none"  # none | full | every:C | sqrt | selective
+    ac: str = "none"  # none | full | every:C | sqrt | selective | op | core_attn | deepseek
     microbatch: int = 1  # sequences per microbatch per rank
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev
     pp_virtual_stages: int = 1  # model chunks per rank (interleaved)

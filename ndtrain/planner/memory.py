@@ -241,6 +241,12 @@ def _per_layer_activations(spec, w: Workload, lay: Layout, tokens: int) -> dict:
           "act_bytes": w.act_bytes, "policy": "selective" if lay.ac == "selective" else "none"}
     dense = estimate_activation_bytes_per_layer(spec, moe=False, **kw)
     moe = estimate_activation_bytes_per_layer(spec, moe=True, **kw) if spec.is_moe else dense
+    if lay.ac in ("op", "core_attn", "deepseek"):  # the other per-layer policies: planner.ac_memory
+        from ndtrain.planner.ac_memory import policy_layer_bytes
+
+        args = (spec, tokens, w.seq_len, lay.tp, lay.seq_parallel)
+        dense = policy_layer_bytes(dense, *args, False, w.flash, w.act_bytes, lay.ac)
+        moe = policy_layer_bytes(moe, *args, spec.is_moe, w.flash, w.act_bytes, lay.ac) if spec.is_moe else dense
     return {"dense": dense, "moe": moe}
 
 
@@ -252,7 +258,7 @@ def _stage_activations(spec, lay: Layout, per_layer: dict, n_layers: int, n_moe:
     full = (n_layers - n_moe) * per_dense["total"] + n_moe * per_moe["total"]
     biggest = max(per_dense["total"], per_moe["total"] if n_moe else 0.0)
     inp = per_dense["input"]
-    if lay.ac in ("none", "selective") or n_layers == 0:
+    if lay.ac in ("none", "selective", "op", "core_attn", "deepseek") or n_layers == 0:  # per-layer policies
         return {"stored": full, "working": biggest if n_layers else 0.0}
     if lay.ac == "full":
         return {"stored": n_layers * inp, "working": 2 * biggest}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ndtrain.planner.ac_memory import recompute_attention_share
 from ndtrain.planner.goodput import Goodput, goodput
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, check_layout, unsupported_rules
@@ -103,8 +104,7 @@ def _add_time(plan: Plan, spec, cluster: Cluster, w: Workload) -> None:
     tokens = w.global_batch_seqs * w.seq_len
     flops = spec.flops_per_token(w.seq_len) * tokens
     rc = recompute_fraction(lay.ac, spec.n_layers) * flops / 3
-    if lay.ac == "selective":
-        rc += spec.attention_flops_per_token(w.seq_len) * tokens / 3
+    rc += recompute_attention_share(lay.ac, spec) * spec.attention_flops_per_token(w.seq_len) * tokens / 3
     denom = cluster.gpus * cluster.mfu_peak_flops_per_s * st.step_time_s
     plan.step = st
     plan.mfu, plan.hfu = flops / denom, (flops + rc) / denom

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ndtrain.planner.ac_memory import recompute_attention_share
 from ndtrain.planner.comm import estimate_axis_comm
 from ndtrain.planner.compute import optimizer_seconds, stage_op_times
 from ndtrain.planner.hardware import Cluster
@@ -94,7 +95,7 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
 
     t_fwd_c, t_bwd_c = ops.fwd, ops.bwd
     rc_frac = recompute_fraction(lay.ac, spec.n_layers)
-    t_rc = rc_frac * t_fwd_c + (ops.attn_fwd if lay.ac == "selective" else 0.0)
+    t_rc = rc_frac * t_fwd_c + recompute_attention_share(lay.ac, spec) * ops.attn_fwd  # planner.ac_memory
     t_bwd_layer = t_bwd_c / max(n_layers, 1)
 
     fwd = {"tp": n_layers * c["tp_fwd"], "ep": n_moe * c["ep_fwd"], "pp": lay.pp_virtual_stages * c["pp"],

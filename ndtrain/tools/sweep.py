@@ -33,6 +33,7 @@ import torch
 from ndtrain.config import Config, ConfigError, apply_overrides, load_config, validate
 from ndtrain.parallel.ac_policy import example_policies
 from ndtrain.tools.sweep_layouts import expert_tp_layouts, hierarchical_layouts
+from ndtrain.tools.sweep_subset import SUBSET  # the default suite's share (re-exported)
 
 STEPS = 2  # optimizer steps per combination
 V, T, G = 65, 16, 4  # vocab (odd: tp pads it), tokens per sequence, global batch (sequences)
@@ -313,41 +314,6 @@ def enumerate_combos(tiers: tuple[str, ...] = TIERS) -> list[Combo]:
             if "fused" in tiers:
                 out += [make_combo(f, w, par, "fused", zero=z, fused=True) for z in (0, 3)]
     return out
-
-
-# the default test suite's share (tests/integration/test_sweep.py): every axis, schedule, model
-# feature, ZeRO stage, checkpointing policy and dtype at least once, on 1 or 2 ranks, and one
-# representative of each composition made to work lately (EP x ZeRO-3, MoE x TP with split experts,
-# MLA + MTP x CP, linear mixers x CP / TP, MTP x ZeRO-3, MTP x DualPipeV, fused loss x PP, the shared
-# expert under the dispatch all-to-all, hierarchical dispatch)
-_PP = {"pp": 2, "pp_virtual_stages": 1}
-SUBSET = (
-    ("dense", 2, {"dp_shard": 2}, {"zero": 2}),
-    ("dense", 2, {"dp_replicate": 2}, {"zero": 3, "dtype": "bfloat16"}),
-    ("mla", 2, {"tp": 2}, {"zero": 1, "ac": "selective"}),
-    ("moe", 2, {"tp": 2, "sequence_parallel": True, "expert_tp": 2}, {"zero": 0}),
-    ("hybrid", 2, {"tp": 2}, {"zero": 1, "ac": "full"}),  # each mixer split by heads
-    ("hybrid", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 3, "ac": "selective"}),  # state passing
-    ("dense", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 0, "ac": "every:2"}),
-    ("tied", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1, "fused": True}),  # head + tied embedding
-    ("dense", 2, {**_PP, "pp_schedule": "gpipe"}, {"zero": 0, "ac": "sqrt"}),
-    ("dense", 2, {"pp": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2}, {"zero": 2}),
-    ("dense", 2, {**_PP, "pp_schedule": "zero_bubble"}, {"zero": 3}),
-    ("mtp", 2, {**_PP, "pp_schedule": "dualpipev"}, {"zero": 1}),  # MoE-free MTP, V
-    ("moe", 2, {"dp_shard": 2, "ep": 2}, {"zero": 3}),
-    ("moe_shared", 2, {"dp_shard": 2, "ep": 2, "moe_shared_overlap": True}, {"zero": 1}),
-    ("moe", 2, {"dp_shard": 2, "ep": 2, "moe_dispatch": "hierarchical", "node_size": 1}, {"zero": 1}),
-    ("moe", 2, {"dp_shard": 2}, {"zero": 3, "dtype": "float16"}),
-    ("moe_balanced", 2, {"cp": 2, "ep": 2, "cp_impl": "ring"}, {"zero": 1}),  # round-robin by global position
-    ("deepseek", 2, {"cp": 2, "cp_impl": "ring"}, {"zero": 1}),  # MLA + MTP (+ MoE) over cp
-    ("mtp", 2, {"dp_replicate": 2}, {"zero": 2, "dtype": "float32"}),
-    ("mtp", 2, {"dp_shard": 2}, {"zero": 3}),  # each MTP depth an FSDP unit
-    ("lora", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # adapters split like their base
-    ("lora", 2, {"dp_shard": 2}, {"zero": 3, "ac": "full"}),
-    ("packed", 2, {"cp": 2, "cp_impl": "ulysses"}, {"zero": 3, "ac": "full"}),  # documents cut by cp
-    ("packed", 2, {**_PP, "pp_schedule": "1f1b"}, {"zero": 1}),  # documents split by microbatch
-    ("muon", 2, {"tp": 2, "sequence_parallel": True}, {"zero": 0}),  # whole-matrix Newton-Schulz over tp
-)
 
 
 def subset_combos() -> list[Combo]:

@@ -74,6 +74,10 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
       up to its last saved tensor: torch's non-reentrant checkpoint stops early there, so the last
       matmul (the feed-forward down projection, whose output nothing in the block saves) is skipped;
     * a segment region of C > 1 blocks replays blocks 1 .. C-1 whole and stops at block C's input;
+    * ``op`` keeps matmul and fused-attention outputs: nothing FLOP counts see is recomputed;
+      ``core_attn`` recomputes the softmax-attention core; ``deepseek`` its norms (no FLOPs here)
+      and, on MLA, the up-projections with the core they feed (the small up-projection matmuls
+      are left out);
     * ``selective`` saves every matmul output and recomputes the softmax-attention core (SDPA is
       not a matmul op) plus elementwise ops, which FLOP counts leave out; other token mixers
       (``model.layer_pattern``) are built from matmuls, whose saved outputs are not recomputed, so
@@ -82,11 +86,13 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
     Raises ValueError for an unknown policy.
     """
     kind, c = parse_policy(policy, cfg.n_layers)
-    if kind == "none":
+    if kind == "none" or policy == "op":  # op keeps matmul and fused-attention outputs
         return 0.0
     blocks = _block_forward_flops(cfg, seq_len)
-    if kind == "selective":
-        return sum(core for _, _, core in blocks)
+    if kind == "selective" or policy == "core_attn" or (policy == "deepseek" and cfg.attention == "mla"):
+        return sum(core for _, _, core in blocks)  # deepseek: MLA's core reruns with its up-projections
+    if kind == "parts":  # deepseek without MLA: norms only, no matmul FLOPs
+        return 0.0
     extra = 0.0
     for i in range(0, len(blocks), c):
         seg = blocks[i:i + c]

@@ -2,7 +2,7 @@
 ``python scripts/sweep.py``, which writes ``docs/compatibility.md``; the resume sweep is
 ``python scripts/sweep.py --resume``).
 
-``ndtrain.tools.sweep.SUBSET``: 20 combinations on 2 gloo ranks covering every axis (dp_replicate,
+``ndtrain.tools.sweep.SUBSET``: 28 combinations on 2 gloo ranks covering every axis (dp_replicate,
 dp_shard, cp ring and Ulysses, tp with and without SP, each pp schedule including DualPipeV, ep,
 expert_tp), every model feature (dense, tied head, MoE, MLA, MTP, the LMGA hybrid of linear-family
 mixers, DeepSeek's MLA + MoE + MTP), ZeRO 0-3, each activation-checkpointing policy, each dtype and

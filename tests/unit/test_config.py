@@ -112,13 +112,15 @@ def test_activation_checkpoint_policies_are_listed_once():
     from ndtrain.parallel.ac_policy import POLICIES, example_policies
     from ndtrain.tools.sweep import AC_POLICIES
 
-    assert POLICIES == ("none", "full", "every:C", "sqrt", "selective")
-    assert AC_POLICIES == example_policies() == ("none", "full", "every:2", "sqrt", "selective")
+    assert POLICIES == ("none", "full", "every:C", "sqrt", "selective", "op", "core_attn", "deepseek")
+    assert AC_POLICIES == example_policies() == ("none", "full", "every:2", "sqrt", "selective", "op", "core_attn",
+                                                 "deepseek")
     for ac in example_policies(3):
         load_config("debug", {"training.activation_checkpoint": ac})
     with pytest.raises(ConfigError) as info:
         load_config("debug", {"training.activation_checkpoint": "every:0"})
-    assert str(info.value) == "training.activation_checkpoint (every:0) must be none|full|every:C|sqrt|selective"
+    assert str(info.value) == ("training.activation_checkpoint (every:0) must be "
+                               "none|full|every:C|sqrt|selective|op|core_attn|deepseek")
 
 
 def test_validation_runs_once_per_launch(tmp_path, monkeypatch, capsys):
