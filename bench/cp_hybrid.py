@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, lengths: list[int], repeats: int) -> dict:
         local = {n: [shard_sequence(x, CP, cp.rank, LAYOUT[n], dim=2).requires_grad_() for x in full] for n in fns}
         gout = torch.randn(B, H, t // CP, D)
 
-        def step(name: str) -> float:
+        def step(name: str, local=local, gout=gout) -> float:
             dist.barrier()
             t0 = time.perf_counter()
             torch.autograd.grad((fns[name](*local[name]) * gout).sum(), local[name])

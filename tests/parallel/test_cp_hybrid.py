@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ndtrain.config import ConfigError, apply_overrides, validate
-from ndtrain.parallel.cp.doc_balance import balanced_assignment, deal_chunks, imbalance, position_work
 from ndtrain.parallel.cp.context_parallel import local_positions
+from ndtrain.parallel.cp.doc_balance import balanced_assignment, deal_chunks, imbalance, position_work
 from ndtrain.parallel.cp.hybrid import kv_replicas, split_groups
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import assert_parity, run_layout, theory_bytes, tiny_cfg

@@ -53,7 +53,7 @@ def build_subgroups(mesh: Mesh, u: int) -> tuple[AxisGroup, AxisGroup]:
 
     cp = mesh.group("cp")
     r_ring = cp.size // u
-    if mesh.device_mesh is None or cp.size == 1:
+    if getattr(mesh, "device_mesh", None) is None or cp.size == 1:
         return (AxisGroup("cp_a2a", u, 0, None, mesh.stats), AxisGroup("cp_ring", r_ring, 0, None, mesh.stats))
     ranks = mesh.device_mesh.mesh.movedim(3, -1).reshape(-1, cp.size).tolist()  # every cp group (AXES: cp 4th)
     me = dist.get_rank()
