@@ -56,7 +56,7 @@ def _uses(c: Combo) -> set[str]:
     return out
 
 
-COLUMNS = ["1 rank", "dp_replicate", "dp_shard", "cp ring", "cp ulysses", "tp", "tp+sp",
+COLUMNS = ["1 rank", "dp_replicate", "dp_shard", "cp ring", "cp ulysses", "cp hybrid", "tp", "tp+sp",
            *[f"pp {s}" for s in S.PP_SCHEDULES], "ep", "expert_tp", "ZeRO-1", "ZeRO-2", "ZeRO-3",
            *[f"AC {a}" for a in S.AC_POLICIES[1:]], *S.DTYPES[1:], "fused loss"]
 

@@ -214,7 +214,9 @@ class ParallelConfig:
     moe_dispatch: str = "flat"  # flat | hierarchical: hierarchical sends a token once per remote node, the node forwards it to its experts (DeepSeek-V3)
     node_size: int = 0  # ranks per node for moe_dispatch / model.moe_max_nodes (0 = torchrun's LOCAL_WORLD_SIZE, else the launch's processes)
     moe_shared_overlap: bool = False  # ep > 1: run the shared experts while the MoE dispatch all-to-all is in flight (Megatron moe_shared_expert_overlap)
-    cp_impl: str = "ring"  # ring | ulysses
+    cp_impl: str = "ring"  # ring | ulysses | hybrid (Ulysses all-to-all inside cp_ulysses ranks, ring across)
+    cp_ulysses: int = 1  # cp_impl=hybrid: ranks of one all-to-all group (divides cp and n_heads / tp); ring over cp / cp_ulysses
+    cp_doc_balance: bool = False  # data.document_mask with ring / hybrid cp: assign sequence chunks to cp ranks by attention work (sum of squared document lengths) instead of the fixed mirror layout
     cp_layout: str = "auto"  # auto | load_balanced | contiguous (auto: load_balanced for ring, contiguous for ulysses)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble | dualpipev (2 chunks per rank in a V)
     pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)

@@ -49,6 +49,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(not (d.document_mask and m.mtp_depth),
            f"data.document_mask=true with model.mtp_depth ({m.mtp_depth}) > 0: multi-token prediction's "
            f"shifted targets would cross document boundaries (not built)")
+    cp_rules.check_doc_balance(getattr(p, "cp_doc_balance", False), d.document_mask, p.cp, p.cp_impl,
+                               cp_rules.resolve_layout(p.cp_impl, p.cp_layout, non_softmax_mixers(m)))
     _check(m.rope_dim % 2 == 0 and m.rope_dim > 0,
            f"RoPE dims per head ({m.rope_dim}; head_dim = dim / n_heads, or mla_rope_dim) must be even and > 0")
     _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")
@@ -238,7 +240,7 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
     tp_rules.check_moe(p.tp, getattr(p, "expert_tp", 1), *f.moe_ffn, seq_len=seq_len if moe else 0, cp=p.cp)
     cp_rules.check(p.cp, seq_len, cp_impl, p.cp_layout, f.n_heads, p.tp, p.sequence_parallel, mla=mla,
                    mtp=mtp, seq_aux_loss=f.seq_aux_loss and runtime, capacity=f.capacity and runtime,
-                   mixers=f.mixers, halo=f.cp_halo, moe=moe)
+                   mixers=f.mixers, halo=f.cp_halo, moe=moe, cp_ulysses=getattr(p, "cp_ulysses", 1))
     pp_rules.check(p.pp, f.n_layers, sched, v, p.pp_microbatches, activation_checkpoint, moe=moe,
                    mtp=mtp, end_stages_may_hold_no_block=not runtime, layout=getattr(p, "pp_layout", ""),
                    mtp_depth=f.mtp_depth)

@@ -28,6 +28,11 @@ class BatchPlan:
         self.cp, self.tp = mesh.group("cp"), mesh.group("tp")
         self.layout = resolve_layout(p.cp_impl, p.cp_layout, non_softmax_mixers(cfg.model))
         self.full_positions = p.sequence_parallel
+        self.cp_balance = None  # packed documents dealt to cp ranks by attention work (cp.doc_balance)
+        if getattr(p, "cp_doc_balance", False) and self.cp.size > 1:
+            from ndtrain.parallel.cp.doc_balance import WorkBalance
+
+            self.cp_balance = WorkBalance(self.cp.size)
         self.vocab_size, self.ignore_index = cfg.model.vocab_size, ignore_index
         if fused_impl not in ("chunk", "triton"):
             raise ValueError(f"fused_impl ({fused_impl!r}) must be chunk|triton")
@@ -40,7 +45,9 @@ class BatchPlan:
         if self.cp.size > 1:
             from ndtrain.parallel.cp.context_parallel import shard_batch
 
-            return shard_batch(inputs, labels, self.cp, self.layout, documents)
+            if self.cp_balance is not None and documents is None:
+                self.cp_balance.current = None  # the cores fall back to the mirror layout too
+            return shard_batch(inputs, labels, self.cp, self.layout, documents, self.cp_balance)
         if documents is not None:
             return inputs, labels, document_positions(documents), documents
         positions = torch.arange(inputs.shape[1], device=inputs.device) if self.full_positions else None

@@ -207,7 +207,7 @@ def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config, batch: BatchPlan) -> 
     if mesh.dims.cp > 1:
         from ndtrain.parallel.cp.context_parallel import apply_cp
 
-        apply_cp(model, mesh, p.cp_impl, p.cp_layout)
+        apply_cp(model, mesh, p.cp_impl, p.cp_layout, cp_ulysses=p.cp_ulysses, balance=batch.cp_balance)
     if cfg.finetune.lora_rank:
         from ndtrain.parallel.lora import apply_lora_parallel
 

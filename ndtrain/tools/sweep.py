@@ -184,9 +184,10 @@ def check(combo: Combo) -> str | None:
 
 
 def _variants(deg: dict[str, int]) -> list[dict]:
-    """Every implementation choice of a set of degrees: cp ring / ulysses, tp with / without SP,
+    """Every implementation choice of a set of degrees: cp ring / ulysses (/ hybrid 2 x 2 at cp 4), tp with / without SP,
     each pp schedule (interleaved with 2 virtual stages), ep dividing dp_shard x cp."""
-    cp_opts = [{}] if deg["cp"] == 1 else [{"cp_impl": "ring"}, {"cp_impl": "ulysses"}]
+    cp_opts = [{}] if deg["cp"] == 1 else [{"cp_impl": "ring"}, {"cp_impl": "ulysses"}] + [
+        {"cp_impl": "hybrid", "cp_ulysses": 2}] * (deg["cp"] == 4)  # hybrid: all-to-all in pairs, ring across
     tp_opts = [{}] if deg["tp"] == 1 else [{"sequence_parallel": False}, {"sequence_parallel": True}]
     # gpipe runs the 1f1b schedule's operations in another order: crossed with one other axis only
     scheds = PP_SCHEDULES if sum(v > 1 for v in deg.values()) == 1 and deg["pp"] == 2 else PP_SCHEDULES[1:]
@@ -211,8 +212,8 @@ def layout_name(par: dict) -> str:
             if ax == "pp":  # v > 1, and a pp_layout with '/' for '|' (the name is a table cell)
                 v, lay = par["pp_virtual_stages"], par.get("pp_layout", "").replace("|", "/")
                 s += f":{par['pp_schedule']}" + (f"(v{v})" if v > 1 else "") + (f"[{lay}]" if lay else "")
-            s += f":{par['cp_impl']}" if ax == "cp" else ""
-            s += f"({par['cp_layout']})" if ax == "cp" and "cp_layout" in par else ""
+            tags = (("cp_layout", ""), ("cp_ulysses", "u"))  # e.g. cp2:ring(contiguous), cp4:hybrid(u2)
+            s += f":{par['cp_impl']}" + "".join(f"({t}{par[k]})" for k, t in tags if k in par) if ax == "cp" else ""
             s += "+sp" if ax == "tp" and par.get("sequence_parallel") else ""
             etp = par.get("expert_tp", 1) if ax == "tp" else 1
             s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""

@@ -28,7 +28,7 @@ def resolve_layout(impl: str, layout: str, mixers: tuple[str, ...] = ()) -> str:
     window to the next rank (which need contiguous: ValueError otherwise)."""
     ordered = bool(set(mixers) & set(CONTIGUOUS_MIXERS))
     if layout == "auto":
-        return "load_balanced" if impl == "ring" and not ordered else "contiguous"
+        return "load_balanced" if impl in ("ring", "hybrid") and not ordered else "contiguous"
     if layout not in LAYOUTS:
         raise ValueError(f"cp layout ({layout}) must be auto|{'|'.join(LAYOUTS)}")
     if (impl == "ulysses" or ordered) and layout != "contiguous":
@@ -72,14 +72,31 @@ def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> t
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, group: AxisGroup, layout: str,
-                documents: torch.Tensor | None = None):
+                documents: torch.Tensor | None = None, balance=None):
     """(B, T) inputs / shifted labels / documents -> this rank's (B, T/cp) inputs, labels, RoPE
-    positions ((T/cp,), or (B, T/cp) restarting per document) and documents (None without)."""
-    pos = local_positions(inputs.shape[1], group.size, group.rank, layout, inputs.device)
+    positions ((T/cp,), or (B, T/cp) restarting per document) and documents (None without).
+    ``balance``: a ``doc_balance.WorkBalance`` whose work-balanced assignment of this batch's
+    documents replaces the layout's (the attention cores read the same assignment)."""
+    if balance is not None and documents is not None:
+        pos = balance.assign(documents)[group.rank]
+    else:
+        pos = local_positions(inputs.shape[1], group.size, group.rank, layout, inputs.device)
     cut = (inputs.index_select(1, pos), labels.index_select(1, pos))
     if documents is None:
         return cut + (pos, None)
     return cut + (document_positions(documents).index_select(1, pos), documents.index_select(1, pos))
+
+
+class LayoutPositions:
+    """(cp, T) -> (cp, T/cp) int64 positions of every cp rank's tokens in ``layout`` (cached)."""
+
+    def __init__(self, layout: str):
+        self.layout, self._cache = layout, {}
+
+    def __call__(self, cp: int, t: int) -> torch.Tensor:
+        if (cp, t) not in self._cache:
+            self._cache[(cp, t)] = torch.stack([local_positions(t, cp, i, self.layout) for i in range(cp)])
+        return self._cache[(cp, t)]
 
 
 def _install_core(att: nn.Module, core: nn.Module) -> None:
@@ -97,18 +114,14 @@ class RingAttention(nn.Module):
     rank's tokens (packed sequences); every rank's are all-gathered (B T/cp int64 per rank and
     layer). No parameters."""
 
-    def __init__(self, group: AxisGroup, layout: str, causal: bool = True):
+    def __init__(self, group: AxisGroup, layout: str, causal: bool = True, balance=None):
         super().__init__()
         self.group, self.layout, self.causal = group, layout, causal
-        self._pos: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.every = balance if balance is not None else LayoutPositions(layout)
 
     def positions(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (local_len, str(device))
-        if key not in self._pos:
-            n, t = self.group.size, local_len * self.group.size
-            kv = torch.stack([local_positions(t, n, i, self.layout, device) for i in range(n)])  # (cp, Tl)
-            self._pos[key] = (kv[self.group.rank], kv)
-        return self._pos[key]
+        kv = self.every(self.group.size, local_len * self.group.size).to(device)  # (cp, Tl)
+        return kv[self.group.rank], kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,11 +155,13 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "auto",
-             causal: bool = True) -> str:
+             causal: bool = True, cp_ulysses: int = 1, balance=None) -> str:
     """Install each block's cp form (ring / Ulysses core, window core, ``StatePasser``), shown as the
     mixer's ``context_parallel`` child; with MTP a ``ContextParallelShift`` ``mtp_shift`` hook.
 
-    ``causal`` applies to ring attention. Returns the resolved layout, which ``shard_batch`` must use.
+    ``causal`` applies to ring / hybrid attention; ``cp_ulysses``: the all-to-all degree of
+    ``impl="hybrid"`` (``hybrid.HybridAttention``); ``balance``: a ``doc_balance.WorkBalance`` the ring /
+    hybrid cores take their positions from (packed documents). Returns the resolved layout, which ``shard_batch`` must use.
     Raises ValueError for an unknown impl / layout, a layout the mixers cannot use, a DSA layer, or
     (at forward time) heads not divisible by cp under Ulysses."""
     from ndtrain.model.dsa import SparseAttention
@@ -157,8 +172,9 @@ def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "au
     layout = resolve_layout(impl, layout, non_softmax_mixers(cfg) if cfg is not None else ())
     if group.size == 1:
         return layout
-    if impl not in ("ring", "ulysses"):
-        raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses")
+    if impl not in ("ring", "ulysses", "hybrid"):
+        raise ValueError(f"parallel.cp_impl ({impl}) must be ring|ulysses|hybrid")
+    softmax_core = _softmax_core_factory(mesh, impl, layout, causal, cp_ulysses, balance)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:  # MTP depths: shifted ids from the other cp ranks (mtp_shift), blocks as below
         from ndtrain.parallel.cp.mtp_shift import ContextParallelShift
@@ -179,6 +195,19 @@ def apply_cp(model: nn.Module, mesh: Mesh, impl: str = "ring", layout: str = "au
                 raise ValueError("sliding-window attention under context parallel needs the contiguous layout")
             _install_core(att, WindowContextParallel(group, att.window))
         else:
-            _install_core(att, RingAttention(group, layout, causal) if impl == "ring"
-                          else UlyssesAttention(group, att.core))
+            _install_core(att, softmax_core(att))
     return layout
+
+
+def _softmax_core_factory(mesh: Mesh, impl: str, layout: str, causal: bool, cp_ulysses: int, balance):
+    """attention module -> its cp core; hybrid's sub-groups are built once, here (collective)."""
+    group = mesh.group("cp")
+    if impl == "ring":
+        return lambda att: RingAttention(group, layout, causal, balance)
+    if impl == "ulysses":
+        return lambda att: UlyssesAttention(group, att.core)
+    from ndtrain.parallel.cp.hybrid import HybridAttention, build_subgroups
+
+    inner, outer = build_subgroups(mesh, cp_ulysses)
+    every = balance if balance is not None else LayoutPositions(layout)
+    return lambda att: HybridAttention(group, inner, outer, every, causal)
