@@ -109,7 +109,8 @@ class ParallelDims:
             dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard ({dp_shard}) must be >= 1 or -1")
-        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size, p.expert_tp, p.edp)
+        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size, p.expert_tp,
+                   getattr(p, "edp", 0))
         dims.validate()
         return dims
 

@@ -216,6 +216,8 @@ def layout_name(par: dict) -> str:
             s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""
             s += "+overlap" if ax == "ep" and par.get("moe_shared_overlap") else ""
             parts.append(s)
+    if par.get("expert_tp", 1) > 1 and par.get("tp", 1) == 1:  # folded: split over its own ranks
+        parts.append(f"expert_tp{par['expert_tp']}")
     return " x ".join(parts) or "single"
 
 
@@ -262,13 +264,22 @@ def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]
             if par.get("tp", 1) > 1 and par.get("pp", 1) == 1]
 
 
+# the folded expert mesh (ndtrain.mesh): ep spanning tp (with and without SP), expert_tp over
+# ranks other than the attention tp (alone and under ep)
+FOLDED = (
+    (4, {"dp_shard": 2, "tp": 2, "ep": 4}), (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 4}),
+    (2, {"dp_shard": 2, "expert_tp": 2}), (4, {"dp_shard": 4, "ep": 2, "expert_tp": 2}),
+)
+
+
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
-    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``, and with shared experts
+    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts`` and the ``FOLDED`` expert
+    meshes, and with shared experts
     their ep layouts again with ``moe_shared_overlap``."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
     if FEATURES[feature].get("moe_experts", 0):
-        out += expert_tp_layouts(out)
+        out += expert_tp_layouts(out) + list(FOLDED)
     if FEATURES[feature].get("moe_shared_experts", 0):
         out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out if par.get("ep", 1) > 1]
     return out
