@@ -32,6 +32,7 @@ import torch
 
 from ndtrain.config import Config, ConfigError, apply_overrides, load_config, validate
 from ndtrain.parallel.ac_policy import example_policies
+from ndtrain.tools.sweep_folded import FOLDED, folded_name
 
 STEPS = 2  # optimizer steps per combination
 V, T, G = 65, 16, 4  # vocab (odd: tp pads it), tokens per sequence, global batch (sequences)
@@ -216,9 +217,7 @@ def layout_name(par: dict) -> str:
             s += ("+etp" if etp == par[ax] else f"+etp{etp}") if etp > 1 else ""
             s += "+overlap" if ax == "ep" and par.get("moe_shared_overlap") else ""
             parts.append(s)
-    if par.get("expert_tp", 1) > 1 and par.get("tp", 1) == 1:  # folded: split over its own ranks
-        parts.append(f"expert_tp{par['expert_tp']}")
-    return " x ".join(parts) or "single"
+    return " x ".join(parts + folded_name(par)) or "single"
 
 
 # world 8 (a few, zero 0 and 3 only: 8 ranks on a small machine are slow): the README's 3-D
@@ -257,26 +256,16 @@ def enumerate_layouts(max_world: int = 4) -> list[tuple[int, dict]]:
 
 
 def expert_tp_layouts(layouts: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-    """The ``layouts`` with tp > 1 again with ``expert_tp`` = tp (MoE only: each expert's hidden
-    split over tp instead of whole experts per tp rank), leaving out pp (stages add nothing to how
-    an expert is split)."""
+    """The ``layouts`` with tp > 1 again with ``expert_tp`` = tp (MoE only: each expert's hidden split
+    over tp, not whole experts per tp rank), without pp (stages add nothing to an expert's split)."""
     return [(w, {**par, "expert_tp": par["tp"]}) for w, par in layouts
             if par.get("tp", 1) > 1 and par.get("pp", 1) == 1]
 
 
-# the folded expert mesh (ndtrain.mesh): ep spanning tp (with and without SP), expert_tp over
-# ranks other than the attention tp (alone and under ep)
-FOLDED = (
-    (4, {"dp_shard": 2, "tp": 2, "ep": 4}), (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 4}),
-    (2, {"dp_shard": 2, "expert_tp": 2}), (4, {"dp_shard": 4, "ep": 2, "expert_tp": 2}),
-)
-
-
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
-    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts`` and the ``FOLDED`` expert
-    meshes, and with shared experts
-    their ep layouts again with ``moe_shared_overlap``."""
+    else ``REPRESENTATIVE``; MoE features add ``expert_tp_layouts`` and ``FOLDED``, and with shared
+    experts their ep layouts again with ``moe_shared_overlap``."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
     if FEATURES[feature].get("moe_experts", 0):
         out += expert_tp_layouts(out) + list(FOLDED)
