@@ -56,7 +56,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     shards = sequence_shards(mesh, cfg)  # cp > 1: per-sequence loads and capacity over whole sequences
     for moe in moe_layers(model):
         moe.seq_shards = shards
-    folded = mesh.dims.folded  # the experts' own mesh: their gradients reduce over edp, not dp
+    folded = getattr(mesh.dims, "folded", False)  # the experts' own mesh: gradients reduce over edp
     if ep.size == 1 and not folded:
         return []
     names = []
