@@ -7,6 +7,10 @@ over), ``dp_cp`` (what loss and grad norm reduce over). Expert parallel (torchti
 cuts the flattened dp_shard x cp block into chunks of ``ep`` ranks: ``ep`` (the all-to-all),
 ``edp`` (ranks holding the same experts), ``edp_shard`` (ZeRO's expert shards) and ``ep_bwd`` (a
 second process group for backward all-to-alls, so DualPipeV's threaded pairs never share one).
+When ``ep`` does not fit in dp_shard x cp, or ``expert_tp`` is neither 1 nor tp, the expert mesh is
+*folded* (MoE Parallel Folding, Liu et al. 2025, Megatron-Core): each pp stage's ranks, flattened
+as (dp_replicate, dp_shard, cp, tp), are split as (edp, ep, expert_tp), expert_tp innermost, so ep
+may span tp, cp and dp ranks (docs/moe.md, "The folded expert mesh").
 All-ones dims need no process group. The mesh is passed down, never a global."""
 from __future__ import annotations
 
@@ -27,6 +31,34 @@ def check_ep_borrow(ep: int, dp_shard: int, cp: int) -> None:
     """ep divides dp_shard x cp, the block it borrows its ranks from. Raises ConfigError naming the rule."""
     if (dp_shard * cp) % ep:
         raise ConfigError(f"dp_shard*cp ({dp_shard * cp}) is not divisible by ep ({ep})")
+
+
+def expert_folded(ep: int, expert_tp: int, dp_shard: int, cp: int, tp: int) -> bool:
+    """True when the expert mesh is folded over the whole stage (module docstring); False for the
+    borrowed layout (ep a chunk of dp_shard x cp, experts whole or split over the attention tp)."""
+    return (dp_shard * cp) % ep != 0 or expert_tp not in (1, tp)
+
+
+def check_expert_mesh(ep: int, expert_tp: int, edp: int, pp: int, dp_replicate: int, dp_shard: int, cp: int,
+                      tp: int) -> None:
+    """The expert mesh's rules; raises ConfigError naming the one that failed. Borrowed layout: ep
+    divides dp_shard x cp. Folded: ep * expert_tp divides the stage's ranks; edp (0: derived as
+    world / (pp * ep * expert_tp)) equals that quotient and is a multiple of dp_replicate (each
+    replica holds every expert once)."""
+    if ep < 1 or expert_tp < 1 or edp < 0:
+        raise ConfigError(f"parallel.ep ({ep}) and parallel.expert_tp ({expert_tp}) must be >= 1, "
+                          f"parallel.edp ({edp}) >= 0")
+    stage = dp_replicate * dp_shard * cp * tp
+    if stage % (ep * expert_tp):
+        raise ConfigError(f"ep*expert_tp ({ep * expert_tp}) does not divide the ranks of a pp stage "
+                          f"(dp_replicate*dp_shard*cp*tp = {stage}): ep*expert_tp*edp*pp must equal world_size")
+    derived = stage // (ep * expert_tp)
+    if edp and edp != derived:
+        raise ConfigError(f"parallel.edp ({edp}) != world_size / (pp*ep*expert_tp) ({derived * pp} / "
+                          f"{pp * ep * expert_tp} = {derived}): ep*expert_tp*edp*pp must equal world_size")
+    if expert_folded(ep, expert_tp, dp_shard, cp, tp) and derived % dp_replicate:
+        raise ConfigError(f"the folded expert mesh's edp ({derived}) is not divisible by dp_replicate "
+                          f"({dp_replicate}): each replica must hold every expert")
 
 
 @dataclass
@@ -56,6 +88,8 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     world_size: int = 1
+    expert_tp: int = 1  # 1 or tp: the borrowed layout; anything else folds the expert mesh
+    edp: int = 0  # expert data parallel degree as configured (0: derived); ``expert_dp`` reads it
 
     @classmethod
     def from_config(cls, p, world_size: int) -> ParallelDims:
@@ -63,7 +97,7 @@ class ParallelDims:
         module's users)."""
         if world_size < 1:
             raise ConfigError(f"world_size ({world_size}) must be >= 1")
-        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep", "expert_tp"):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name} ({getattr(p, name)}) must be >= 1")
         fixed = p.pp * p.dp_replicate * p.cp * p.tp
@@ -75,7 +109,8 @@ class ParallelDims:
             dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard ({dp_shard}) must be >= 1 or -1")
-        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size)
+        dims = cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, world_size, p.expert_tp,
+                   getattr(p, "edp", 0))
         dims.validate()
         return dims
 
@@ -83,7 +118,24 @@ class ParallelDims:
         prod = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if prod != self.world_size:
             raise ConfigError(f"pp*dp_replicate*dp_shard*cp*tp ({prod}) != world_size ({self.world_size})")
-        check_ep_borrow(self.ep, self.dp_shard, self.cp)
+        check_expert_mesh(self.ep, self.expert_tp, self.edp, self.pp, self.dp_replicate, self.dp_shard,
+                          self.cp, self.tp)
+
+    @property
+    def folded(self) -> bool:
+        """The expert mesh is folded over the stage (``expert_folded``)."""
+        return expert_folded(self.ep, self.expert_tp, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same expert weights: world / (pp * ep * expert_tp). In the borrowed
+        layout with whole experts under tp this counts the tp replicas too (their gradient sum
+        runs in autograd over tp, the ``edp`` group covers the rest)."""
+        return self.world_size // (self.pp * self.ep * self.expert_tp)
+
+    def expert_degrees(self) -> dict[str, int]:
+        """The expert mesh, outer to inner within a stage: ``{"edp", "ep", "expert_tp"}``."""
+        return {"edp": self.expert_dp, "ep": self.ep, "expert_tp": self.expert_tp}
 
     @property
     def dp(self) -> int:
@@ -98,7 +150,8 @@ class ParallelDims:
 
     def __str__(self) -> str:
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
-        parts += [f"ep{self.ep}"] if self.ep > 1 else []  # borrowed from dp_shard x cp
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []  # borrowed from dp_shard x cp, or folded
+        parts += [f"expert_tp{self.expert_tp}"] if self.folded and self.expert_tp > 1 else []
         return " x ".join(parts or ["single"]) + f" (world {self.world_size})"
 
     def build_mesh(self, device_type: str = "cpu") -> Mesh:
@@ -136,7 +189,7 @@ class Mesh:
             self._flat = {d: self.device_mesh[axes]._flatten(d) for d, axes in DERIVED.items()}
         for name in AXES + tuple(DERIVED):
             self._groups[name] = self._make_group(name)
-        self.ep_device_mesh = None  # (pp, dp_replicate, edp_shard, ep, tp) view when ep > 1
+        self.ep_device_mesh = None  # (pp, dp_replicate, edp_shard, ep, tp | expert_tp) when ep > 1 or folded
         self._make_expert_groups(device_type)
 
     def _make_group(self, name: str) -> AxisGroup:
@@ -147,9 +200,11 @@ class Mesh:
         return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
 
     def _make_expert_groups(self, device_type: str) -> None:
-        """Add the ``ep``, ``edp`` and ``edp_shard`` groups."""
+        """Add the ``ep``, ``ep_bwd``, ``edp``, ``edp_shard`` and ``expert_tp`` groups."""
         d = self.dims
-        if d.ep == 1:
+        self._groups["expert_tp"] = (self._groups["tp"] if not d.folded and d.expert_tp > 1
+                                     else AxisGroup("expert_tp", 1, 0, None, self.stats))
+        if d.ep == 1 and not d.folded:
             self._groups["ep"] = self._groups["ep_bwd"] = AxisGroup("ep", 1, 0, None, self.stats)
             dp_cp = self._groups["dp_cp"]
             self._groups["edp"] = AxisGroup("edp", dp_cp.size, dp_cp.rank, dp_cp.pg, self.stats)
@@ -158,23 +213,37 @@ class Mesh:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
-        # Same linear rank order as the main mesh: dp_shard x cp flattened, split (outer, inner=ep).
-        shape = (d.pp, d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep, d.tp)
-        names = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+        # Both layouts cut the same linear rank order. Borrowed: dp_shard x cp flattened, split
+        # (outer, inner=ep), tp innermost. Folded: the stage's (dp_replicate, dp_shard, cp, tp)
+        # flattened, split (edp, ep, expert_tp) with edp = (dp_replicate, edp_shard).
+        if d.folded:
+            n_shard, inner, inner_name = d.expert_dp // d.dp_replicate, d.expert_tp, "expert_tp"
+        else:
+            n_shard, inner, inner_name = d.dp_shard * d.cp // d.ep, d.tp, "tp"
+        shape = (d.pp, d.dp_replicate, n_shard, d.ep, inner)
+        names = ("pp", "dp_replicate", "edp_shard", "ep", inner_name)
         self.ep_device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        ep_mesh = self.ep_device_mesh["ep"]
-        self._groups["ep"] = AxisGroup("ep", d.ep, ep_mesh.get_local_rank(), ep_mesh.get_group(), self.stats)
-        self._groups["ep_bwd"] = self._twin(self._groups["ep"], self.ep_device_mesh.mesh.movedim(3, -1))
-        n_shard = d.dp_shard * d.cp // d.ep
-        sub = self.ep_device_mesh["edp_shard"] if n_shard > 1 else None
-        self._groups["edp_shard"] = AxisGroup("edp_shard", n_shard, sub.get_local_rank() if sub else 0,
-                                              sub.get_group() if sub else None, self.stats)
-        edp_size = d.dp_replicate * d.dp_shard * d.cp // d.ep
+        self._groups["ep"] = self._sub_group("ep", d.ep)
+        if d.ep > 1:
+            self._groups["ep_bwd"] = self._twin(self._groups["ep"], self.ep_device_mesh.mesh.movedim(3, -1))
+        else:
+            self._groups["ep_bwd"] = self._groups["ep"]
+        if d.folded:
+            self._groups["expert_tp"] = self._sub_group("expert_tp", d.expert_tp)
+        self._groups["edp_shard"] = self._sub_group("edp_shard", n_shard)
+        edp_size = d.dp_replicate * n_shard
         if edp_size == 1:
             self._groups["edp"] = AxisGroup("edp", 1, 0, None, self.stats)
         else:
             edp = self.ep_device_mesh[("dp_replicate", "edp_shard")]._flatten("edp")
             self._groups["edp"] = AxisGroup("edp", edp_size, edp.get_local_rank(), edp.get_group(), self.stats)
+
+    def _sub_group(self, name: str, size: int) -> AxisGroup:
+        """The ``name`` dim of the expert DeviceMesh as a counted group (size 1: no process group)."""
+        if size == 1:
+            return AxisGroup(name, 1, 0, None, self.stats)
+        sub = self.ep_device_mesh[name]
+        return AxisGroup(name, size, sub.get_local_rank(), sub.get_group(), self.stats)
 
     def _twin(self, group: AxisGroup, ranks: torch.Tensor) -> AxisGroup:
         """A second process group over ``ranks`` (global, the group's axis last), set as ``group.bwd``.

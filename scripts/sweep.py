@@ -145,7 +145,7 @@ single-process run of the same model config:
 The product (`ndtrain.tools.sweep.enumerate_combos`): model features {full} x (a) every layout with
 degrees in {{1, 2, 4}} of pp, dp_replicate, dp_shard, cp, tp on <= 4 ranks (both cp implementations, tp
 with and without SP, each pp schedule, ep dividing dp_shard x cp; MoE also with expert_tp = tp
-where there is no pp) x ZeRO 0-3 on 1-2 ranks and on 4-rank layouts with ep or HSDP, ZeRO {{0, 3}} on
+where there is no pp, and the folded expert meshes of `FOLDED`: ep spanning tp, expert_tp under tp 1) x ZeRO 0-3 on 1-2 ranks and on 4-rank layouts with ep or HSDP, ZeRO {{0, 3}} on
 the other 4-rank layouts, and 8 layouts on 8 ranks x ZeRO {{0, 3}}; (b) {n_rep} representative
 layouts x each activation-checkpointing policy x ZeRO {{0, 3}}; (c) the same {n_rep} layouts x
 float32 / bfloat16 / float16 x ZeRO {{0, 3}}; (d) the same {n_rep} layouts x ZeRO {{0, 3}} with

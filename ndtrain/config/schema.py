@@ -205,12 +205,13 @@ class ParallelConfig:
     cp: int = 1  # context parallel degree
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
-    ep: int = 1  # expert parallel degree (borrows ranks from dp_shard x cp)
+    ep: int = 1  # expert parallel degree (borrows ranks from dp_shard x cp when it divides it, else folded over the stage's dp x cp x tp ranks)
+    edp: int = 0  # expert data parallel degree, 0 = derived (world / (pp * ep * expert_tp)); given: checked against it
     zero_stage: int = 0  # 0 = plain data parallel (DDP), 1, 2, 3 (sharded over dp_shard x cp)
     reshard_after_forward: bool = True  # zero_stage 3: free gathered params after each unit's forward
     keep_last_unit_gathered: bool = True  # zero_stage 3: the last unit stays gathered into backward
     sequence_parallel: bool = False  # Megatron SP (needs tp > 1)
-    expert_tp: int = 1  # MoE experts under tp: 1 = whole experts per tp rank, tp = each expert's hidden split over tp
+    expert_tp: int = 1  # MoE experts' hidden split: 1 = whole experts (per tp rank), tp = split over the attention tp, other = folded expert mesh (split over its own expert_tp ranks)
     moe_dispatch: str = "flat"  # flat | hierarchical: hierarchical sends a token once per remote node, the node forwards it to its experts (DeepSeek-V3)
     node_size: int = 0  # ranks per node for moe_dispatch / model.moe_max_nodes (0 = torchrun's LOCAL_WORLD_SIZE, else the launch's processes)
     moe_shared_overlap: bool = False  # ep > 1: run the shared experts while the MoE dispatch all-to-all is in flight (Megatron moe_shared_expert_overlap)

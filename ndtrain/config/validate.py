@@ -246,7 +246,9 @@ def check_axes(f: ModelFacts, p, seq_len: int, activation_checkpoint: str = "non
                    mtp_depth=f.mtp_depth)
     dp_shard = None if p.dp_shard == -1 else p.dp_shard
     ep_rules.check(p.ep, f.moe_experts, dp_shard, p.cp, zero_stage=p.zero_stage if runtime else 0,
-                   shared_overlap=runtime and getattr(p, "moe_shared_overlap", False), shared_ffn=f.moe_ffn[1])
+                   shared_overlap=runtime and getattr(p, "moe_shared_overlap", False), shared_ffn=f.moe_ffn[1],
+                   tp=p.tp, expert_tp=getattr(p, "expert_tp", 1), edp=getattr(p, "edp", 0), pp=p.pp,
+                   dp_replicate=p.dp_replicate)
     if dp is not None:
         dp_rules.check_batch(global_batch_size, dp, micro_batch_size, p.pp, p.pp_microbatches)
         if runtime:  # DualPipeV's ramps need >= 2 pp microbatches

@@ -3,7 +3,8 @@
 Order (each step sees the result of the previous ones):
   1. pipeline split                       (parallel.pp; ndtrain.parallel.pp.stage: layers per stage,
                                            parameters tagged "pp" after TP / EP re-create them)
-  2. expert parallel                      (parallel.ep; MoE models: experts sharded over ep)
+  2. expert parallel                      (parallel.ep; MoE models: experts sharded over ep; on a
+                                           folded expert mesh also split over parallel.expert_tp)
   3. tensor + sequence parallel           (parallel.tp, parallel.sequence_parallel, expert_tp)
   4. context parallel                     (parallel.cp, cp_impl, cp_layout)
      LoRA adapters                        (finetune.lora_rank; parallel.lora: split like their base
@@ -199,6 +200,10 @@ def _apply_axes(model: nn.Module, mesh: Mesh, cfg: Config, batch: BatchPlan) -> 
         from ndtrain.parallel.ep.expert_parallel import apply_ep
 
         expert_names = apply_ep(model, mesh, cfg)
+        if mesh.dims.folded and mesh.dims.expert_tp > 1:  # the folded expert mesh's own hidden split
+            from ndtrain.parallel.tp.moe_layers import apply_expert_tp
+
+            apply_expert_tp(model, mesh)
     if mesh.dims.tp > 1:  # after ep: the plan's expert rows split the experts this rank holds
         from ndtrain.parallel.tp.tensor_parallel import apply_tp
 

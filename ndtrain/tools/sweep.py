@@ -32,6 +32,7 @@ import torch
 
 from ndtrain.config import Config, ConfigError, apply_overrides, load_config, validate
 from ndtrain.parallel.ac_policy import example_policies
+from ndtrain.tools.sweep_folded import FOLDED, folded_name
 from ndtrain.tools.sweep_layouts import expert_tp_layouts, hierarchical_layouts
 from ndtrain.tools.sweep_subset import SUBSET  # the default suite's share (re-exported)
 
@@ -220,7 +221,7 @@ def layout_name(par: dict) -> str:
             s += "+overlap" if ax == "ep" and par.get("moe_shared_overlap") else ""
             s += "+hier" if ax == "ep" and par.get("moe_dispatch") == "hierarchical" else ""  # 1-rank nodes
             parts.append(s)
-    return " x ".join(parts) or "single"
+    return " x ".join(parts + folded_name(par)) or "single"
 
 
 # world 8 (a few, zero 0 and 3 only: 8 ranks on a small machine are slow): the README's 3-D
@@ -260,15 +261,17 @@ def enumerate_layouts(max_world: int = 4) -> list[tuple[int, dict]]:
 
 def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     """The layouts of the layout tier for ``feature``: ``enumerate_layouts`` for ``FULL_PRODUCT``,
-    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts``, and with shared experts
-    their ep layouts again with ``moe_shared_overlap``; ``moe`` adds ``hierarchical_layouts``."""
+    else ``REPRESENTATIVE``; MoE features add their ``expert_tp_layouts`` and ``FOLDED``, and with
+    shared experts their ep layouts again with ``moe_shared_overlap``; ``moe`` adds
+    ``hierarchical_layouts`` of the unfolded ones."""
     out = enumerate_layouts() if feature in FULL_PRODUCT else list(REPRESENTATIVE)
+    base = list(out)
     if FEATURES[feature].get("moe_experts", 0):
-        out += expert_tp_layouts(out)
+        out += expert_tp_layouts(out) + list(FOLDED)
     if FEATURES[feature].get("moe_shared_experts", 0):
         out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out if par.get("ep", 1) > 1]
     if feature == "moe":
-        out += hierarchical_layouts(out)
+        out += hierarchical_layouts(base)
     return out
 
 

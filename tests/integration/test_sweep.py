@@ -46,7 +46,7 @@ REJECTED = [  # (feature, world, parallel, zero / ac / fused, the rule's text mu
      r"zero_bubble.*activation_checkpoint"),
     ("deepseek", 2, {"pp": 2, "pp_schedule": "dualpipev", **PP}, {"ac": "every:2"},
      r"dualpipev.*activation_checkpoint"),
-    ("moe", 4, {"tp": 4, "expert_tp": 2}, {}, r"expert_tp \(2\) must be 1 or tp \(4\)"),
+    ("moe", 4, {"tp": 4, "expert_tp": 8}, {}, r"ep\*expert_tp \(8\) does not divide the ranks of a pp stage"),
     ("hybrid", 4, {"tp": 4}, {}, r"gated_deltanet key heads.*tp \(4\)"),
     ("hybrid", 2, {"cp": 2, "cp_impl": "ring", "cp_layout": "load_balanced"}, {},
      r"layer_pattern.*cp \(2\).*cp_layout contiguous"),
@@ -94,7 +94,10 @@ def test_product_has_each_feature_in_its_tiers_and_expert_tp_only_for_moe():
     assert all(c.fused == (c.tier == "fused") for c in combos)
     etp = [c for c in combos if dict(c.par).get("expert_tp", 1) > 1]
     assert etp and all(S.FEATURES[c.feature].get("moe_experts") for c in etp)
-    assert all(dict(c.par)["expert_tp"] == dict(c.par)["tp"] and "pp" not in dict(c.par) for c in etp)
+    folded = [dict(par) for _, par in S.FOLDED]
+    assert all((dict(c.par).get("tp") == dict(c.par)["expert_tp"] or dict(c.par) in folded)
+               and "pp" not in dict(c.par) for c in etp)  # expert_tp = tp, or a folded expert mesh
+    assert {c.key for c in combos if dict(c.par) in folded and c.zero == 0 and c.tier == "layout"}
     w4 = {c.zero for c in combos if c.world == 4 and set(dict(c.par)) == {"cp", "cp_impl"}}
     assert w4 == {0, 3}  # cp4 alone: ZeRO-1/2 only on 1-2 ranks, ep and HSDP layouts
     assert {c.zero for c in combos if c.world == 4 and "ep" in dict(c.par)} == set(S.ZERO_STAGES)

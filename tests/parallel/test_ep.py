@@ -214,7 +214,7 @@ def test_ep2_world2_scopes_zero_tokens_and_checkpoint(tmp_path):
     assert res[0][(2, "microbatch", 1)]["loss"] != res[0][(2, "global", 1)]["loss"]
 
 
-@pytest.mark.parametrize("bad,rule", [({"parallel.ep": "3"}, "dp_shard\\*cp \\(4\\) is not divisible by ep \\(3\\)")])
+@pytest.mark.parametrize("bad,rule", [({"parallel.ep": "3"}, r"ep\*expert_tp \(3\) does not divide the ranks of a pp stage \(dp_replicate\*dp_shard\*cp\*tp = 4\)")])
 def test_ep_layout_rules(bad, rule):
     from ndtrain.config import ConfigError, apply_overrides
 

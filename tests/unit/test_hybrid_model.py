@@ -38,7 +38,7 @@ def test_pattern_letters_names_and_repetition():
     ({"parallel.cp": 2, "parallel.cp_layout": "load_balanced"}, "under cp (2) > 1 needs parallel.cp_layout contiguous"),
     ({"parallel.cp": 2, "data.seq_len": 4}, "a rank's 2 tokens (seq_len / cp) are fewer than the 3 of left context"),
     ({"parallel.tp": 2, "model.linear_heads": 1}, "key heads (linear_heads 1) are not divisible by tp (2)"),
-    ({"parallel.tp": 2, "parallel.expert_tp": 4}, "parallel.expert_tp (4) must be 1 or tp (2)"),  # MoE x tp runs
+    ({"parallel.tp": 2, "parallel.expert_tp": 0}, "parallel.expert_tp (0) must be >= 1"),  # MoE x tp runs
     ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "training.activation_checkpoint": "full"},
      "pp_schedule=dualpipev needs activation_checkpoint=none"),  # MoE x pp itself runs
     ({"model.layer_pattern": "GGA"}, "does not divide n_layers (4)"),

@@ -26,7 +26,7 @@ from ndtrain.parallel import comm
 from ndtrain.parallel.cp.moe_shards import sequence_shards
 from ndtrain.parallel.dp.ddp import DataParallel
 from ndtrain.parallel.dp.grad_sync import ReplicatedGradSync
-from ndtrain.parallel.ep.layers import EXPERT_WEIGHTS, ExpertParallelExperts
+from ndtrain.parallel.ep.layers import EXPERT_SPLIT_DIMS, EXPERT_WEIGHTS, ExpertParallelExperts
 from ndtrain.parallel.ep.rules import check_experts
 
 if TYPE_CHECKING:  # annotations only: the config package validates with parallel's rules
@@ -41,7 +41,9 @@ def _global_load_reducer(group: AxisGroup, counts: torch.Tensor) -> torch.Tensor
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     """Shard every MoE layer's experts over ``ep`` in place, and install the Switch loss's load reducer
     (dp x cp for "global", cp for "microbatch") and, under cp, the ``SequenceShards``. Returns the
-    expert parameters' names. Raises ValueError if E is not divisible by ep."""
+    expert parameters' names (also with ep 1 on a folded mesh: they reduce over ``edp``). On a
+    folded mesh the experts are marked ``folded`` (the expert_tp split follows in
+    ``ndtrain.parallel.tp.moe_layers.apply_expert_tp``). Raises ValueError if E is not divisible by ep."""
     ep = mesh.group("ep")
     # The Switch loss counts expert loads over its scope's tokens: "global" sums them over every
     # dp x cp rank; "microbatch" over the cp ranks, which hold the shards of one microbatch's
@@ -54,15 +56,18 @@ def apply_ep(model: nn.Module, mesh: Mesh, cfg: Config) -> list[str]:
     shards = sequence_shards(mesh, cfg)  # cp > 1: per-sequence loads and capacity over whole sequences
     for moe in moe_layers(model):
         moe.seq_shards = shards
-    if ep.size == 1:
+    folded = getattr(mesh.dims, "folded", False)  # the experts' own mesh: gradients reduce over edp
+    if ep.size == 1 and not folded:
         return []
     names = []
     for name, moe in list(model.named_modules()):  # a snapshot: the loop replaces submodules
         if not isinstance(moe, MoE):
             continue
-        check_experts(moe.n_experts, ep.size)
-        moe.experts = _ep_experts(moe, ep, mesh, cfg)
-        moe.shared_overlap = bool(cfg.parallel.moe_shared_overlap) and moe.shared is not None
+        if ep.size > 1:
+            check_experts(moe.n_experts, ep.size)
+            moe.experts = _ep_experts(moe, ep, mesh, cfg)
+            moe.shared_overlap = bool(cfg.parallel.moe_shared_overlap) and moe.shared is not None
+        moe.experts.folded = folded  # tp's plan leaves folded experts to the expert mesh
         names += [f"{name}.experts.{w}" for w in EXPERT_WEIGHTS]
     return names
 
@@ -126,18 +131,27 @@ class ExpertDataParallel(ReplicatedGradSync):  # build_optimizer, clip_grad_norm
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
 
-    # ---- checkpoint state: expert tensors as DTensor Shard(0) over the ep mesh -------------------
-    def _to_dtensor(self, t: torch.Tensor):
+    # ---- checkpoint state: expert tensors as DTensors over the expert mesh ------------------------
+    def _to_dtensor(self, t: torch.Tensor, name: str):
+        """Shard(0) (experts) over ep and, on a folded mesh, Shard(F dim) over expert_tp: DCP then
+        stores each expert tensor once under its single-process name and shape."""
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(t, self.mesh.ep_device_mesh["ep"], [Shard(0)], run_check=False)
+        d = self.mesh.dims
+        dims = ["ep"] if d.ep > 1 else []
+        placements = [Shard(0)] if d.ep > 1 else []
+        if d.folded and d.expert_tp > 1:
+            dims.append("expert_tp")
+            placements.append(Shard(EXPERT_SPLIT_DIMS[name.rsplit(".", 1)[1]]))
+        dmesh = self.mesh.ep_device_mesh[tuple(dims)] if len(dims) > 1 else self.mesh.ep_device_mesh[dims[0]]
+        return DTensor.from_local(t, dmesh, placements, run_check=False)
 
     def model_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         sd = get_model_state_dict(self.module)
         for n in self.expert_names:
-            sd[n] = self._to_dtensor(sd[n])
+            sd[n] = self._to_dtensor(sd[n], n)
         return sd
 
     def load_model_state_dict(self, sd: dict) -> None:
@@ -158,7 +172,7 @@ class ExpertDataParallel(ReplicatedGradSync):  # build_optimizer, clip_grad_norm
         state = dict(sd["state"])  # new dicts: the inner ones may be the optimizer's own
         for n in self.expert_names:
             if n in state:  # views of the optimizer's tensors, so a DCP load lands in place
-                state[n] = {k: self._to_dtensor(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                state[n] = {k: self._to_dtensor(v, n) if torch.is_tensor(v) and v.dim() > 0 else v
                             for k, v in state[n].items()}
         return dict(sd, state=state)
 

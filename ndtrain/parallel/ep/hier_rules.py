@@ -24,6 +24,15 @@ def resolve_node_size(node_size: int, world_size: int | None) -> int | None:
     return int(env) if env else world_size
 
 
+def _dp_shard(p, world_size: int | None) -> int:
+    """dp_shard with -1 resolved from ``world_size``; 0 when unknown (nothing to check)."""
+    d = getattr(p, "dp_shard", 0)
+    if d != -1:
+        return max(d, 0)
+    fixed = p.pp * getattr(p, "dp_replicate", 1) * getattr(p, "cp", 1) * p.tp
+    return world_size // fixed if world_size and fixed else 0
+
+
 def ep_nodes(ep: int, node_size: int) -> int:
     """Nodes one ep group spans (rules above): ``ep / node_size`` when ep > node_size, else 1."""
     return max(1, ep // node_size)
@@ -46,6 +55,10 @@ def check(p, m, world_size: int | None = None) -> None:
                 "expert-parallel all-to-all")
         require(tp == 1, f"parallel.moe_dispatch=hierarchical needs tp 1 (tp={tp}): nodes are cut from "
                 "consecutive ep ranks")
+        borrow = _dp_shard(p, world_size) * getattr(p, "cp", 1)
+        require(getattr(p, "expert_tp", 1) == 1 and (borrow == 0 or borrow % ep == 0),
+                "parallel.moe_dispatch=hierarchical needs the ep ranks borrowed from dp_shard x cp (expert_tp 1, "
+                "no folded expert mesh)")
         require(not getattr(p, "moe_shared_overlap", False),
                 "parallel.moe_dispatch=hierarchical excludes parallel.moe_shared_overlap (flat dispatch only)")
         require(p.pp == 1 or p.pp_schedule not in SPLIT_SCHEDULES,

@@ -18,6 +18,7 @@ from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
 from ndtrain.parallel.ep.overlap import dispatch_overlapped
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+EXPERT_SPLIT_DIMS = {"w1": 1, "w3": 1, "w2": 2}  # each weight's hidden (F) dim: (E, F, C), (E, C, F)
 
 
 class ExpertParallelExperts(GroupedExperts):

@@ -53,6 +53,7 @@ from ndtrain.model.moe_capacity import SequenceShards
 from ndtrain.optim import SHARD_AXES_ATTR, shard_axes
 from ndtrain.parallel import comm
 from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
+from ndtrain.parallel.ep.layers import EXPERT_SPLIT_DIMS
 from ndtrain.parallel.tp.collectives import CopyWeightToTP, GatherToReplicated, ScatterToSequence
 from ndtrain.parallel.tp.layers import SEQ_DIM, TP_SHARD_ATTR
 
@@ -136,14 +137,15 @@ class _ExpertsTP(GroupedExperts):
     weight_grad_output: torch.Tensor | None = None
     split = False
 
-    def __init__(self, experts: GroupedExperts, group: AxisGroup, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, experts: GroupedExperts, group: AxisGroup, reduce_dtype: torch.dtype | None = None,
+                 axis: str = "tp"):
         nn.Module.__init__(self)
         self.impl, self.tp_group, self.tp_reduce_dtype = experts.impl, group, reduce_dtype
         self.exchange = getattr(experts, "exchange", None)  # expert parallel's dispatch / combine
         self.accepts_side_fn = self.exchange is not None  # MoE's shared-expert overlap entry
-        for w, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        for w, dim in EXPERT_SPLIT_DIMS.items():
             p = getattr(experts, w)
-            setattr(self, w, _split(p, dim, group) if self.split else p)
+            setattr(self, w, _split(p, dim, group, axis) if self.split else p)
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, side_fn=None):
         if self.exchange is None:
@@ -202,16 +204,33 @@ class SplitExpertsTP(_ExpertsTP):
         return AllToAllV.apply(y, [m] * tp, rows, g).view(tp, m, -1).sum(0)  # (M, C)
 
 
-def _split(p: nn.Parameter, dim: int, group: AxisGroup) -> nn.Parameter:
-    """This rank's slice of an expert weight along ``dim`` (F), tagged as split over tp (after any
-    ep tag: shard axes ``("ep", "tp")``)."""
+def _split(p: nn.Parameter, dim: int, group: AxisGroup, axis: str = "tp") -> nn.Parameter:
+    """This rank's slice of an expert weight along ``dim`` (F), tagged as split over ``axis`` (after
+    any ep tag: shard axes ``("ep", "tp")``). Only a split over the attention tp carries the tp
+    checkpoint spec; the folded mesh's ``expert_tp`` split is presented by expert parallel's state."""
     size = p.shape[dim]
     if size % group.size:
-        raise ValueError(f"expert hidden size ({size}) is not divisible by tp ({group.size}) (parallel.expert_tp)")
+        raise ValueError(f"expert hidden size ({size}) is not divisible by {axis} ({group.size}) "
+                         "(parallel.expert_tp)")
     local = nn.Parameter(p.detach().chunk(group.size, dim)[group.rank].clone(), requires_grad=p.requires_grad)
-    setattr(local, SHARD_AXES_ATTR, shard_axes(p) + ("tp",))
-    setattr(local, TP_SHARD_ATTR, (dim, size))
+    setattr(local, SHARD_AXES_ATTR, shard_axes(p) + (axis,))
+    if axis == "tp":
+        setattr(local, TP_SHARD_ATTR, (dim, size))
     return local
+
+
+def apply_expert_tp(model: nn.Module, mesh) -> None:
+    """The folded expert mesh's ``expert_tp`` split (``ndtrain.mesh``): every MoE layer's routed
+    experts (after expert parallel's cut) become ``SplitExpertsTP`` over the ``expert_tp`` group,
+    weights tagged ``"expert_tp"``. The ranks of that group hold different tokens (other dp / cp /
+    tp shards), which the split's row all-gather collects and its reduce-scatter returns, so it
+    needs no attention tp. Call after ``apply_ep``, before ``apply_tp`` (whose plan then leaves the
+    ``folded`` experts alone). Raises ValueError when F does not split over expert_tp."""
+    group = mesh.group("expert_tp")
+    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+        experts = SplitExpertsTP(moe.experts, group, axis="expert_tp")
+        experts.folded = True
+        moe.experts = experts
 
 
 def tp_sequence_shards(base: SequenceShards | None, group: AxisGroup) -> SequenceShards:

@@ -62,17 +62,18 @@ def check_ffn(ffn_hidden: int, tp: int) -> None:
 
 def check_moe(tp: int, expert_tp: int, expert_ffn: int = 0, shared_ffn: int = 0, seq_len: int = 0,
               cp: int = 1) -> None:
-    """MoE under tp (``ndtrain.parallel.tp.moe_layers``): ``parallel.expert_tp`` is 1 (whole experts)
-    or tp (each expert's hidden ``expert_ffn`` split); the shared experts' hidden ``shared_ffn``
+    """MoE under tp (``ndtrain.parallel.tp.moe_layers``): ``parallel.expert_tp`` splits each expert's
+    hidden ``expert_ffn`` (1: whole experts; tp: over the attention tp; else over the folded expert
+    mesh's own expert_tp ranks, ``ndtrain.mesh``); the shared experts' hidden ``shared_ffn``
     splits like a dense FFN; each tp rank routes a 1/tp piece of every cp chunk of the sequence,
     so ``seq_len`` splits into cp * lcm(2, tp) pieces when cp > 1 (the load-balanced layout's two
     chunks per rank), into tp pieces when cp = 1. Sizes of 0 are not checked (unknown)."""
-    require(expert_tp in (1, tp), f"parallel.expert_tp ({expert_tp}) must be 1 or tp ({tp})")
+    require(expert_tp >= 1, f"parallel.expert_tp ({expert_tp}) must be >= 1")
+    if expert_tp > 1 and expert_ffn:
+        require(expert_ffn % expert_tp == 0, f"expert hidden moe_ffn_hidden ({expert_ffn}) is not divisible by "
+                                             f"expert_tp ({expert_tp}) (parallel.expert_tp splits every expert)")
     if tp == 1:
         return
-    if expert_tp > 1 and expert_ffn:
-        require(expert_ffn % tp == 0, f"expert hidden moe_ffn_hidden ({expert_ffn}) is not divisible by "
-                                      f"tp ({tp}) (parallel.expert_tp = tp splits every expert)")
     if shared_ffn:
         require(shared_ffn % tp == 0, f"shared-expert hidden ({shared_ffn}) is not divisible by tp ({tp})")
     pieces = cp * math.lcm(2 if cp > 1 else 1, tp)

@@ -344,8 +344,11 @@ class TokenRowwise:
 
 class Experts:
     """The routed experts (after expert parallel's cut): ``SplitExpertsTP`` (each expert's hidden
-    F split over tp) when ``parallel.expert_tp`` = tp, else ``WholeExpertsTP``."""
+    F split over tp) when ``parallel.expert_tp`` = tp, else ``WholeExpertsTP``; left as they are
+    on a folded expert mesh (``folded`` set by ``ndtrain.parallel.ep.expert_parallel.apply_ep``)."""
 
     def apply(self, experts, parent, ctx: TPContext):
+        if getattr(experts, "folded", False):  # the folded expert mesh: expert parallel placed them
+            return experts
         cls = SplitExpertsTP if ctx.expert_tp > 1 else WholeExpertsTP
         return cls(experts, ctx.group, ctx.reduce_dtype)
