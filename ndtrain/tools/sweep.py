@@ -269,7 +269,9 @@ def feature_layouts(feature: str) -> list[tuple[int, dict]]:
     if FEATURES[feature].get("moe_experts", 0):
         out += expert_tp_layouts(out) + list(FOLDED)
     if FEATURES[feature].get("moe_shared_experts", 0):
-        out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out if par.get("ep", 1) > 1]
+        folded = [par for _, par in FOLDED]  # the overlap is run on the borrowed ep layouts
+        out += [(w, {**par, "moe_shared_overlap": True}) for w, par in out
+                if par.get("ep", 1) > 1 and par not in folded]
     if feature == "moe":
         out += hierarchical_layouts(base)
     return out
