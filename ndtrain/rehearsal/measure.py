@@ -13,6 +13,7 @@ import torch
 
 from ndtrain.mem_account import state_tensors
 from ndtrain.parallel import flight_recorder
+from ndtrain.rehearsal.ops import OpRecorder
 
 # MemTracker's categories -> the names the report uses
 CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_state",
@@ -86,7 +87,8 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     ``before_step()`` runs before every step (the fake world queues its host reads there).
     Returns ``memory_peak`` {category: bytes at the peak moment, "total"}, ``ndtrain_state``
     (the step's ``mem_*`` figures), ``axis_bytes`` {axis: bytes sent}, ``collectives``
-    {axis: {op: count}} and ``step_s`` (wall seconds of the measured step)."""
+    {axis: {op: count}}, ``step_s`` (wall seconds of the measured step) and ``ops`` (the step's
+    operators by shape, ``ops.OpRecorder.rows``)."""
     p = trainer.cfg.parallel
     for _ in range(warmup):
         if before_step:
@@ -94,11 +96,11 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
         trainer.step(inputs, labels)
     rec = flight_recorder.configure(p.collective_timeout_s, RECORD_ALL, None)
     trainer.mesh.reset_stats()
-    mt = _tracker(trainer)
+    mt, ops = _tracker(trainer), OpRecorder()
     if before_step:
         before_step()
     t0 = time.perf_counter()
-    with mt:
+    with mt, ops:
         out = trainer.step(inputs, labels)
     step_s = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")
@@ -109,4 +111,4 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     return {"memory_peak": peak,
             "ndtrain_state": {k: v for k, v in out.items() if k.startswith("mem_")},
             "axis_bytes": dict(sorted(trainer.mesh.reset_stats().items())),
-            "collectives": collectives(rec.entries), "step_s": step_s}
+            "collectives": collectives(rec.entries), "step_s": step_s, "ops": ops.rows()}
