@@ -16,13 +16,15 @@ HOP = GENERATIONS["hopper"]
 
 
 def test_counted_flops_are_the_analytic_flops_and_time_the_roofline_sum():
-    """debug on one rank (fp32, 4 microbatches): the GEMM + attention FLOPs the step ran equal the
+    """debug on one rank (bf16 autocast over fp32 weights, 4 microbatches): the GEMM + attention FLOPs the step ran equal the
     PaLM count of ``tests/flops_reference`` less the norms' 6 x weights (elementwise: costed by
     bytes, not FLOPs); the backward runs twice the forward; the head's forward GEMM costs its
-    hand roofline; the step is the sum of every operator's seconds (one rank: no comm, no bubble)."""
-    cfg = load_config("debug", {}, world_size=1)
+    hand roofline; the step is the sum of every operator's seconds (one rank: no comm, no bubble);
+    each microbatch's forward saves a bf16 copy of every weight matrix (autocast's casts)."""
+    over = {"training.dtype": "bfloat16"}
+    cfg = load_config("debug", over, world_size=1)
     m = cfg.model
-    res = rehearse("debug", {}, cfg, 1, "H100")
+    res = rehearse("debug", over, cfg, 1, "H100")
     role = res["roles"][0]
     tokens = cfg.training.global_batch_size * cfg.data.seq_len
     counted = {"fwd": 0.0, "bwd": 0.0}
@@ -40,16 +42,19 @@ def test_counted_flops_are_the_analytic_flops_and_time_the_roofline_sum():
     flops = 2.0 * b * t * v * d
     tiles = math.ceil(b * t / 128) * math.ceil(v / 128)  # the 128 x 128 tile (0.9 rate) wins here
     occupancy = b * t * v / (tiles * 128 * 128)  # rows 64 of the tile's 128
-    rate = (H100.peak("float32") * HOP.gemm_efficiency * 0.9 * occupancy * tiles
+    rate = (H100.peak("bfloat16") * HOP.gemm_efficiency * 0.9 * occupancy * tiles
             / (math.ceil(tiles / HOP.units) * HOP.units))
-    io = 4 * (b * t * d + d * v + b * t * v) / (H100.hbm_bytes_per_s * HOP.hbm_efficiency)
+    io = 2 * (b * t * d + d * v + b * t * v) / (H100.hbm_bytes_per_s * HOP.hbm_efficiency)
     assert math.isclose(op_seconds(head[0], H100), 4 * max(flops / rate, io), rel_tol=1e-12)
 
     total = sum(op_seconds(r, H100) for r in role["ops"])
     assert total > 0 and math.isclose(res["time"]["step_s"], total, rel_tol=1e-12)
     assert res["time"]["bubble_s"] == 0.0
-    peak = H100.peak("float32")
+    peak = H100.peak("bfloat16")
     assert math.isclose(res["time"]["mfu"], res["time"]["model_flops"] / (total * peak), rel_tol=1e-12)
+    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    weights = m.n_layers * (2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_hidden) + v * d  # + head
+    assert role["saved_weight_copy_bytes"] == 2 * weights * role["microbatches"]
 
 
 def _role(fwd_bytes: float, bwd_bytes: float, axis_bytes: dict, collectives: dict) -> dict:
