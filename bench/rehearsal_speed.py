@@ -52,6 +52,7 @@ def main() -> int:
                   "wall_s": r["wall_s"], "step_s": r["step_s"], "host_peak_bytes": r["host_peak_bytes"],
                   "peak_tensor_bytes": r["memory_peak"]["total"], "memory_peak": r["memory_peak"],
                   "fits": r["fits"], "planner_total_bytes": r["planner"].get("total_bytes"),
+                  "microbatches": r.get("microbatches"), "saved_weight_copy_bytes": r.get("saved_weight_copy_bytes"),
                   "estimated_time": {k: v for k, v in r["time"].items() if k != "compute_by_kind_s"}}
                  for r in res["roles"]],
              "estimated_job_time": res.get("time")}
