@@ -78,7 +78,8 @@ class WeightCopies(TorchDispatchMode):
     each fp32 weight at each use, and the GEMM's backward keeps the cast): a saved tensor made by a
     dtype cast (``_to_copy``) of a parameter's storage, or a view of one. ``bytes``: their storage
     bytes per save, summed over the step's forwards (each microbatch saves its own); the
-    activation category holds them."""
+    activation category holds them. Saved-tensor hooks do not nest: a region with its own
+    (``torch.utils.checkpoint``) is not seen, and keeps no copies either."""
 
     def __init__(self, model):
         super().__init__()
