@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 

@@ -119,7 +119,7 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         try:
             self._record(func, args, kwargs, out)
-        except Exception as e:  # a shape this counter does not know must not break the step
+        except Exception as e:  # noqa: BLE001 - a shape this counter does not know must not break the step
             self._add(("unrecorded:" + func.__name__, _phase(), "memory", (), "", repr(e)[:60]), 0.0, 0)
         return out
 

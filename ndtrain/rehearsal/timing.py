@@ -24,7 +24,7 @@ Units: seconds, FLOP/s, bytes.
 """
 from __future__ import annotations
 
-from ndtrain.planner.compute import compute_constants, gemm_shape_factor, gemm_time
+from ndtrain.planner.compute import compute_constants, gemm_time
 from ndtrain.planner.hardware import BANDWIDTH_EFFICIENCY, Cluster, get_accelerator
 from ndtrain.planner.pipeline import estimate_pipeline_time
 
