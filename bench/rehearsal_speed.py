@@ -6,7 +6,8 @@
 Runs ``ndtrain.rehearsal.run.rehearse`` (each role in its own worker process, one after the other)
 and records per role: wall seconds (build + warm-up step + measured step), peak host resident
 memory of the worker (bytes), the measured step's seconds, and the rehearsed peak tensor memory
-(bytes, total and by category). Writes ``bench/results/rehearsal_speed.json`` (one entry per
+(bytes, total and by category), and the estimated step time on ``--hardware`` (per role and of the
+job over the roles rehearsed: ``ndtrain.rehearsal.timing``). Writes ``bench/results/rehearsal_speed.json`` (one entry per
 configuration, merged into the file)."""
 from __future__ import annotations
 
@@ -50,8 +51,11 @@ def main() -> int:
                  {"role": r["role"]["name"], "rank": r["role"]["rank"], "ranks_alike": r["role"]["ranks_alike"],
                   "wall_s": r["wall_s"], "step_s": r["step_s"], "host_peak_bytes": r["host_peak_bytes"],
                   "peak_tensor_bytes": r["memory_peak"]["total"], "memory_peak": r["memory_peak"],
-                  "fits": r["fits"], "planner_total_bytes": r["planner"].get("total_bytes")}
-                 for r in res["roles"]]}
+                  "fits": r["fits"], "planner_total_bytes": r["planner"].get("total_bytes"),
+                  "microbatches": r.get("microbatches"), "saved_weight_copy_bytes": r.get("saved_weight_copy_bytes"),
+                  "estimated_time": {k: v for k, v in r["time"].items() if k != "compute_by_kind_s"}}
+                 for r in res["roles"]],
+             "estimated_job_time": res.get("time")}
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     key = lambda e: (e["config"], e["gpus"], e["overrides"], [r["role"] for r in e["roles"]])

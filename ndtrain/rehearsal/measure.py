@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ndtrain.mem_account import state_tensors
 from ndtrain.parallel import flight_recorder
+from ndtrain.rehearsal.ops import OpRecorder
 
 # MemTracker's categories -> the names the report uses
 CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_state",
@@ -69,6 +72,42 @@ def _tracker(trainer):
     return mt
 
 
+class WeightCopies(TorchDispatchMode):
+    """Counts the low-precision copies of parameters the forward saves for backward (autocast casts
+    each fp32 weight at each use, and the GEMM's backward keeps the cast): a saved tensor made by a
+    dtype cast (``_to_copy``) of a parameter's storage, or a view of one. ``bytes``: their storage
+    bytes per save, summed over the step's forwards (each microbatch saves its own); the
+    activation category holds them. Saved-tensor hooks do not nest: a region with its own
+    (``torch.utils.checkpoint``) is not seen, and keeps no copies either."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.copies = WeakTensorKeyDictionary()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor) \
+                and args[0].untyped_storage()._cdata in self.params and isinstance(out, torch.Tensor):
+            self.copies[out] = True
+        return out
+
+    def _pack(self, t):
+        if isinstance(t, torch.Tensor) and (t in self.copies or (t._base is not None and t._base in self.copies)):
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._hooks.__exit__(*exc)
+
+
 def collectives(entries) -> dict[str, dict[str, int]]:
     """Flight-recorder entries -> {axis: {op: count}}; a p2p's peer / tag dropped from its op name."""
     out: dict[str, dict[str, int]] = {}
@@ -86,7 +125,8 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     ``before_step()`` runs before every step (the fake world queues its host reads there).
     Returns ``memory_peak`` {category: bytes at the peak moment, "total"}, ``ndtrain_state``
     (the step's ``mem_*`` figures), ``axis_bytes`` {axis: bytes sent}, ``collectives``
-    {axis: {op: count}} and ``step_s`` (wall seconds of the measured step)."""
+    {axis: {op: count}}, ``step_s`` (wall seconds of the measured step) and ``ops`` (the step's
+    operators by shape, ``ops.OpRecorder.rows``) and ``saved_weight_copy_bytes`` (``WeightCopies``)."""
     p = trainer.cfg.parallel
     for _ in range(warmup):
         if before_step:
@@ -94,11 +134,11 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
         trainer.step(inputs, labels)
     rec = flight_recorder.configure(p.collective_timeout_s, RECORD_ALL, None)
     trainer.mesh.reset_stats()
-    mt = _tracker(trainer)
+    mt, ops, copies = _tracker(trainer), OpRecorder(), WeightCopies(trainer.model)
     if before_step:
         before_step()
     t0 = time.perf_counter()
-    with mt:
+    with mt, ops, copies:
         out = trainer.step(inputs, labels)
     step_s = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")
@@ -109,4 +149,5 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     return {"memory_peak": peak,
             "ndtrain_state": {k: v for k, v in out.items() if k.startswith("mem_")},
             "axis_bytes": dict(sorted(trainer.mesh.reset_stats().items())),
-            "collectives": collectives(rec.entries), "step_s": step_s}
+            "collectives": collectives(rec.entries), "step_s": step_s, "ops": ops.rows(),
+            "saved_weight_copy_bytes": copies.bytes}

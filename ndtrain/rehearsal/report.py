@@ -20,15 +20,21 @@ def format_report(res: dict) -> str:
         how = ("ep rank 0's experts get S x the mean, by sequence position" if res["moe_routing"].startswith("skewed:")
                else "training.moe_routing=balanced: round-robin by sequence position")
         lines.insert(1, f"moe routing: {res['moe_routing']} (forced; {how})")
-    head = ["role", "ranks"] + [c[:11] for c in _MEM] + ["total", "planner", "fits", "wall s", "host MiB"]
+    head = ["role", "ranks"] + [c[:11] for c in _MEM] + ["total", "planner", "fits", "est busy s", "wall s", "host MiB"]
     rows = []
     for r in res["roles"]:
         m, role = r["memory_peak"], r["role"]
         plan = r["planner"].get("total_bytes")
         rows.append([role["name"], str(role["ranks_alike"])] + [_mib(m.get(c, 0)) for c in _MEM]
                     + [_mib(m["total"]), _mib(plan) if plan is not None else "-", "yes" if r["fits"] else "NO",
+                       f"{r['time']['busy_s']:.4g}" if "time" in r else "-",
                        f"{r['wall_s']:.1f}", _mib(r["host_peak_bytes"])])
     lines += _table(head, rows)
+    if res.get("time"):
+        t = res["time"]
+        lines.append(f"estimated step on {hw['name']} (roofline of the operators run, comm from the bytes counted; "
+                     f"over {t['roles_rehearsed']} role(s)): {t['step_s']:.4g} s = slowest busy {t['busy_s']:.4g} s "
+                     f"+ bubble {t['bubble_s']:.4g} s; MFU {100 * t['mfu']:.1f}%")
     lines.append("collectives per mesh axis (this rank, one step): count x op, MiB sent")
     crow = []
     for r in res["roles"]:

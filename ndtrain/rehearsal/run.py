@@ -5,8 +5,10 @@ of the same stage (``ndtrain.planner.memory.estimate_memory``).
 The result (``rehearse``) is one dict, the JSON of ``ndtrain rehearse --json``: ``layout``,
 ``world``, ``hardware`` (name, device memory in bytes), and per role its ``role`` (``Role`` fields),
 the worker's figures (``memory_peak``, ``ndtrain_state``, ``axis_bytes``, ``collectives``,
-``step_s``, ``wall_s``, ``host_peak_bytes``), ``fits`` (peak tensor bytes <= device memory; the
-allocator's overhead is not in the peak) and ``planner`` (its estimate for the stage)."""
+``step_s``, ``wall_s``, ``host_peak_bytes``, ``ops``, ``microbatches``), ``fits`` (peak tensor bytes
+<= device memory; the allocator's overhead is not in the peak), ``planner`` (its estimate for the
+stage) and ``time`` (``timing.role_time``: estimated seconds on the hardware); and ``time``, the
+job's estimated step and MFU (``timing.job_time``, over the roles rehearsed)."""
 from __future__ import annotations
 
 import json
@@ -100,4 +102,9 @@ def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: st
         else:
             res["planner"] = {"error": plan["error"]}
         out["roles"].append(res)
+    if out["roles"]:
+        from ndtrain.rehearsal.timing import job_time
+
+        out["time"] = job_time(out["roles"], cfg, world, hardware, out["roles"][0]["microbatches"])
+        out["time"]["roles_rehearsed"] = len(out["roles"])
     return out

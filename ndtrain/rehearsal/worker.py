@@ -80,9 +80,18 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | No
                 out = measure_step(trainer, x, x, warmup, before_step)
             _check_consumed(reads)
             out["host_reads"] = reads.reads
+            out["microbatches"] = microbatches(cfg, trainer)
     out["wall_s"] = time.perf_counter() - t0
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def microbatches(cfg, trainer) -> int:
+    """Microbatches of one step on this rank: the pipeline's, else local batch / micro batch."""
+    if trainer.pipeline is not None:
+        return trainer.pipeline.m
+    local = cfg.training.global_batch_size // trainer.mesh.dims.dp
+    return max(1, local // (cfg.training.micro_batch_size or local))
 
 
 def _skewed(routing: str | None, ep: int):
@@ -131,4 +140,6 @@ def measure_real_rank(rank: int, world: int, preset: str, overrides: dict, warmu
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     b = cfg.training.global_batch_size // mesh.dims.dp
     x = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
-    return measure_step(trainer, x, x, warmup)
+    out = measure_step(trainer, x, x, warmup)
+    out["microbatches"] = microbatches(cfg, trainer)
+    return out
