@@ -20,7 +20,7 @@ w*y (or autocast's bf16 casts of it, one per linear) is what the projections sav
 parallelism everything on the residual stream is divided by t; the gathered projection inputs are
 not. Attention (SDPA's flash kernel) saves q, k, v, out and the fp32 logsumexp; SDPA takes the
 math path when the query / key head width differs from the value's (MLA on this CPU), which keeps
-two T x T score tensors. SwiGLU keeps gate, SiLU(gate), up and their product.
+two T x T score tensors per head and, while a block runs, two fp32 ones (``working``). SwiGLU keeps gate, SiLU(gate), up and their product.
 MoE blocks: the router's fp32 logits and scores (E each), then per routed copy (top-k) the
 dispatched input, the expert's four SwiGLU tensors and the weighted output; shared experts as a
 dense SwiGLU. MLA: the q / kv latents and their norms, the decoupled RoPE key, then full per-head
@@ -121,7 +121,10 @@ def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool =
     # cos / sin cast to the compute dtype at the positions, per block (fp32: no cast)
     rope = 0 if (kind == "lowp" and e == 4) else 4 * (spec.head_dim // 2) * e * seq_len
     total = attn + mlp + casts + rope
-    return {"attention": attn, "mlp": mlp, "weight_casts": casts, "total": total}
+    # math SDPA's transient while one block runs: two fp32 T x T tensors per head (scores, softmax)
+    dqk, dv = spec.head_dim + spec.qk_rope_head_dim, spec.v_head_dim or spec.head_dim
+    working = 8 * loc["a"] * tokens * seq_len if (spec.kv_lora_rank and dqk != dv) else 0.0
+    return {"attention": attn, "mlp": mlp, "weight_casts": casts, "total": total, "working": working}
 
 
 def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
@@ -159,12 +162,15 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
         bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * e + 4)
     kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e}
-    dense = trainer_layer_bytes(spec, moe=False, **kw)["total"]
+    dense_b = trainer_layer_bytes(spec, moe=False, **kw)
+    dense, working = dense_b["total"], dense_b["working"] if n_layers else 0.0
     moe = trainer_layer_bytes(spec, moe=True, **kw)["total"] if spec.is_moe else dense
     per_mb = (n_layers - n_moe) * dense + n_moe * moe
     bd["activations"] = _checkpointed(spec, lay, per_mb, max(dense, moe), n_layers, kind, e, tokens) * inflight
     if lay.ac not in ("none", "selective") and n_layers:  # one block recomputed in backward
-        bd["backward_working"] = max(dense, moe)
+        working += max(dense, moe)
+    if working:
+        bd["backward_working"] = working
     if head:
         bd["logits"] = trainer_loss_bytes(spec, tokens, lay.tp, getattr(w, "fused_loss", False))
     return bd
