@@ -17,8 +17,8 @@ GPU per direction. ``python -m ndtrain.cli.plan ...`` works without the main CLI
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -209,7 +209,7 @@ def _rehearse(args, spec, cluster, w, everything) -> int:
     """``--rehearse K``: the top K rehearsed and ranked (``cli.plan_rehearse``); 0 if one fits."""
     from ndtrain.cli.plan_rehearse import print_rehearsed, rehearse_top
 
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda text: print(text, file=sys.stderr, flush=True)
     recs = rehearse_top(args.model, spec, cluster, w, everything, args.rehearse, args.rehearse_cache or None, say)
     print_rehearsed(recs, args.json)
     return 0 if any(r["fits"] for r in recs) else 1
