@@ -170,7 +170,10 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
     microbatches under the schedule. ZeRO shards over dp_shard x cp; experts split over ep x tp
     and shard over dp_shard x cp / ep. ``reserve``: runtime bytes (CUDA context, NCCL buffers);
     ``allocator_overhead``: factor on the transient bytes (the loss buffers and one block's backward
-    working set), the short-lived large blocks that fragment PyTorch's caching allocator. Raises ValueError if the layers cannot fill the pipeline stages."""
+    working set), the short-lived large blocks that fragment PyTorch's caching allocator.
+    ``workload.memory_model``: "fused" (this module's model) or "trainer" (``trainer_memory``:
+    ndtrain's eager modules, what the rehearsal measures). Raises ValueError if the layers cannot
+    fill the pipeline stages or for an unknown memory model."""
     lay, w = layout, workload
     if w.memory_model not in MEMORY_MODELS:
         raise ValueError(f"memory_model must be one of {', '.join(MEMORY_MODELS)}, not {w.memory_model!r}")
