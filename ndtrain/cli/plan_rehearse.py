@@ -66,7 +66,8 @@ def rehearse_plan(preset: str, spec, cluster, w, plan, cache_dir=None, progress=
     from ndtrain.rehearsal.run import RehearsalError, rehearse
 
     lay, acc = plan.layout, cluster.accelerator
-    est = estimate_memory(spec, w, lay, acc.hbm_bytes, acc.runtime_reserve_bytes, acc.allocator_overhead)
+    # tensor bytes only, as the rehearsal's peak: no runtime reserve, no allocator overhead
+    est = estimate_memory(spec, w, lay, acc.hbm_bytes)
     rec = {"layout": str(lay), "planner_step_time_s": plan.step.step_time_s if plan.step else None,
            "planner_per_stage_bytes": est.per_stage, "planner_peak_stage": est.stage,
            "memory_model": w.memory_model, "capacity_bytes": acc.hbm_bytes, "stages": []}
