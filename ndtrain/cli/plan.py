@@ -7,6 +7,7 @@
                  [--precision mixed|fp32|lower_bound] [--measure] [--include-unsupported]
                  [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
                  [--mttf-hours H] [--checkpoint-save-s S] [--checkpoint-load-s S] [--restart-s S]
+                 [--memory-model fused|trainer] [--rehearse K [--rehearse-cache DIR]]
 
 Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
 times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
@@ -16,8 +17,8 @@ GPU per direction. ``python -m ndtrain.cli.plan ...`` works without the main CLI
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -79,6 +80,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds from an interruption to the relaunched job (default 600)")
     p.add_argument("--measure", action="store_true",
                    help="measure matmul peak and all-reduce alpha/beta on this machine")
+    from ndtrain.cli.plan_rehearse import add_rehearse_args
+
+    add_rehearse_args(p)
 
 
 def _fail(msg: str) -> int:
@@ -121,22 +125,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from ndtrain.planner.model_spec import load_model_spec
     from ndtrain.planner.search import evaluate, recommend, search
 
-    acc = None
-    if args.measure:
-        from ndtrain.calibration.measure import (
-            format_measurements,
-            measure_collectives,
-            measure_matmul_flops,
-            measured_accelerator,
-        )
-
-        mm = measure_matmul_flops(dtype="float32" if args.hardware == "cpu" else args.dtype)
-        comm = measure_collectives()
-        print(format_measurements(mm, comm), file=sys.stderr if args.json else sys.stdout)
-        if args.hardware == "cpu":
-            acc = measured_accelerator(mm, comm)
-        if not args.model:
-            return 0
+    acc = _measure(args) if args.measure else None
+    if args.measure and not args.model:
+        return 0
     if not args.model:
         return _fail("--model is required")
     try:
@@ -159,7 +150,8 @@ def run_plan(args: argparse.Namespace) -> int:
                      precision=args.precision, moe_max_nodes=args.moe_max_nodes,
                      moe_fp8_dispatch=args.moe_fp8_dispatch, moe_imbalance=args.moe_imbalance,
                      mttf_hours=args.mttf_hours, checkpoint_save_s=args.checkpoint_save_s,
-                     checkpoint_load_s=args.checkpoint_load_s, restart_s=args.restart_s)
+                     checkpoint_load_s=args.checkpoint_load_s, restart_s=args.restart_s,
+                     memory_model=args.memory_model or ("trainer" if args.rehearse else "fused"))
     except (ValueError, KeyError) as e:
         return _fail(str(e))
     try:  # an MTTF far below a checkpoint interval: one line, not an overflow
@@ -187,12 +179,40 @@ def run_plan(args: argparse.Namespace) -> int:
     if cluster.precision_note():
         print(cluster.precision_note(), file=sys.stderr if args.json else sys.stdout)
     _print_quietly(_print_plans, args, plans, rec, reasons, spec, f"{gpus} x {acc.name}", seq, batch)
+    if args.rehearse > 0:
+        return _rehearse(args, spec, cluster, w, everything)
     if args.report:
         from ndtrain.planner.report import write_report
 
         md = write_report(args.report, plans, rec, reasons, spec, cluster, w)
         print(f"report: {md}", file=sys.stderr if args.json else sys.stdout)
     return 0 if rec is not None else 1
+
+
+def _measure(args: argparse.Namespace):
+    """``--measure``: time this machine's matmul peak and all-reduce, print them; the measured
+    accelerator with ``--hardware cpu``, else None."""
+    from ndtrain.calibration.measure import (
+        format_measurements,
+        measure_collectives,
+        measure_matmul_flops,
+        measured_accelerator,
+    )
+
+    mm = measure_matmul_flops(dtype="float32" if args.hardware == "cpu" else args.dtype)
+    comm = measure_collectives()
+    print(format_measurements(mm, comm), file=sys.stderr if args.json else sys.stdout)
+    return measured_accelerator(mm, comm) if args.hardware == "cpu" else None
+
+
+def _rehearse(args, spec, cluster, w, everything) -> int:
+    """``--rehearse K``: the top K rehearsed and ranked (``cli.plan_rehearse``); 0 if one fits."""
+    from ndtrain.cli.plan_rehearse import print_rehearsed, rehearse_top
+
+    say = lambda text: print(text, file=sys.stderr, flush=True)
+    recs = rehearse_top(args.model, spec, cluster, w, everything, args.rehearse, args.rehearse_cache or None, say)
+    print_rehearsed(recs, args.json)
+    return 0 if any(r["fits"] for r in recs) else 1
 
 
 def _reasons(args, rec, everything, spec, cluster, w) -> list[str]:

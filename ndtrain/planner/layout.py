@@ -161,7 +161,8 @@ class Workload:
     step, ``train_tokens`` in total; ``precision`` names the bytes-per-parameter convention of
     ``memory.PRECISIONS``; ``flash`` = FlashAttention (no T x T scores stored).; ``moe_*``: expert
     all-to-all knobs (``comm.moe_all_to_all``); ``mttf_hours``, ``checkpoint_*``, ``restart_s``:
-    the failure model (``goodput.goodput``)."""
+    the failure model (``goodput.goodput``); ``memory_model``: whose memory accounting
+    (``memory.estimate_memory``)."""
 
     seq_len: int = 4096
     global_batch_tokens: int = 4 * 2**20
@@ -176,6 +177,8 @@ class Workload:
     checkpoint_save_s: float = 0.0  # seconds to save a checkpoint (0: modelled from its bytes)
     checkpoint_load_s: float = 0.0  # seconds to load it after a restart (0: modelled)
     restart_s: float = -1.0  # seconds from an interruption to the relaunched job (< 0: goodput.RESTART_S)
+    memory_model: str = "fused"  # fused (fused-kernel GPU training) | trainer (ndtrain's eager modules: trainer_memory)
+    fused_loss: bool = False  # training.fused_loss: chunked head + cross entropy, never the full logits
 
     @property
     def global_batch_seqs(self) -> int:

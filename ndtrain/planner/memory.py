@@ -39,6 +39,7 @@ from functools import lru_cache
 
 from ndtrain.planner.layout import Layout, Workload, ac_every, microbatches
 from ndtrain.planner.pipeline import inflight_microbatches, rank_layers
+from ndtrain.planner.trainer_memory import MEMORY_MODELS, trainer_loss_bytes, trainer_rank_breakdown
 
 PRECISIONS = {  # bytes per parameter: (weights, gradients, optimizer state)
     "mixed": (2, 2, 12),
@@ -169,8 +170,13 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
     microbatches under the schedule. ZeRO shards over dp_shard x cp; experts split over ep x tp
     and shard over dp_shard x cp / ep. ``reserve``: runtime bytes (CUDA context, NCCL buffers);
     ``allocator_overhead``: factor on the transient bytes (the loss buffers and one block's backward
-    working set), the short-lived large blocks that fragment PyTorch's caching allocator. Raises ValueError if the layers cannot fill the pipeline stages."""
+    working set), the short-lived large blocks that fragment PyTorch's caching allocator.
+    ``workload.memory_model``: "fused" (this module's model) or "trainer" (``trainer_memory``:
+    ndtrain's eager modules, what the rehearsal measures). Raises ValueError if the layers cannot
+    fill the pipeline stages or for an unknown memory model."""
     lay, w = layout, workload
+    if w.memory_model not in MEMORY_MODELS:
+        raise ValueError(f"memory_model must be one of {', '.join(MEMORY_MODELS)}, not {w.memory_model!r}")
     m = microbatches(lay, w)
     tokens = lay.microbatch * w.seq_len // lay.cp
     per_layer = _per_layer_activations(spec, w, lay, tokens)
@@ -181,7 +187,7 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
         prm = rank_params(spec, info["layers"], info["embedding"], info["head"], len(ranks))
         key = (tuple(prm.values()), info["embedding"], info["head"], inflight)  # ranks alike by counts
         if key not in cache:
-            bd = _rank_breakdown(spec, w, lay, info, inflight, tokens, per_layer, len(ranks))
+            bd = _rank_breakdown(spec, w, lay, info, inflight, tokens, per_layer, len(ranks), m)
             if allocator_overhead != 1.0:
                 transient = bd.get("backward_working", 0.0) + bd.get("logits", 0.0)
                 bd["allocator_overhead"] = (allocator_overhead - 1.0) * transient
@@ -196,11 +202,15 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
 
 
 def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float, tokens: int,
-                    per_layer: dict, n_ranks: int) -> dict:
-    """Model state, ZeRO buffers, activations and loss bytes of one pp rank."""
+                    per_layer: dict, n_ranks: int, n_micro: int = 1) -> dict:
+    """Model state, ZeRO buffers, activations and loss bytes of one pp rank (``w.memory_model``
+    "trainer": ``trainer_memory.trainer_rank_breakdown``)."""
     n_shard = lay.dp_shard * lay.cp
     pb, gb, _ = PRECISIONS[w.precision]
     prm = rank_params(spec, info["layers"], info["embedding"], info["head"], n_ranks)
+    if w.memory_model == "trainer":
+        n_layers, n_moe = _block_counts(spec, info, prm)
+        return trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, n_micro, tokens)
     dense_local = prm["dense"] / lay.tp
     expert_local = prm["expert"] / (lay.tp * lay.ep)
     bd = {}
@@ -209,11 +219,7 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
         per = estimate_state_bytes_per_param(lay.zero_stage, shards, w.precision)
         for k in ("params", "grads", "optimizer"):
             bd[k] = bd.get(k, 0.0) + count * per[k]
-    n_layers = len(info["layers"])
-    n_moe = prm["moe_layers"]
-    if info["head"] and spec.mtp_depth:  # each MTP depth runs one more block like the last one
-        n_layers += spec.mtp_depth
-        n_moe += spec.mtp_depth if spec.last_layer_is_moe else 0
+    n_layers, n_moe = _block_counts(spec, info, prm)
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's full grads
         bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * pb + gb)
     if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
@@ -223,8 +229,19 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
     if act["working"]:
         bd["backward_working"] = act["working"]
     if info["head"]:
-        bd["logits"] = loss_bytes(spec, tokens, lay.tp, w.act_bytes)
+        bd["logits"] = (trainer_loss_bytes(spec, tokens, lay.tp, True) if w.fused_loss
+                        else loss_bytes(spec, tokens, lay.tp, w.act_bytes))
     return bd
+
+
+def _block_counts(spec, info: dict, prm: dict) -> tuple[int, int]:
+    """(blocks, MoE blocks) a pp rank runs per microbatch: each MTP depth runs one more block like
+    the last one."""
+    n_layers, n_moe = len(info["layers"]), prm["moe_layers"]
+    if info["head"] and spec.mtp_depth:
+        n_layers += spec.mtp_depth
+        n_moe += spec.mtp_depth if spec.last_layer_is_moe else 0
+    return n_layers, n_moe
 
 
 def loss_bytes(spec, tokens: int, tp: int = 1, act_bytes: int = 2) -> float:

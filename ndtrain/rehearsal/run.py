@@ -44,7 +44,7 @@ def planner_memory(cfg: Config, world: int, capacity: float) -> dict:
 
     precision, act = _precision(cfg.training.dtype)
     w = Workload(seq_len=cfg.data.seq_len, global_batch_tokens=cfg.training.global_batch_size * cfg.data.seq_len,
-                 precision=precision, act_bytes=act)
+                 precision=precision, act_bytes=act, memory_model="trainer", fused_loss=cfg.training.fused_loss)
     try:
         est = estimate_memory(from_model_config(cfg.model), w, trainer_layout(cfg, world), capacity)
     except ValueError as e:

@@ -1,0 +1,189 @@
+"""The trainer's memory accounting (``Workload.memory_model = "trainer"``): what ndtrain's own
+modules keep per rank in eager PyTorch, the figures ``ndtrain rehearse`` measures, on every axis.
+
+Model state per parameter (``trainer_state_bytes``), with master bytes m (4; 8 for float64) and
+compute bytes c (2 under bf16, else m), N = ZeRO shards (``planner.eager``'s table, Rajbhandari et
+al. 2020 with the trainer's dtypes):
+
+    zero 0  m, m, 2m        (fp32 weights even for bf16 runs: autocast casts them per microbatch)
+    zero 1  c, c, 3m/N      (compute-dtype weights and gradients; fp32 master + Adam m, v sharded)
+    zero 2  c, m/N, 3m/N
+    zero 3  m/N, m/N, 2m/N
+
+Activations per block and token (``trainer_layer_bytes``): the tensors autograd saves in
+``ndtrain.model`` (Korthikanti et al. 2022's method, op by op as in ``planner.eager``), on one TP
+rank's shapes (heads, kv heads, SwiGLU hidden / t), s = microbatch x T / cp tokens. ``kind``:
+``autocast`` (zero 0 bf16: fp32 residual stream, each linear casts its input to bf16 and its
+weight once per microbatch), ``lowp`` (weights in the compute dtype e: bf16 under ZeRO, fp32,
+float64). Per RMSNorm: the fp32 input copy 4h, rsqrt 4, the normalised y (e or 4 bytes); its output
+w*y (or autocast's bf16 casts of it, one per linear) is what the projections save. With sequence
+parallelism everything on the residual stream is divided by t; the gathered projection inputs are
+not. Attention (SDPA's flash kernel) saves q, k, v, out and the fp32 logsumexp; SDPA takes the
+math path when the query / key head width differs from the value's (MLA on this CPU), which keeps
+two T x T score tensors per head and, while a block runs, two fp32 ones (``working``). SwiGLU keeps gate, SiLU(gate), up and their product.
+MoE blocks: the router's fp32 logits and scores (E each), then per routed copy (top-k) the
+dispatched input, the expert's four SwiGLU tensors and the weighted output; shared experts as a
+dense SwiGLU. MLA: the q / kv latents and their norms, the decoupled RoPE key, then full per-head
+q, k, v as the attention core receives them (``model/mla.py`` expands the latent before the core).
+"""
+from __future__ import annotations
+
+MEMORY_MODELS = ("fused", "trainer")
+MATH_SCORE_TENSORS = 2  # math SDPA: the scaled scores (saved by the PV matmul's input) and softmax out
+
+
+def trainer_kind(precision: str, act_bytes: int, zero_stage: int) -> tuple[str, int]:
+    """(kind, compute bytes e) of the trainer for a planner workload (see the module docstring)."""
+    if precision == "fp64" or act_bytes == 8:
+        return "lowp", 8
+    if act_bytes == 2:
+        return ("lowp", 2) if zero_stage >= 1 else ("autocast", 2)
+    return "lowp", 4
+
+
+def trainer_state_bytes(precision: str, act_bytes: int, zero_stage: int, n_shards: int) -> dict:
+    """Bytes per parameter (params, grads, optimizer) one rank holds; the module docstring's table.
+    Raises ValueError for a zero_stage outside 0..3."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage ({zero_stage}) must be 0..3")
+    m = 8 if (precision == "fp64" or act_bytes == 8) else 4
+    c = 2 if act_bytes == 2 else m
+    n = max(1, n_shards)
+    rows = {0: (m, m, 2 * m), 1: (c, c, 3 * m / n), 2: (c, m / n, 3 * m / n), 3: (m / n, m / n, 2 * m / n)}
+    p, g, k = rows[zero_stage]
+    return {"params": p, "grads": g, "optimizer": k, "total": p + g + k}
+
+
+def _local(spec, tp: int) -> dict:
+    """One TP rank's widths: query / kv heads (kv replicated when tp > kv heads), hiddens."""
+    return {"a": spec.n_heads / tp, "g": max(spec.n_kv_heads / tp, 1.0), "f": spec.ffn_hidden / tp,
+            "fe": spec.moe_ffn_hidden / tp, "fs": spec.n_shared_experts * spec.shared_ffn_hidden / tp}
+
+
+def _norm(h: float, kind: str, e: int, n_linears: int, ts: int) -> float:
+    """Bytes per token one RMSNorm and its consumers' saved inputs hold: fp32 input copy, rsqrt and
+    y on the (SP-sharded) residual stream; then the projections' saved input, gathered under SP
+    (autocast: one bf16 cast per linear reading it)."""
+    if kind == "autocast":
+        return (4 * h + 4 + 4 * h) / ts + n_linears * 2 * h
+    return (4 * h + 4 + e * h) / ts + e * h
+
+
+def _attention(spec, loc: dict, kind: str, e: int, ts: int, seq_len: int) -> float:
+    """Per-token bytes of the attention half: its norm, projections' inputs and the core's tensors."""
+    h, D = spec.dim, spec.head_dim
+    lse = 8 if e == 8 else 4
+    if not spec.kv_lora_rank:
+        q, k = loc["a"] * D, loc["g"] * D
+        return _norm(h, kind, e, 3, ts) + e * (2 * q + 2 * k) + lse * loc["a"]
+    qr, kr, r = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+    dqk, dv = D + r, spec.v_head_dim or D
+    lat = e if kind == "lowp" else 4  # the latents live in the residual's dtype
+    out = _norm(h, kind, e, 2 if qr else 1, ts)
+    if qr:  # q latent and its norm (input of wq_b)
+        out += lat * qr + _norm(qr, kind, e, 1, 1)
+    out += _norm(kr, kind, e, 1, 1) + lat * r  # kv latent norm (input of wkv_b), RoPE key
+    a = loc["a"]
+    out += e * a * (2 * dqk + 2 * dv) + lse * a  # q, k, v, out of the core
+    if dqk != dv:  # math SDPA: T x T scores per head
+        out += MATH_SCORE_TENSORS * e * a * seq_len
+    return out
+
+
+def _swiglu(h: float, f: float, kind: str, e: int, ts: int) -> float:
+    return _norm(h, kind, e, 2, ts) + 4 * e * f
+
+
+def _moe(spec, loc: dict, kind: str, e: int, ts: int) -> float:
+    """Per-token bytes of a MoE MLP: norm, fp32 router logits and scores, per routed copy the
+    dispatched input, SwiGLU tensors and weighted output (autocast: fp32, ``grouped_mm`` is not
+    autocast), shared experts as a dense SwiGLU."""
+    h, k = spec.dim, spec.top_k
+    ex = 4 if kind == "autocast" else e
+    out = _norm(h, "lowp" if kind != "autocast" else "autocast", e, 1, ts) + 8 * spec.n_experts
+    out += k * (ex * (4 * loc["fe"] + 2 * h))
+    if loc["fs"]:
+        out += 4 * e * loc["fs"] + (2 * 2 * h if kind == "autocast" else 0)
+    return out
+
+
+def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool = False, moe: bool = False,
+                        kind: str = "lowp", e: int = 2) -> dict:
+    """Bytes one block keeps for backward on one rank for one microbatch of ``tokens`` tokens
+    (``seq_len``: the key length); {"attention", "mlp", "weight_casts", "total"}."""
+    loc, ts, h = _local(spec, tp), (tp if sp else 1), spec.dim
+    attn = _attention(spec, loc, kind, e, ts, seq_len) * tokens
+    mlp = (_moe(spec, loc, kind, e, ts) if (moe and spec.is_moe) else _swiglu(h, loc["f"], kind, e, ts)) * tokens
+    casts = 0.0
+    if kind == "autocast":  # bf16 copies of the block's matrices, kept by the matmuls (per microbatch)
+        dense = spec.layer_params(False) - 2 * h
+        casts = 2 * dense / tp
+    # cos / sin cast to the compute dtype at the positions, per block (fp32: no cast)
+    rope = 0 if (kind == "lowp" and e == 4) else 4 * (spec.head_dim // 2) * e * seq_len
+    total = attn + mlp + casts + rope
+    # math SDPA's transient while one block runs: two fp32 T x T tensors per head (scores, softmax)
+    dqk, dv = spec.head_dim + spec.qk_rope_head_dim, spec.v_head_dim or spec.head_dim
+    working = 8 * loc["a"] * tokens * seq_len if (spec.kv_lora_rank and dqk != dv) else 0.0
+    return {"attention": attn, "mlp": mlp, "weight_casts": casts, "total": total, "working": working}
+
+
+def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
+                       chunk_tokens: int = 1024, chunk_vocab: int = 8192) -> float:
+    """Peak bytes of the output head + cross entropy for one microbatch on the last stage, per head
+    pass (1 + MTP depth). Unfused (``tp/vocab_loss.py``, ``F.cross_entropy``): the bf16 logits, their
+    fp32 copy, the shifted and the exponentiated logits (the softmax kept for backward): 14 bytes a
+    logit. Fused (``ops/linear_cross_entropy``, Wijmans et al. 2024): three fp32 blocks of
+    chunk_tokens x chunk_vocab logits and the fp32 head-weight gradient it accumulates."""
+    v_local = -(-spec.vocab_size // tp)
+    if fused_loss:
+        block = 3 * 4 * min(chunk_tokens, tokens) * min(chunk_vocab, v_local)
+        return block + 4 * v_local * spec.dim
+    return 14.0 * tokens * v_local * (1 + spec.mtp_depth)
+
+
+def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, head: bool,
+                           inflight: float, n_micro: int, tokens: int) -> dict:
+    """One pp rank's bytes under the trainer's accounting: model state (``trainer_state_bytes``;
+    dense parts sharded over dp_shard x cp, experts over dp_shard x cp / ep), the ``inflight``
+    microbatches' blocks, one block's backward working set, the loss. Gradients count at the
+    activation peak only when a backward finished before it (``n_micro`` > ``inflight``: the stage
+    peaks again in the steady state; with as many microbatches as in flight it peaks at its first
+    backward, before any gradient exists). ``prm``: ``memory.rank_params``' counts."""
+    kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
+    n_shard = lay.dp_shard * lay.cp
+    bd = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for count, shards in ((prm["dense"] / lay.tp, n_shard), (prm["expert"] / (lay.tp * lay.ep),
+                                                             max(1, n_shard // lay.ep))):
+        per = trainer_state_bytes(w.precision, w.act_bytes, lay.zero_stage, shards)
+        for k in ("params", "grads", "optimizer"):
+            bd[k] += count * per[k]
+    if n_micro <= inflight:
+        bd["grads"] = 0.0
+    if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
+        bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * e + 4)
+    kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e}
+    dense_b = trainer_layer_bytes(spec, moe=False, **kw)
+    dense, working = dense_b["total"], dense_b["working"] if n_layers else 0.0
+    moe = trainer_layer_bytes(spec, moe=True, **kw)["total"] if spec.is_moe else dense
+    per_mb = (n_layers - n_moe) * dense + n_moe * moe
+    bd["activations"] = _checkpointed(spec, lay, per_mb, max(dense, moe), n_layers, kind, e, tokens) * inflight
+    if lay.ac not in ("none", "selective") and n_layers:  # one block recomputed in backward
+        working += max(dense, moe)
+    if working:
+        bd["backward_working"] = working
+    if head:
+        bd["logits"] = trainer_loss_bytes(spec, tokens, lay.tp, getattr(w, "fused_loss", False))
+    return bd
+
+
+def _checkpointed(spec, lay, per_mb: float, biggest: float, n_layers: int, kind: str, e: int, tokens: int) -> float:
+    """A microbatch's stored bytes under the layout's checkpointing: ``full`` keeps each block's
+    input (the residual stream, SP-sharded), ``every:C`` that for every C-th block and everything
+    for the others; ``none`` / ``selective`` all of it (selective is not modelled op by op here)."""
+    if lay.ac in ("none", "selective") or not n_layers:
+        return per_mb
+    from ndtrain.planner.layout import ac_every
+
+    inp = (4 if kind == "autocast" else e) * spec.dim * tokens / (lay.tp if lay.seq_parallel else 1)
+    n_ck = n_layers if lay.ac == "full" else -(-n_layers // ac_every(lay.ac, spec.n_layers))
+    return n_ck * inp + (n_layers - n_ck) * per_mb / n_layers

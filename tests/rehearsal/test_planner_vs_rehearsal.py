@@ -1,0 +1,55 @@
+"""The planner's trainer accounting against the rehearsal of a real-width preset, and
+``ndtrain plan --rehearse`` end to end (both slow: each rehearsed role is a process that builds
+the full-size trainer on fake tensors)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ndtrain.calibration.calibrate import trainer_layout
+from ndtrain.config import load_config
+from ndtrain.planner.layout import Workload
+from ndtrain.planner.memory import estimate_memory
+from ndtrain.planner.model_spec import from_model_config
+from ndtrain.rehearsal.run import rehearse
+
+
+@pytest.mark.slow
+def test_planner_within_10_percent_of_the_rehearsal_llama3_8b_tp8():
+    """Llama 3 8B at full width, tp8, one 8,192-token sequence, bf16 autocast: the planner's
+    per-stage total (memory_model trainer) within 10% of the rehearsed peak, and its activations
+    (blocks + loss) within 10% of the rehearsed activations + temporaries."""
+    over = {"parallel.tp": "8", "training.global_batch_size": "1", "training.micro_batch_size": "1"}
+    cfg = load_config("llama3_8b", over, world_size=8)
+    res = rehearse("llama3_8b", over, cfg, 8, "H100")
+    w = Workload(seq_len=cfg.data.seq_len, global_batch_tokens=cfg.data.seq_len, precision="fp32", act_bytes=2,
+                 memory_model="trainer")
+    est = estimate_memory(from_model_config(cfg.model), w, trainer_layout(cfg, 8), 80e9)
+    (role,) = res["roles"]
+    peak = role["memory_peak"]
+    assert est.per_stage[0] == pytest.approx(peak["total"], rel=0.10)
+    act = est.breakdown["activations"] + est.breakdown["logits"]
+    assert act == pytest.approx(peak["activations"] + peak.get("temporaries", 0), rel=0.10)
+    assert est.breakdown["params"] == pytest.approx(peak["parameters"], rel=0.02)  # fp32 weights (zero 0)
+
+
+@pytest.mark.slow
+def test_plan_rehearse_ranks_and_compares(capsys, tmp_path):
+    """``plan --rehearse 1`` on a tiny preset: one record with the rehearsed stage beside the
+    planner's, a rank, and the cache reused by a second call (same record, no new rehearsal)."""
+    from ndtrain.cli.plan import main
+
+    args = ["--model", "debug", "--hardware", "H100", "--gpus", "2", "--json", "--rehearse", "1",
+            "--rehearse-cache", str(tmp_path)]
+    assert main(args) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('{"rehearsed"')][-1]
+    (rec,) = json.loads(line)["rehearsed"]
+    assert rec["fits"] and rec["rank"] == 1 and rec["memory_model"] == "trainer"
+    st = rec["stages"][0]
+    assert st["rehearsed_bytes"] > 0 and st["planner_bytes"] > 0
+    assert st["error"] == pytest.approx(st["planner_bytes"] / st["rehearsed_bytes"] - 1)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert main(args) == 0
+    again = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('{"rehearsed"')][-1])
+    assert again["rehearsed"][0]["stages"] == rec["stages"]
