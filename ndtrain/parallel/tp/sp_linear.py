@@ -40,6 +40,13 @@ class _Gathered:
 
     def __init__(self, shard: torch.Tensor, group: AxisGroup, dim: int):
         self.shard, self.group, self.dim, self.cache = shard, group, dim, _Cache()
+        self.casts: dict[torch.dtype, torch.Tensor] = {}
+
+    def cast(self, dt: torch.dtype) -> torch.Tensor:
+        """The shard in ``dt``, cast once for all the region's linears (autocast: one bf16 copy)."""
+        if dt not in self.casts:
+            self.casts[dt] = self.shard.detach().to(dt)
+        return self.casts[dt]
 
 
 def tag_gathered(full: torch.Tensor, shard: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
@@ -57,13 +64,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class _LinearSavingShard(torch.autograd.Function):
     """y = full @ w.T with only the shard saved. fwd: full (..., in), w (out, in) -> (..., out);
     bwd: d full = g @ w (summed with the region's other users by autograd, then reduce-scattered
-    by the gather's own backward), d w = g.T @ all-gather(shard), the gather shared by the region."""
+    by the gather's own backward), d w = g.T @ all-gather(shard), the gather shared by the region;
+    each only when the running backward pass needs it (``_wanted``)."""
 
     @staticmethod
-    def forward(ctx, full, w, shard, rec: _Gathered):
+    def forward(ctx, full, w, rec: _Gathered):
         dt = _compute_dtype(full)  # autocast's cast, done here: the shard is saved in that dtype
         with torch.autocast(full.device.type, enabled=False):
-            wc, sc = w.to(dt), shard.to(dt)
+            wc, sc = w.to(dt), rec.cast(dt)
             y = F.linear(full.to(dt), wc)
         ctx.save_for_backward(sc, wc)
         ctx.group, ctx.dim, ctx.cache = rec.group, rec.dim, rec.cache
@@ -74,16 +82,26 @@ class _LinearSavingShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         sc, wc = ctx.saved_tensors
-        cache = ctx.cache
-        full = cache.full if cache.full is not None else gather_dim(sc, ctx.dim, ctx.group)
-        cache.users -= 1
-        cache.full = full if cache.users > 0 else None  # the last user frees it
         g = g.to(wc.dtype)
-        d_full = (g @ wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        d_full = (g @ wc).to(ctx.dtypes[0]) if _wanted(ctx, 0) else None
         d_w = None
-        if ctx.needs_input_grad[1]:
+        if _wanted(ctx, 1):  # not in a zero-bubble B pass: no gather, no matmul there
+            cache = ctx.cache
+            full = cache.full if cache.full is not None else gather_dim(sc, ctx.dim, ctx.group)
+            cache.users -= 1
+            cache.full = full if cache.users > 0 else None  # the last user frees it
             d_w = (g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])).to(ctx.dtypes[1])
-        return d_full, d_w, None, None
+        return d_full, d_w, None
+
+
+def _wanted(ctx, i: int) -> bool:
+    """Whether this backward pass uses input ``i``'s gradient: ``needs_input_grad`` is fixed at
+    forward time, so also ask the engine whether it will run that input's node (a split backward's
+    B pass asks for activation gradients only, its W pass for weight gradients only)."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    return node is None or torch._C._will_engine_execute_node(node)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -92,4 +110,4 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rec = getattr(x, GATHERED_ATTR, None)
     if rec is None or not torch.is_grad_enabled():
         return F.linear(x, w)
-    return _LinearSavingShard.apply(x, w, rec.shard.detach(), rec)
+    return _LinearSavingShard.apply(x, w, rec)
