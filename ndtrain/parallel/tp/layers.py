@@ -116,13 +116,22 @@ class RowParallelLinear(_LinearShard):
     x (B, T, in_local) -> (B, T, out), or (B, T/tp, out) with SP (``dim``: the scattered dim).
     """
 
+    # A split backward's W pass (pp zero_bubble / dualpipev, which set the flag) differentiates
+    # ``weight_grad_output``, the partial output before g: from g's output it would repeat g's
+    # backward (under SP an all-gather) that B already ran.
+    keep_weight_grad_output = False
+    weight_grad_output: torch.Tensor | None = None
+
     def __init__(self, weight: nn.Parameter, group: AxisGroup, sp: bool = False, dim: int = SEQ_DIM):
         super().__init__()
         self.weight = weight  # (out, in_local)
         self.group, self.sp, self.dim = group, sp, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _leave(F.linear(x, self.weight), self.group, self.sp, self.dim)
+        y = F.linear(x, self.weight)  # partial sums over tp
+        if self.keep_weight_grad_output:
+            self.weight_grad_output = y
+        return _leave(y, self.group, self.sp, self.dim)
 
     def extra_repr(self) -> str:
         out = "reduce-scatter T" if self.sp else "all-reduce"

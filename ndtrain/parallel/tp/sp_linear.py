@@ -101,7 +101,12 @@ def _wanted(ctx, i: int) -> bool:
     if not ctx.needs_input_grad[i]:
         return False
     node = ctx.next_functions[i][0]
-    return node is None or torch._C._will_engine_execute_node(node)
+    if node is None:
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf under autograd.grad cannot be asked: compute it
+        return True
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -110,4 +115,5 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rec = getattr(x, GATHERED_ATTR, None)
     if rec is None or not torch.is_grad_enabled():
         return F.linear(x, w)
-    return _LinearSavingShard.apply(x, w, rec)
+    # the view gives w a non-leaf node that the engine can be asked about (``_wanted``)
+    return _LinearSavingShard.apply(x, w.view_as(w), rec)
