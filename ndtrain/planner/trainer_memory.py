@@ -62,11 +62,12 @@ def _local(spec, tp: int) -> dict:
 
 def _norm(h: float, kind: str, e: int, n_linears: int, ts: int) -> float:
     """Bytes per token one RMSNorm and its consumers' saved inputs hold: fp32 input copy, rsqrt and
-    y on the (SP-sharded) residual stream; then the projections' saved input, gathered under SP
-    (autocast: one bf16 cast per linear reading it)."""
+    y on the (SP-sharded) residual stream; then the projections' saved input (autocast: one bf16
+    cast per linear reading it). Under SP (``ts`` = tp) the projections save the sequence shard
+    once, cast once, and all-gather it again in backward (``parallel/tp/sp_linear.py``)."""
     if kind == "autocast":
-        return (4 * h + 4 + 4 * h) / ts + n_linears * 2 * h
-    return (4 * h + 4 + e * h) / ts + e * h
+        return (4 * h + 4 + 4 * h) / ts + (2 * h / ts if ts > 1 else n_linears * 2 * h)
+    return (4 * h + 4 + e * h) / ts + e * h / ts
 
 
 def _attention(spec, loc: dict, kind: str, e: int, ts: int, seq_len: int) -> float:

@@ -173,7 +173,8 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
 
     tp: per microbatch the block halves' f / g pairs, the embedding and the output head move
     (8L + 4) * B*T*C elements as all-gather / reduce-scatter halves ((n-1)/n each; a non-SP
-    all-reduce is two halves), plus all-reduces of the vocab-parallel loss (3 B*T), the SP norm
+    all-reduce is two halves), under SP (2L + 1) * B*T*C more (each region's, and the head's,
+    saved shard all-gathered again for the weight gradient), plus all-reduces of the vocab-parallel loss (3 B*T), the SP norm
     gains ((2L + 1) C), replicated kv weights (2 L G D C) and 1 clip scalar per step.
     cp ring: (cp-1) K/V blocks forward, (cp-1) K/V + cp dK/dV blocks backward, per layer.
     cp Ulysses: q, k, v and out through an all-to-all ((n-1)/n) in each direction, per layer.
@@ -191,7 +192,8 @@ def theory_bytes(n_dp: int = 1, n_cp: int = 1, n_tp: int = 1, sp: bool = False, 
         f = (n_tp - 1) / n_tp
         replicated = n_kv_heads % n_tp != 0
         ar = m * (3 * Bm * Tl + (2 * L + 1) * C * sp + replicated * 2 * L * n_kv_heads * D * C) + 1
-        out["tp"] = f * b * m * Bm * Tl * C * (8 * L + 4) + 2 * f * b * ar
+        acts = 8 * L + 4 + (2 * L + 1) * sp  # SP: each region's shard all-gathered again in backward
+        out["tp"] = f * b * m * Bm * Tl * C * acts + 2 * f * b * ar
     if n_cp > 1:
         hl = H // n_tp
         gl = n_kv_heads // n_tp if n_kv_heads % n_tp == 0 else 1

@@ -38,7 +38,8 @@ from tests.dist_utils import run_ranks
 _NDTRAIN = os.path.dirname(os.path.dirname(os.path.abspath(comm.__file__)))  # .../ndtrain
 _COMM = os.path.abspath(comm.__file__)
 _RECORDER = os.path.join(_NDTRAIN, "parallel", "flight_recorder.py")
-_ACTIVATION_SITES = ("parallel/tp/collectives.py", "parallel/cp/", "parallel/ep/collectives.py")
+_ACTIVATION_SITES = ("parallel/tp/collectives.py", "parallel/tp/sp_linear.py", "parallel/cp/",
+                     "parallel/ep/collectives.py")  # sp_linear: the saved input re-gathered
 
 
 def _site() -> str:

@@ -5,7 +5,9 @@ must reach the expert weights through the local GEMMs only (``weight_grad_output
 that all-to-all (+13% tp bytes per step on this model before the fix). One 4-rank spawn, float64:
 pp2 x tp2 with ``expert_tp=2`` under 1F1B and ZB-H1 train the same 2 steps; the losses and grad
 norms must be equal (ZB-H1 only reorders the same sums: 1e-12 relative) and the bytes moved on every
-mesh axis exactly equal (the W pass adds no collective).
+mesh axis exactly equal (the W pass adds no collective). The same for a dense pp2 x tp2 + SP
+model, whose column linears all-gather their saved sequence shard for the weight gradient: in W
+only, once.
 """
 from __future__ import annotations
 
@@ -21,10 +23,16 @@ OVER = {"model.n_layers": 4, "model.dim": 32, "model.vocab_size": 61, "model.moe
         "parallel.tp": 2, "parallel.expert_tp": 2}
 
 
-def _train(schedule: str, world: int) -> list[dict]:
+# Dense pp2 x tp2 + SP: the column linears' backward all-gathers its saved sequence shard only
+# where the weight gradient is taken (W), never in B as well (ndtrain.parallel.tp.sp_linear).
+SP_OVER = {k: v for k, v in OVER.items() if not k.startswith(("model.moe", "parallel.expert"))}
+SP_OVER["parallel.sequence_parallel"] = True
+
+
+def _train(schedule: str, world: int, preset: str = "moe_debug", over: dict = OVER) -> list[dict]:
     from ndtrain.train.loop import Trainer
 
-    cfg = load_config("moe_debug", {**OVER, "parallel.pp_schedule": schedule}, world_size=world)
+    cfg = load_config(preset, {**over, "parallel.pp_schedule": schedule}, world_size=world)
     mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh()
     tr = Trainer(cfg, mesh, torch.device("cpu"))
     rows = []
@@ -57,7 +65,8 @@ def _rank(rank: int, world: int) -> dict:
         out = {s: _train(s, world) for s in ("1f1b", "zero_bubble")}
     finally:
         runtime.accumulate_weight_grads = real
-    return {**out, "seen": seen}
+    sp = {s: _train(s, world, "debug", SP_OVER) for s in ("1f1b", "zero_bubble")}
+    return {**out, "seen": seen, "sp": sp}
 
 
 def test_zero_bubble_w_pass_repeats_no_tp_all_to_all():
@@ -66,6 +75,10 @@ def test_zero_bubble_w_pass_repeats_no_tp_all_to_all():
     for r in run_ranks(_rank, 4):
         assert r["seen"] == {"in_w": 2 * 4 * 2, "in_b": 0}, r["seen"]
         for a, b in zip(r["1f1b"], r["zero_bubble"]):
+            assert abs(a["loss"] - b["loss"]) <= 1e-12 * abs(a["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-12 * a["grad_norm"]
+            assert a["bytes"]["tp"] > 0 and a["bytes"] == b["bytes"], (a["bytes"], b["bytes"])
+        for a, b in zip(r["sp"]["1f1b"], r["sp"]["zero_bubble"]):  # dense tp2 + SP
             assert abs(a["loss"] - b["loss"]) <= 1e-12 * abs(a["loss"])
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-12 * a["grad_norm"]
             assert a["bytes"]["tp"] > 0 and a["bytes"] == b["bytes"], (a["bytes"], b["bytes"])

@@ -26,6 +26,7 @@ from ndtrain.parallel.tp.vocab_loss import vocab_parallel_cross_entropy
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
 from tests.parallel.layout_parity import V, assert_bytes, assert_parity, global_batch, run_layout, tiny_cfg
+from tests.parallel.sp_saved import sp_saved_check
 
 
 def _ce_inputs(n: int = 24, vp: int = 64):
@@ -181,20 +182,37 @@ def _world2(rank: int, world: int, ckpt_dir: str) -> dict:
     ref.sum().backward()
     ref_grad = F.pad(ref_x.grad, (0, logits.shape[1] - V)).chunk(world, dim=1)[rank]
     out["ce"] = max((loss - ref).abs().max().item(), (x.grad - ref_grad).abs().max().item())
+    out["sp_saved"] = sp_saved_check(rank, world)
     return out
+
+
+def _assert_sp_saves_shards(r: dict) -> None:
+    """The reference path saves, per column-parallel linear, a contiguous copy of the gathered
+    (B, T, C) input (F.linear flattens the T-major gather); the shard path saves one (B, T/tp, C)
+    shard per region (attention, MLP, head) and all-gathers it once more per region in backward."""
+    (n_layers, b, t, c, tp), e = r["dims"], 8  # float64
+    full, shard = b * t * c * e, b * t * c * e // tp
+    block = 5 * full - 2 * shard  # wq, wk, wv, w1, w3 vs two region shards
+    assert r["old"]["block"] - r["new"]["block"] == block, r
+    assert r["old"]["saved"] - r["new"]["saved"] == n_layers * block + full - shard, r
+    assert r["new"]["tp_bytes"] - r["old"]["tp_bytes"] == (2 * n_layers + 1) * (tp - 1) / tp * full, r
+    assert r["grad_diff"] < 1e-12, r
 
 
 def test_tp2_and_sp_match_single_process(tmp_path):
     """tp=2 and tp=2 + SP (and SP with tied embeddings and 2 microbatches) reproduce the single-
     process run; SP norm gains stay identical over tp; padded vocabulary rows stay zero;
     vocab-parallel CE equals F.cross_entropy; bytes per step equal the theory; a tp=2 checkpoint
-    holds global shapes and resumes identically under tp=1 and tp=2."""
+    holds global shapes and resumes identically under tp=1 and tp=2; SP's column linears save the
+    sequence shard, not the gathered input, with gradients equal to the reference path."""
     res = run_ranks(_world2, 2, str(tmp_path), timeout_s=240)
     for key in ("tp", "sp", "tied_micro"):
         assert_parity([r[key] for r in res])
     assert_bytes([r["tp"] for r in res], n_tp=2)
     assert_bytes([r["sp"] for r in res], n_tp=2, sp=True)
     assert_bytes([r["tied_micro"] for r in res], n_tp=2, sp=True, micro=2)
+    for r in res:
+        _assert_sp_saves_shards(r["sp_saved"])
     shapes = res[0]["tp"]["local_shapes"]
     assert shapes["layers.0.attention.wq.weight"] == (16, 32)  # 2 of 4 heads
     assert shapes["layers.0.attention.wk.weight"] == (8, 32)  # 1 of 2 kv heads

@@ -19,6 +19,7 @@ Files:
   moe_layers.py    MoE under tp: the layer, whole / split experts (inside expert parallel's exchange)
   tensor_parallel.py  ``apply_tp``; whole tensors from the splits (``tp_full_tensor``, ``tp_specs``)
   collectives.py   f / g and the other autograd collectives;  vocab_loss.py  vocab-parallel CE
+  sp_linear.py     under SP the column linears save the T/tp shard and re-gather it in backward
   rules.py         layout rules, torch-free (validation, the planner and ``apply_tp`` call them)
   state.py         checkpoint state under global names and shapes (gather / scatter over tp)
 

@@ -25,6 +25,7 @@ from ndtrain.parallel.tp.collectives import (
     ReduceFromTP,
     ReduceScatterToSequence,
 )
+from ndtrain.parallel.tp.sp_linear import linear, tag_gathered
 
 SEQ_DIM = 1  # activations are (B, T, C)
 TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size before padding[, blocks]) on split params
@@ -32,7 +33,9 @@ TP_SHARD_ATTR = "ndtrain_tp_shard"  # (dim, global size before padding[, blocks]
 
 def _enter(x: torch.Tensor, group: AxisGroup, sp: bool, dim: int = SEQ_DIM) -> torch.Tensor:
     """Megatron's f: the replicated (or, with SP, gathered along ``dim``) input of a region."""
-    return GatherFromSequence.apply(x, group, dim) if sp else CopyToTP.apply(x, group)
+    if not sp:
+        return CopyToTP.apply(x, group)
+    return tag_gathered(GatherFromSequence.apply(x, group, dim), x, group, dim)
 
 
 def _leave(y: torch.Tensor, group: AxisGroup, sp: bool, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -97,7 +100,7 @@ class ColumnParallelLinear(_LinearShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = _enter(x, self.group, self.sp)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)  # under SP saves the T/tp shard, not the gathered input
 
     def extra_repr(self) -> str:
         padded = self.out_features * self.group.size
@@ -113,13 +116,22 @@ class RowParallelLinear(_LinearShard):
     x (B, T, in_local) -> (B, T, out), or (B, T/tp, out) with SP (``dim``: the scattered dim).
     """
 
+    # A split backward's W pass (pp zero_bubble / dualpipev, which set the flag) differentiates
+    # ``weight_grad_output``, the partial output before g: from g's output it would repeat g's
+    # backward (under SP an all-gather) that B already ran.
+    keep_weight_grad_output = False
+    weight_grad_output: torch.Tensor | None = None
+
     def __init__(self, weight: nn.Parameter, group: AxisGroup, sp: bool = False, dim: int = SEQ_DIM):
         super().__init__()
         self.weight = weight  # (out, in_local)
         self.group, self.sp, self.dim = group, sp, dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _leave(F.linear(x, self.weight), self.group, self.sp, self.dim)
+        y = F.linear(x, self.weight)  # partial sums over tp
+        if self.keep_weight_grad_output:
+            self.weight_grad_output = y
+        return _leave(y, self.group, self.sp, self.dim)
 
     def extra_repr(self) -> str:
         out = "reduce-scatter T" if self.sp else "all-reduce"
@@ -146,7 +158,7 @@ class ReplicatedKVLinear(_LinearShard):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = CopyWeightToTP.apply(self.weight, self.group, self.reduce_dtype)
-        return F.linear(x, w[self.head * self.head_dim:(self.head + 1) * self.head_dim])  # (..., D)
+        return linear(x, w[self.head * self.head_dim:(self.head + 1) * self.head_dim])  # (..., D)
 
     def extra_repr(self) -> str:
         g = self.weight.shape[0] // self.head_dim
