@@ -54,7 +54,7 @@ def check_expert_mesh(ep: int, expert_tp: int, edp: int, pp: int, dp_replicate: 
                           f"(dp_replicate*dp_shard*cp*tp = {stage}): ep*expert_tp*edp*pp must equal world_size")
     derived = stage // (ep * expert_tp)
     if edp and edp != derived:
-        raise ConfigError(f"parallel.edp ({edp}) != world_size / (pp*ep*expert_tp) ({derived * pp} / "
+        raise ConfigError(f"parallel.edp ({edp}) != world_size / (pp*ep*expert_tp) ({stage * pp} / "
                           f"{pp * ep * expert_tp} = {derived}): ep*expert_tp*edp*pp must equal world_size")
     if expert_folded(ep, expert_tp, dp_shard, cp, tp) and derived % dp_replicate:
         raise ConfigError(f"the folded expert mesh's edp ({derived}) is not divisible by dp_replicate "

@@ -178,10 +178,12 @@ def _forward_ctx(cfg: Config, device: torch.device):
 
 def sample_skip_reason(mesh: Mesh, cfg: Config) -> str:
     """"" if rank 0 can run ``ndtrain.inference.generate`` alone on its model, else why not: a forward that
-    needs other ranks (split heads / vocabulary, cut sequences, other stages, experts elsewhere,
+    needs other ranks (split heads / vocabulary, cut sequences, other stages, experts elsewhere or split,
     ZeRO-3 parameters gathered by collectives)."""
     d = mesh.dims
     split = [a for a in ("tp", "cp", "pp", "ep") if getattr(d, a) > 1]
+    if getattr(d, "expert_tp", 1) > 1 and d.tp == 1:  # a folded expert mesh splits experts under tp 1
+        split.append("expert_tp")
     if cfg.parallel.zero_stage == 3 and d.dp_shard * d.cp > 1:
         split.append("sharded ZeRO-3")
     return f"this layout splits the forward over ranks ({' / '.join(split)})" if split else ""

@@ -160,3 +160,18 @@ def test_sample_model_refuses_to_gather_a_huge_model(monkeypatch):
     assert rundir.sample_model(tr, cfg) == ("gathered", "")
     alone = SimpleNamespace(plan=SimpleNamespace(sample_skip_reason=""), model="own")
     assert rundir.sample_model(alone, cfg) == ("own", "")
+
+
+def test_folded_expert_tp_makes_rank_0_gather_before_sampling():
+    """Experts split over a folded expert_tp under tp 1 need the other ranks for a forward: rank 0
+    must not sample alone (it would wait in the expert_tp collective forever)."""
+    from types import SimpleNamespace
+
+    from ndtrain.mesh import ParallelDims
+    from ndtrain.parallel.parallelize import sample_skip_reason
+
+    cfg = SimpleNamespace(parallel=SimpleNamespace(zero_stage=0))
+    folded = SimpleNamespace(dims=ParallelDims(dp_shard=2, expert_tp=2, world_size=2))
+    plain = SimpleNamespace(dims=ParallelDims(dp_shard=2, world_size=2))
+    assert "expert_tp" in sample_skip_reason(folded, cfg)
+    assert sample_skip_reason(plain, cfg) == ""
