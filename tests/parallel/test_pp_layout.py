@@ -22,6 +22,7 @@ from ndtrain.config import Config, validate
 from ndtrain.mesh import ParallelDims
 from ndtrain.train.loop import Trainer
 from tests.dist_utils import run_ranks
+from tests.parallel.test_checkpoint_state import _flat  # nested state dict -> dotted names
 from tests.parallel.test_pp import global_batch, param_diff
 from tests.utils import tiny_config
 
@@ -83,15 +84,6 @@ def _layouts(rank: int, world: int, tmp: str) -> dict:
         if name == "interleaved":
             ckpt.save_checkpoint(Path(tmp) / name, STEPS, tr.tensor_state(), {"step": STEPS})
     return out
-
-
-def _flat(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
 
 
 def _resume_in_one_process(tmp_path: Path) -> None:
