@@ -49,8 +49,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
     _check(not (d.document_mask and m.mtp_depth),
            f"data.document_mask=true with model.mtp_depth ({m.mtp_depth}) > 0: multi-token prediction's "
            f"shifted targets would cross document boundaries (not built)")
-    cp_rules.check_doc_balance(getattr(p, "cp_doc_balance", False), d.document_mask, p.cp, p.cp_impl,
-                               cp_rules.resolve_layout(p.cp_impl, p.cp_layout, non_softmax_mixers(m)))
     _check(m.rope_dim % 2 == 0 and m.rope_dim > 0,
            f"RoPE dims per head ({m.rope_dim}; head_dim = dim / n_heads, or mla_rope_dim) must be even and > 0")
     _check(d.seq_len >= 1, f"data.seq_len ({d.seq_len}) must be >= 1")
@@ -75,7 +73,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:  # noqa: F821 
            "logging.tensorboard=true needs the tensorboard package (pip install 'ndtrain[tensorboard]')")
     parse_profile_steps(lg.profile_steps)  # "A:B" or ""
     cfg.eval.named_sets()  # "NAME=SOURCE;..." well formed, names unique
-    check_mixers(m)
+    check_mixers(m)  # before anything parses model.layer_pattern
+    cp_rules.check_doc_balance(getattr(p, "cp_doc_balance", False), d.document_mask, p.cp, p.cp_impl,
+                               cp_rules.resolve_layout(p.cp_impl, p.cp_layout, non_softmax_mixers(m)))
     _validate_block_options(m, cfg.parallel)
     _validate_finetune(cfg)
     _validate_axes(cfg, world_size)

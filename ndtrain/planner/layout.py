@@ -6,7 +6,7 @@ takes the ranks left over. Field names are the config's (``parallel.pp_schedule`
 ``v`` and ``virtual_stages`` are accepted as short aliases when parsing. Axis order outer to inner is ndtrain's mesh order ``pp, dp_replicate, dp_shard, cp, tp`` (TP
 innermost, on the fastest link); ``ep`` borrows ranks from ``dp_shard x cp``, unless ``expert_tp``
 >= 1 folds an expert mesh (edp, ep, expert_tp) over each stage's ranks, where ep may span tp ranks
-(``fold_rules``). ``mode`` (compile | kernels | eager) is how the memory-bound ops run
+(``fold_rules``, ``ndtrain.mesh.check_expert_mesh``). ``mode`` (compile | kernels | eager) is how the memory-bound ops run
 (``exec_mode.py``); ``moe_dispatch`` (flat | hierarchical) how tokens reach remote experts
 (``comm.moe_all_to_all``).
 """
@@ -219,10 +219,11 @@ def runtime_lacks(lay: Layout) -> list[str]:
 
 def parallel_config(lay: Layout) -> ParallelConfig:
     """The ``parallel`` section of a config running ``lay`` (field names are the config's). An expert
-    mesh over tp ranks the config cannot express is checked with ep = 1 here (``fold_rules`` checks
-    its arithmetic)."""
+    mesh over tp ranks a config without ``edp`` cannot express is checked with ep = 1 here; the tied
+    mesh passes ``expert_tp = tp`` (experts split over the attention tp, as the planner costs them)."""
     have, lacks = {f.name for f in fields(ParallelConfig)}, runtime_lacks(lay)
-    extra = {"expert_tp": lay.expert_tp} if lay.folded else {}
+    # the tied mesh splits experts over the attention tp (the trainer's expert_tp = tp)
+    extra = {"expert_tp": lay.expert_tp if lay.folded else lay.tp}
     extra.update({k: getattr(lay, k) for k in ("edp", "moe_dispatch") if k in have and k not in lacks
                   and getattr(lay, k) != getattr(Layout, k)})
     ep = 1 if "edp" in lacks else lay.ep
@@ -242,15 +243,13 @@ def fold_rules(spec, lay: Layout) -> list[str]:
         errs.append(f"moe_dispatch ({lay.moe_dispatch}) must be flat or hierarchical")
     if not lay.folded:
         return errs + ([f"edp ({lay.edp}) needs expert_tp >= 1 (the folded expert mesh)"] if lay.edp else [])
-    stage = lay.world // lay.pp
     if not spec.is_moe:
         errs.append("expert_tp (the folded expert mesh) needs a MoE model")
     elif spec.n_experts % lay.ep or spec.moe_ffn_hidden % lay.expert_tp:
         errs.append(f"ep ({lay.ep}) must divide the experts ({spec.n_experts}) and expert_tp ({lay.expert_tp}) "
                     f"their hidden width ({spec.moe_ffn_hidden})")
-    if stage % (lay.ep * lay.expert_tp) or (lay.edp and lay.edp * lay.ep * lay.expert_tp != stage):
-        errs.append(f"edp x ep x expert_tp ({lay.expert_dp} x {lay.ep} x {lay.expert_tp}) must be the ranks of "
-                    f"one pipeline stage ({stage})")
+    # the mesh's own arithmetic (ep x expert_tp x edp = a stage's ranks) is the trainer's rule, run by
+    # check_axes (ndtrain.mesh.check_expert_mesh)
     return errs
 
 

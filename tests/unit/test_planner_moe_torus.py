@@ -157,7 +157,8 @@ def test_qwen3_235b_folded_expert_mesh_is_expressible_and_costed():
     assert any("ep" in e for e in check_layout(qwen, 256, w, tied, runtime=False))  # ep > dp_shard x cp
     bad = parse_layout("tp=2,pp=8,dp_shard=16,ep=64,expert_tp=1")
     assert check_layout(qwen, 256, w, bad, runtime=False) == [
-        "edp x ep x expert_tp (1 x 64 x 1) must be the ranks of one pipeline stage (32)"]
+        "ep*expert_tp (64) does not divide the ranks of a pp stage (dp_replicate*dp_shard*cp*tp = 32): "
+        "ep*expert_tp*edp*pp must equal world_size"]
     assert axis_spans(lay)["ep"] == 32  # 4 nodes of 8: the NIC carries 3/4 of the copies
     cl = Cluster(H100, 256)
     c = estimate_axis_comm(qwen, cl, w, lay, {"dense": 1e9, "expert": 1e9, "layers": 12, "moe_layers": 12})
