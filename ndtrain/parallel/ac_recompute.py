@@ -155,6 +155,14 @@ class _BlockScope:
             _OPEN.pop().outputs.clear()  # forward done: the packed recipes hold what they need
 
 
+def _is_rms_norm(m: nn.Module) -> bool:
+    """An RMSNorm, or tensor parallel's wrapper of one (``SequenceParallelNorm`` keeps its norm out of
+    ``modules()``; its forward, the gain's all-reduce hook included, is what recomputes)."""
+    from ndtrain.parallel.tp.layers import SequenceParallelNorm
+
+    return isinstance(m, RMSNorm) or (isinstance(m, SequenceParallelNorm) and isinstance(m.norm, RMSNorm))
+
+
 def apply_part_recompute(model: nn.Module, policy: str) -> int:
     """Install ``core_attn`` or ``deepseek`` (module docstring) on ``model.layers``; returns how many
     parts (cores, norms, MLA up-projections) recompute. Raises ValueError for another policy."""
@@ -170,7 +178,7 @@ def apply_part_recompute(model: nn.Module, policy: str) -> int:
             continue
         _BlockScope(block)
         for m in block.modules():
-            if isinstance(m, RMSNorm):
+            if _is_rms_norm(m):
                 m.forward = functools.partial(_norm_forward, m.forward)
                 n += 1
         if mixer is not None and callable(getattr(mixer, "attend", None)):  # MLA: keep only the latents

@@ -109,9 +109,10 @@ def _moe(spec, loc: dict, kind: str, e: int, ts: int) -> float:
 
 
 def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool = False, moe: bool = False,
-                        kind: str = "lowp", e: int = 2) -> dict:
+                        kind: str = "lowp", e: int = 2, policy: str = "none") -> dict:
     """Bytes one block keeps for backward on one rank for one microbatch of ``tokens`` tokens
-    (``seq_len``: the key length); {"attention", "mlp", "weight_casts", "total"}."""
+    (``seq_len``: the key length); {"attention", "mlp", "weight_casts", "rope", "total", "working",
+    "tokens"}. ``policy``: none or a per-layer checkpointing policy (``trainer_ac``)."""
     loc, ts, h = _local(spec, tp), (tp if sp else 1), spec.dim
     attn = _attention(spec, loc, kind, e, ts, seq_len) * tokens
     mlp = (_moe(spec, loc, kind, e, ts) if (moe and spec.is_moe) else _swiglu(h, loc["f"], kind, e, ts)) * tokens
@@ -125,7 +126,14 @@ def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool =
     # math SDPA's transient while one block runs: two fp32 T x T tensors per head (scores, softmax)
     dqk, dv = spec.head_dim + spec.qk_rope_head_dim, spec.v_head_dim or spec.head_dim
     working = 8 * loc["a"] * tokens * seq_len if (spec.kv_lora_rank and dqk != dv) else 0.0
-    return {"attention": attn, "mlp": mlp, "weight_casts": casts, "total": total, "working": working}
+    out = {"attention": attn, "mlp": mlp, "weight_casts": casts, "rope": rope, "total": total, "working": working,
+           "tokens": tokens}
+    if policy == "none":
+        return out
+    from ndtrain.planner.trainer_ac import policy_block_bytes
+
+    return policy_block_bytes(out, spec, loc, kind, e, ts, seq_len, moe, policy,
+                              lambda w, n, t: _norm(w, kind, e, n, t))
 
 
 def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
@@ -162,14 +170,20 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         bd["grads"] = 0.0
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
         bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * e + 4)
-    kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e}
+    from ndtrain.planner.trainer_ac import POLICY_NAMES
+
+    per_layer = lay.ac if lay.ac in POLICY_NAMES else "none"
+    kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e,
+          "policy": per_layer}
     dense_b = trainer_layer_bytes(spec, moe=False, **kw)
     dense, working = dense_b["total"], dense_b["working"] if n_layers else 0.0
     moe = trainer_layer_bytes(spec, moe=True, **kw)["total"] if spec.is_moe else dense
     per_mb = (n_layers - n_moe) * dense + n_moe * moe
     bd["activations"] = _checkpointed(spec, lay, per_mb, max(dense, moe), n_layers, kind, e, tokens) * inflight
-    if lay.ac not in ("none", "selective") and n_layers:  # one block recomputed in backward
-        working += max(dense, moe)
+    if lay.ac not in ("none", "core_attn", "deepseek") and n_layers:  # one block recomputed in backward
+        kw["policy"] = "none"  # what the recompute rebuilds: the block as under none
+        whole = [trainer_layer_bytes(spec, moe=m, **kw)["total"] for m in {False, spec.is_moe}]
+        working += max(0.0, max(whole) - (max(dense, moe) if per_layer != "none" else 0.0))
     if working:
         bd["backward_working"] = working
     if head:
@@ -180,8 +194,10 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
 def _checkpointed(spec, lay, per_mb: float, biggest: float, n_layers: int, kind: str, e: int, tokens: int) -> float:
     """A microbatch's stored bytes under the layout's checkpointing: ``full`` keeps each block's
     input (the residual stream, SP-sharded), ``every:C`` that for every C-th block and everything
-    for the others; ``none`` / ``selective`` all of it (selective is not modelled op by op here)."""
-    if lay.ac in ("none", "selective") or not n_layers:
+    for the others; ``none`` and the per-layer policies (``per_mb`` already under them) all of it."""
+    from ndtrain.planner.trainer_ac import POLICY_NAMES
+
+    if lay.ac == "none" or lay.ac in POLICY_NAMES or not n_layers:
         return per_mb
     from ndtrain.planner.layout import ac_every
 

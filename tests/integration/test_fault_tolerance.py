@@ -150,6 +150,7 @@ def test_killed_rank_is_blamed_not_the_peer_that_lost_it():
     assert str(e) == "rank 1 of 2 was killed by SIGKILL (out of memory?)"
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_chaos_kill9_five_times_equals_uninterrupted(tmp_path):
     """2 gloo ranks, float64, 40 steps, asynchronous checkpoints every 3 steps, ``--max-restarts 20``;
     a seeded driver SIGKILLs a random rank 5 times: once while a checkpoint is being written, the

@@ -121,6 +121,7 @@ def test_cp2_ring_and_ulysses_match_single_process():
     _check(run_ranks(_cases, 2, CASES_2, timeout_s=240), CASES_2)
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_cp4_and_dp_cp_match_single_process():
     """cp=4 ring (both layouts, causal and not, 2 microbatches), Ulysses with kv heads (2) fewer than
     cp (4), and dp2 x cp2 where gradients are summed over dp_cp."""

@@ -69,7 +69,7 @@ def _dp_vs_single(rank: int, world: int, micro: int, skew: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,micro,skew", [(2, 1, False), (2, 2, True), (4, 1, True)])
+@pytest.mark.parametrize("world,micro,skew", [(2, 1, False), (2, 2, True), pytest.param(4, 1, True, marks=pytest.mark.slow)])
 def test_dp_reproduces_single_process(world, micro, skew):
     res = run_ranks(_dp_vs_single, world, micro, skew)
     for r in res:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
 import torch
 
 from ndtrain.config import Config
@@ -168,6 +169,7 @@ def _all(rank: int, world: int, ckpt_dir: str) -> dict:
     return {"parity": _parity(rank, world), "reshard": _reshard(rank, world, ckpt_dir)}
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_ep2_with_zero123_and_hsdp_match_single_process_and_reshard(tmp_path):
     """One 4-rank spawn: ep2 x dp4 with ZeRO-1, -2, -3, ep2 x HSDP (dp_replicate 2 x dp_shard 2)
     with ZeRO-3 and ZeRO-1 vs the single process (losses, aux losses, grad norms, step-0 gradient

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from ndtrain.config import Config
@@ -121,6 +122,7 @@ def _ranks(rank: int, world: int) -> dict:
     return res
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_moe_statistics_and_dropping_match_single_process_on_every_layout():
     res = run_ranks(_ranks, 4, timeout_s=300)
     ref = res[0]["ref"]

@@ -122,7 +122,7 @@ def _check(res: list, world: int) -> None:
     assert sum(r[untied]["n_params"] for r in res) == 8 * 9 + 3
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pp_reproduces_single_process(world):
     """Every schedule x m in {1, 2, 3, 4, 8} (interleaved with v = 2), plus tied embeddings, in one
     spawn: losses, grad norms (clipped at 0.05) and final parameters over 10 steps, and the exact
@@ -131,6 +131,7 @@ def test_pp_reproduces_single_process(world):
     _check(res, world)
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_pp_random_sleeps_no_deadlock():
     """Every rank sleeps uniform(0, 50 ms) before each action (different per rank): no deadlock
     within the bound, and still the single-process losses (timing cannot change the results)."""
@@ -226,6 +227,7 @@ def _measured_bubble(rank: int, world: int, m: int, t: float, steps: int) -> dic
     return out
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_measured_bubble_matches_formula():
     """p = 4, m = 8, F = 20 ms, B = 20 ms (input grad) + 20 ms (weight grad) per rank's share
     (halved per chunk with v = 2): the measured bubble (idle fraction of the step, mean over ranks)

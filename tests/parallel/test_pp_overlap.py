@@ -187,6 +187,7 @@ def _rank(rank: int, world: int) -> tuple[dict, list[dict]]:
     return {"err": _ref_err(one_f_one_b, ref), **_bytes(one_f_one_b)}, out
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 @pytest.mark.timeout(600)
 def test_dualpipev_overlap_bitwise_equal_to_sequential_pp2_ep2():
     res = run_ranks(_rank, 4, timeout_s=600)

@@ -92,6 +92,7 @@ def test_base_exception_in_a_rank_is_reported_with_its_traceback():
     assert "Traceback" in e.details and "without a Python error" not in str(e)
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_hung_rank_is_named_and_killed(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(SpawnError, match=r"^rank\(s\) 0 of 2 did not finish within 20 s \(hung\?\)"):

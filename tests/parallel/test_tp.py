@@ -240,6 +240,7 @@ def _world4(rank: int, world: int, ckpt_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_tp4_replicated_kv_heads_match_single_process(tmp_path):
     """tp=4 with 2 kv heads: every rank keeps both kv heads and uses the one its q head needs; the
     kv weights' gradients are summed over tp. Vocabulary 61 padded to 64 (rank 3 holds 13 real

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ndtrain.config import Config
@@ -145,6 +146,7 @@ def test_zero_stages_two_ranks_match_single_process():
         _check(res, LAYOUTS_2)
 
 
+@pytest.mark.slow  # costly on 2 cores; the same axis keeps a smaller default test
 def test_zero_stages_four_ranks_and_hsdp_match_single_process():
     """ZeRO-1/2/3 on 4 ranks and HSDP 2x2 (ZeRO-3 and ZeRO-2 inside dp_shard, all-reduce across)."""
     for res in run_ranks(_layouts_vs_single, 4, LAYOUTS_4, timeout_s=400):
