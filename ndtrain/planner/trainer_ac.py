@@ -21,6 +21,7 @@ sharded by TP as in ``trainer_memory._local``; under SP the residual stream is 1
 from __future__ import annotations
 
 POLICY_NAMES = ("selective", "op", "core_attn", "deepseek")
+MATH_SCORE_TENSORS = 2  # math SDPA: the scaled scores (saved by the PV matmul's input) and softmax out
 
 
 def _casts(h: float, kind: str, ts: int, n_linears: int) -> float:
@@ -80,7 +81,6 @@ def policy_block_bytes(none: dict, spec, loc: dict, kind: str, e: int, ts: int, 
         drop = _lse(e) * a
         _, dqk, dv, _, _ = _mla_dims(spec)
         if spec.kv_lora_rank and dqk != dv:
-            from ndtrain.planner.trainer_memory import MATH_SCORE_TENSORS
             drop += MATH_SCORE_TENSORS * e * a * seq_len
         out = {"attention": attn - drop * tokens, "mlp": mlp}
     elif policy == "deepseek":

@@ -28,8 +28,9 @@ q, k, v as the attention core receives them (``model/mla.py`` expands the latent
 """
 from __future__ import annotations
 
+from ndtrain.planner.trainer_ac import MATH_SCORE_TENSORS, POLICY_NAMES, policy_block_bytes
+
 MEMORY_MODELS = ("fused", "trainer")
-MATH_SCORE_TENSORS = 2  # math SDPA: the scaled scores (saved by the PV matmul's input) and softmax out
 
 
 def trainer_kind(precision: str, act_bytes: int, zero_stage: int) -> tuple[str, int]:
@@ -130,8 +131,6 @@ def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool =
            "tokens": tokens}
     if policy == "none":
         return out
-    from ndtrain.planner.trainer_ac import policy_block_bytes
-
     return policy_block_bytes(out, spec, loc, kind, e, ts, seq_len, moe, policy,
                               lambda w, n, t: _norm(w, kind, e, n, t))
 
@@ -170,8 +169,6 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         bd["grads"] = 0.0
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
         bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * e + 4)
-    from ndtrain.planner.trainer_ac import POLICY_NAMES
-
     per_layer = lay.ac if lay.ac in POLICY_NAMES else "none"
     kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e,
           "policy": per_layer}
@@ -195,8 +192,6 @@ def _checkpointed(spec, lay, per_mb: float, biggest: float, n_layers: int, kind:
     """A microbatch's stored bytes under the layout's checkpointing: ``full`` keeps each block's
     input (the residual stream, SP-sharded), ``every:C`` that for every C-th block and everything
     for the others; ``none`` and the per-layer policies (``per_mb`` already under them) all of it."""
-    from ndtrain.planner.trainer_ac import POLICY_NAMES
-
     if lay.ac == "none" or lay.ac in POLICY_NAMES or not n_layers:
         return per_mb
     from ndtrain.planner.layout import ac_every
