@@ -222,7 +222,6 @@ def parallel_config(lay: Layout) -> ParallelConfig:
     mesh over tp ranks a config without ``edp`` cannot express is checked with ep = 1 here; the tied
     mesh passes ``expert_tp = tp`` (experts split over the attention tp, as the planner costs them)."""
     have, lacks = {f.name for f in fields(ParallelConfig)}, runtime_lacks(lay)
-    # the tied mesh splits experts over the attention tp (the trainer's expert_tp = tp)
     extra = {"expert_tp": lay.expert_tp if lay.folded else lay.tp}
     extra.update({k: getattr(lay, k) for k in ("edp", "moe_dispatch") if k in have and k not in lacks
                   and getattr(lay, k) != getattr(Layout, k)})

@@ -31,9 +31,10 @@ def _check(policy: str) -> None:
     two, cfg = _activations(policy, 2)
     four, _ = _activations(policy, 4)
     rehearsed = (four - two) / 2
-    name = policy if policy != "none" else "none"
     want = trainer_layer_bytes(from_model_config(cfg.model), 4 * 1024, 1024, tp=2, sp=True, kind="lowp", e=2,
-                               policy=name)["total"]
+                               policy=policy)["total"]
+    # reference: the rehearsed trainer (MemTracker at the forward peak). At 405B width the two agree to
+    # the MiB (docs/planner.md); 2% is the bound this small model was checked at, not a fitted slack
     assert want == pytest.approx(rehearsed, rel=0.02), (policy, want, rehearsed)
 
 
