@@ -38,19 +38,31 @@ FIRST_TIMED = 4  # steps 1-3 pay allocation and warm-up
 
 # row: (processes, PyTorch layout, ndtrain overrides)
 _PP = {"parallel.pp": 2, "parallel.pp_microbatches": 4}
+
+
+def even_layout(n_stages: int, layers: int = 8) -> str:
+    """``parallel.pp_layout`` of the split the PyTorch side uses (``peers_layouts.pp``): layers / n blocks
+    per virtual stage, the embedding on the first, the head on the last; the same work per stage on
+    both sides (ndtrain's default balance counts the embedding like the head and would differ)."""
+    per = layers // n_stages
+    return "|".join(("E" if i == 0 else "") + "t" * per + ("L" if i == n_stages - 1 else "")
+                    for i in range(n_stages))
+
+
+_PP1, _PP2 = _PP | {"parallel.pp_layout": even_layout(2)}, _PP | {"parallel.pp_layout": even_layout(4)}
 ROWS = {
     "single": (1, "plain", {}),
     "ddp": (2, "ddp", {}),
     "fsdp2": (2, "fsdp2", {"parallel.zero_stage": 3}),
     "tp": (2, "tp", {"parallel.tp": 2}),
     "tp_sp": (2, "tp_sp", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
-    "gpipe": (2, "pp:gpipe", _PP | {"parallel.pp_schedule": "gpipe"}),
-    "1f1b": (2, "pp:1f1b", _PP | {"parallel.pp_schedule": "1f1b"}),
-    "interleaved": (2, "pp:interleaved", _PP | {"parallel.pp_schedule": "interleaved",
-                                                "parallel.pp_virtual_stages": 2}),
-    "zero_bubble": (2, "pp:zero_bubble", _PP | {"parallel.pp_schedule": "zero_bubble"}),
-    "zbv": (2, "pp:zbv", _PP | {"parallel.pp_schedule": "dualpipev"}),
-    "dualpipev": (2, "pp:dualpipev", _PP | {"parallel.pp_schedule": "dualpipev"}),
+    "gpipe": (2, "pp:gpipe", _PP1 | {"parallel.pp_schedule": "gpipe"}),
+    "1f1b": (2, "pp:1f1b", _PP1 | {"parallel.pp_schedule": "1f1b"}),
+    "interleaved": (2, "pp:interleaved", _PP2 | {"parallel.pp_schedule": "interleaved",
+                                                 "parallel.pp_virtual_stages": 2}),
+    "zero_bubble": (2, "pp:zero_bubble", _PP1 | {"parallel.pp_schedule": "zero_bubble"}),
+    "zbv": (2, "pp:zbv", _PP2 | {"parallel.pp_schedule": "dualpipev"}),
+    "dualpipev": (2, "pp:dualpipev", _PP2 | {"parallel.pp_schedule": "dualpipev"}),
     "cp": (2, "cp", {"parallel.cp": 2}),
 }
 

@@ -5,7 +5,8 @@
 ``Trainer.step`` of the reference model (dim 256, 8 layers, 8 heads, vocab 8192, 8 sequences x 256
 tokens per data-parallel rank, bf16 autocast, AdamW) split into phases by
 ``ndtrain.train.profiling.StepBreakdown`` (wall-clock spans; the waits of the counted primitives),
-for one process and for pp = 2 (1F1B, two microbatches, two gloo processes). Threads follow
+for one process and for pp = 2 (``--pp-schedule``, default 1F1B, ``--pp-microbatches``, default 4 as in
+``bench/peers.py``; two gloo processes). Threads follow
 ``ndtrain.spawn.thread_policy``. Reports the median of each phase over the timed steps (per rank
 at pp = 2) and the medians' sum beside the median step; for one process also the phases of
 ``bench/peers_plain.py``'s plain loop (forward, backward, clip + AdamW), its steps alternating with
@@ -41,14 +42,14 @@ def reference_cfg(world: int, pp: int = 1, schedule: str = "1f1b", m: int = 0):
     return load_config("default", over, world_size=world)
 
 
-def _measure(rank: int, world: int, pp: int, steps: int, warmup: int) -> dict:
+def _measure(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4) -> dict:
     import torch
 
     from ndtrain.mesh import ParallelDims
     from ndtrain.train.profiling import PHASES, StepBreakdown
     from ndtrain.train.trainer import Trainer
 
-    cfg = reference_cfg(world, pp, m=2 if pp > 1 else 0)
+    cfg = reference_cfg(world, pp, schedule, m=m if pp > 1 else 0)
     tr = Trainer(cfg, ParallelDims.from_config(cfg.parallel, world).build_mesh(), torch.device("cpu"))
     rows = cfg.training.global_batch_size // tr.mesh.dims.dp
     plain = _PlainPhases() if world == 1 else None  # the plain loop's phases, steps alternating
@@ -111,18 +112,18 @@ def _batch(step: int, rows: int):
     return seq[:, :-1], seq[:, 1:]
 
 
-def _rank(rank: int, world: int, pp: int, steps: int, warmup: int) -> dict:
-    return _measure(rank, world, pp, steps, warmup)
+def _rank(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str, m: int) -> dict:
+    return _measure(rank, world, pp, steps, warmup, schedule, m)
 
 
-def run_layout(name: str, steps: int, warmup: int) -> list[dict]:
+def run_layout(name: str, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4) -> list[dict]:
     from ndtrain.spawn import policy_env, running_under, spawn, thread_policy
 
     if name == "single":
         with running_under(thread_policy(1)):
             return [_measure(0, 1, 1, steps, warmup)]
     p = thread_policy(2)
-    return spawn(_rank, 2, (2, steps, warmup), backend="gloo", threads=p.threads, env=policy_env(p),
+    return spawn(_rank, 2, (2, steps, warmup, schedule, m), backend="gloo", threads=p.threads, env=policy_env(p),
                  timeout_s=3600.0)
 
 
@@ -131,15 +132,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layouts", default="single,pp2", help="comma list of single, pp2")
+    ap.add_argument("--pp-schedule", default="1f1b", help="pp2's schedule (gpipe, 1f1b, interleaved, zero_bubble, dualpipev)")
+    ap.add_argument("--pp-microbatches", type=int, default=4, help="pp2's microbatches (bench/peers.py's pp rows: 4)")
     ap.add_argument("--out", default="step_breakdown.json", help="file name under bench/results/")
     args = ap.parse_args()
     from ndtrain.tools.bench_utils import write_result
 
     res = {"model": f"dim {DIM}, {LAYERS} layers, {HEADS} heads, vocab {VOCAB}, ffn {FFN}",
            "batch": f"{B} x {T} tokens per dp rank, bf16 autocast, AdamW", "steps": args.steps,
-           "warmup": args.warmup, "load_before": os.getloadavg(), "layouts": {}}
+           "warmup": args.warmup, "pp": f"{args.pp_schedule}, m {args.pp_microbatches}", "load_before": os.getloadavg(), "layouts": {}}
     for name in args.layouts.split(","):
-        res["layouts"][name] = run_layout(name, args.steps, args.warmup)
+        res["layouts"][name] = run_layout(name, args.steps, args.warmup, args.pp_schedule, args.pp_microbatches)
         for r in res["layouts"][name]:
             print(name, f"rank {r['rank']}", json.dumps({k: round(v * 1e3, 1) for k, v in r["median_s"].items()}),
                   "(ms)", flush=True)

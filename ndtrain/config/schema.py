@@ -223,7 +223,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # 0 = from global_batch_size / (micro_batch_size * dp)
     pp_virtual_stages: int = 1  # interleaved schedule: model chunks per rank
     pp_layout: str = ""  # what each virtual stage holds, Megatron's --pipeline-model-parallel-layout syntax ("E|(t|)*126,L": E embedding, t block, m MTP depth, L head + loss, '|' between stages, *N repeats); empty = balanced by per-layer costs
-    pp_overlap: str = "auto"  # auto | true | false: DualPipeV runs each F&B pair's backward in a thread beside its forward, so one microbatch's EP all-to-all waits under the other's compute (auto: where pp/rules.overlap_blockers allow; CPU)
+    pp_overlap: str = "auto"  # auto | true | false: DualPipeV runs each F&B pair's backward in a thread beside its forward, so one microbatch's EP all-to-all waits under the other's compute (auto: an MoE model with ep > 1, where pp/rules.overlap_blockers allow; CPU)
     bucket_size_bytes: int = 25 * 2**20  # data-parallel gradient bucket size
     grad_reduce_dtype: str = "float32"  # float32 | bfloat16: dtype of gradient reductions
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl

@@ -245,6 +245,8 @@ def test_pp_overlap_rule():
     assert resolve_overlap("auto", **ok) and resolve_overlap(True, **ok)  # YAML true arrives as "True"
     assert not resolve_overlap("false", **ok) and not resolve_overlap("auto", 2, "1f1b")
     assert not resolve_overlap("auto", **ok, zero_stage=3) and not resolve_overlap("auto", **ok, device="cuda")
+    # a dense pair (no expert all-to-all to hide) runs sequentially under auto, overlapped only when asked
+    assert not resolve_overlap("auto", **ok, all_to_all=False) and resolve_overlap("true", **ok, all_to_all=False)
     for bad, needle in (({"tp": 2}, "tp (2) == 1"), ({"cp": 2}, "cp (2) == 1"), ({"zero_stage": 3}, "zero_stage (3)"),
                         ({"activation_checkpoint": "full"}, "activation_checkpoint=none"),
                         ({"compiled": True}, "training.compile=false"), ({"device": "cuda"}, "training.device=cpu"),

@@ -20,6 +20,12 @@ def test_every_row_is_a_valid_ndtrain_layout_of_equal_work(name, tmp_path):
     assert cfg.training.global_batch_size == 8 * dp and cfg.data.seq_len == 256
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.vocab_size) == (256, 8, 8, 8192)
     assert cfg.training.stop_at_step == 12 and cfg.logging.log_every == 1
+    if layout.startswith("pp:"):  # each virtual stage holds the blocks the PyTorch side's does (layers / n)
+        from ndtrain.parallel.pp.stage import stage_runs
+
+        n = 2 * (2 if layout in ("pp:interleaved", "pp:zbv", "pp:dualpipev") else 1)
+        per = 8 // n
+        assert stage_runs(cfg, n) == [list(range(i * per, (i + 1) * per)) for i in range(n)]
 
 
 @pytest.mark.slow  # two whole processes of the full-size model: minutes on a loaded 2-core machine

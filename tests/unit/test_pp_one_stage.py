@@ -122,3 +122,33 @@ def test_observers_meter_only_when_attached(monkeypatch):
     assert all(e.end >= e.start for e in timer.events) and timer.wait_s >= 0.0
     rt.track_memory = False
     assert not rt.track_memory and rt.observers == [timer]
+
+
+def test_step_runs_under_the_short_gil_switch_interval_and_restores_it():
+    """``PipelineRuntime.run`` shortens Python's GIL switch interval for the step (receiver threads hand
+    over at each message) and restores the caller's value afterwards, also when the step raises."""
+    import sys
+
+    from ndtrain.parallel.pp import runtime as rt_mod
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).double()
+    x = torch.randint(0, 11, (4, 5))
+    seen = []
+    net.register_forward_hook(lambda *_: seen.append(sys.getswitchinterval()))
+
+    def loss_fn(logits, y):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+    rt = PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "1f1b", loss_fn)
+    before = sys.getswitchinterval()
+    assert before > rt_mod.SWITCH_INTERVAL_S  # Python's default 5 ms
+    rt.run(x, x, m=2)
+    assert seen == [pytest.approx(rt_mod.SWITCH_INTERVAL_S)] * 2 and sys.getswitchinterval() == before
+
+    def bad_loss(logits, y):
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(RuntimeError, match="loss failed"):
+        PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "1f1b", bad_loss).run(x, x, m=2)
+    assert sys.getswitchinterval() == before

@@ -123,7 +123,8 @@ class StagePipeline:
         schedule = cfg.parallel.pp_schedule if mesh.dims.pp > 1 else "1f1b"  # one stage: F, B in turn
         p, t = cfg.parallel, cfg.training
         overlap = resolve_overlap(p.pp_overlap, mesh.dims.pp, schedule, p.tp, p.cp, p.zero_stage,
-                                  t.activation_checkpoint, t.compile, torch.device(device).type)
+                                  t.activation_checkpoint, t.compile, torch.device(device).type,
+                                  all_to_all=cfg.model.is_moe and p.ep > 1)
         self.runtime = LabelledRuntime(stage_chunks(model), mesh.group("pp"), schedule, loss_fn, dp,
                                        forward_ctx, device, labelled=labelled, overlap=overlap)
 

@@ -105,12 +105,18 @@ def check_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 
 
 
 def resolve_overlap(pp_overlap, pp: int, pp_schedule: str, tp: int = 1, cp: int = 1, zero_stage: int = 0,
-                    activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu") -> bool:
+                    activation_checkpoint: str = "none", compiled: bool = False, device: str = "cpu",
+                    all_to_all: bool = True) -> bool:
     """Whether the pairs overlap: ``true`` (raises ConfigError like ``check_overlap``), ``auto`` without
-    blockers."""
+    blockers and when a pair has an expert all-to-all to hide (``all_to_all``: an MoE model with ep > 1).
+    A dense pair is compute only: its two threads would share the rank's cores and gain nothing (on
+    two 1-thread CPU ranks the sequential pairs ran faster), so ``auto`` runs it sequentially."""
     args = (pp, pp_schedule, tp, cp, zero_stage, activation_checkpoint, compiled, device)
     check_overlap(pp_overlap, *args)
-    return str(pp_overlap).lower() != "false" and not overlap_blockers(*args)
+    mode = str(pp_overlap).lower()
+    if mode == "false" or overlap_blockers(*args):
+        return False
+    return mode == "true" or all_to_all
 
 
 def inert_settings(pp: int, pp_schedule: str, pp_virtual_stages: int, pp_layout: str = "") -> list[str]:
