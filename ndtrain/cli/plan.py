@@ -8,6 +8,7 @@
                  [--moe-max-nodes M] [--moe-fp8-dispatch] [--moe-imbalance F]
                  [--mttf-hours H] [--checkpoint-save-s S] [--checkpoint-load-s S] [--restart-s S]
                  [--memory-model fused|trainer] [--rehearse K [--rehearse-cache DIR]]
+                 [--mode compile|kernels|eager]
 
 Without ``--layout`` it searches and recommends; with it, it evaluates that layout. ``--measure``
 times this machine's matmul peak and gloo / NCCL all-reduce (alpha, beta) and, with ``--hardware
@@ -80,6 +81,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds from an interruption to the relaunched job (default 600)")
     p.add_argument("--measure", action="store_true",
                    help="measure matmul peak and all-reduce alpha/beta on this machine")
+    p.add_argument("--mode", default="", choices=("", "compile", "kernels", "eager"),
+                   help="how the memory-bound ops run, for every searched layout and a --layout without "
+                        "mode=: compile (fused, the default), kernels (ndtrain's Triton norm / SwiGLU), eager")
     from ndtrain.cli.plan_rehearse import add_rehearse_args
 
     add_rehearse_args(p)
@@ -160,6 +164,10 @@ def run_plan(args: argparse.Namespace) -> int:
                 layout = parse_layout(args.layout)
             except ValueError as e:
                 return _fail(str(e))
+            if args.mode and "mode=" in args.layout.replace(" ", "") and layout.mode != args.mode:
+                return _fail(f"--mode {args.mode} contradicts the layout's mode={layout.mode}")
+            if args.mode:
+                layout = replace(layout, mode=args.mode)
             for note in layout_assumptions(args.layout, layout):
                 print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
             plans = [evaluate(spec, cluster, w, layout)]
@@ -168,7 +176,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)
             everything = plans
         else:
-            everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported)
+            everything = search(spec, cluster, w, top=0, include_unsupported=args.include_unsupported,
+                                mode=args.mode or "compile")
             rec = recommend(everything)
             plans = everything[:args.top] if args.top else everything
             if rec is not None and rec not in plans:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ndtrain.planner.ac_memory import recompute_attention_share
+from ndtrain.planner.exec_mode import MODES
 from ndtrain.planner.goodput import Goodput, goodput
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, check_layout, unsupported_rules
@@ -158,10 +159,12 @@ def tp_degrees(spec, cluster: Cluster) -> list[int]:
             and spec.ffn_hidden % t == 0]
 
 
-def candidate_layouts(spec, cluster: Cluster, w: Workload, include_unsupported: bool = False) -> list[Layout]:
+def candidate_layouts(spec, cluster: Cluster, w: Workload, include_unsupported: bool = False,
+                      mode: str = "compile") -> list[Layout]:
     """Meshes x schedules x microbatch sizes the search considers (ZeRO / AC chosen later): tp and
     pp any divisor the model's shapes allow (``tp_degrees``; pp up to the layer count, at most 128),
-    cp a power of two for T >= 16K, ep a divisor of the expert count up to 64."""
+    cp a power of two for T >= 16K, ep a divisor of the expert count up to 64; every one in the
+    execution ``mode`` (``exec_mode.MODES``)."""
     n, gpn = cluster.gpus, cluster.gpus_per_node
     seqs = w.global_batch_seqs
     out = []
@@ -180,7 +183,7 @@ def candidate_layouts(spec, cluster: Cluster, w: Workload, include_unsupported: 
                                                        and spec.n_experts % e == 0]
                     for ep in eps:
                         out.extend(_with_knobs(Layout(tp=tp, cp=cp, pp=pp, dp_shard=dp // rep,
-                                                      dp_replicate=rep, ep=ep), spec, seqs // dp,
+                                                      dp_replicate=rep, ep=ep, mode=mode), spec, seqs // dp,
                                                include_unsupported))
     return out
 
@@ -208,12 +211,16 @@ def _with_knobs(base: Layout, spec, local_seqs: int, include_unsupported: bool =
 AC_ORDER = ("none", "selective", "every:2", "full")
 
 
-def search(spec, cluster: Cluster, w: Workload, top: int = 10, include_unsupported: bool = False) -> list[Plan]:
+def search(spec, cluster: Cluster, w: Workload, top: int = 10, include_unsupported: bool = False,
+           mode: str = "compile") -> list[Plan]:
     """Fitting layouts ranked by predicted MFU (ties: less memory first); at most ``top``. Only
     layouts ``ndtrain train`` accepts, unless ``include_unsupported`` (those carry their rule in
-    ``plan.unsupported``; ``recommend`` never picks them)."""
+    ``plan.unsupported``; ``recommend`` never picks them). ``mode``: the execution mode of every
+    candidate (compile | kernels | eager). Raises ValueError for another mode."""
+    if mode not in MODES:
+        raise ValueError(f"mode ({mode}) must be one of {', '.join(MODES)}")
     plans = []
-    for base in candidate_layouts(spec, cluster, w, include_unsupported):
+    for base in candidate_layouts(spec, cluster, w, include_unsupported, mode):
         dp_cp = base.dp * base.cp
         stages = (0,) if dp_cp == 1 else (0, 1, 2, 3)
         for z in stages:

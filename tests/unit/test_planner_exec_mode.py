@@ -188,3 +188,25 @@ def test_cli_layout_mode_eager_is_slower_and_round_trips(capsys):
         times[mode] = row["step_time_s"]
         assert ("mode=eager" in row["layout"]) == (mode == "eager")
     assert times["eager"] > times["compile"]
+
+
+def test_cli_mode_flag_sets_the_search_and_a_layout_without_mode(capsys):
+    """``--mode eager``: every searched layout and a ``--layout`` without ``mode=`` are costed eager
+    (slower than compiled); a layout naming another mode is refused with exit 2."""
+    import json
+
+    from ndtrain.cli.plan import main
+
+    base = ["--model", "llama3_8b", "--hardware", "H100", "--gpus", "8", "--json"]
+    lay = ["--layout", "dp_shard=8,zero_stage=3,ac=full,microbatch=1"]
+    got = {}
+    for mode in ("compile", "eager"):
+        assert main(base + lay + ["--mode", mode]) == 0
+        got[mode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "mode=eager" in got["eager"]["layout"] and "mode" not in got["compile"]["layout"]
+    assert got["eager"]["step_time_s"] > got["compile"]["step_time_s"]
+    assert main(base + ["--layout", "dp_shard=8,mode=compile", "--mode", "eager"]) == 2
+    assert "contradicts the layout's mode=compile" in capsys.readouterr().err
+    assert main(base + ["--mode", "eager", "--top", "3"]) == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines() if ln.startswith("{")]
+    assert rows and all("mode=eager" in r["layout"] for r in rows if "layout" in r)
