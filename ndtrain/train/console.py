@@ -303,8 +303,32 @@ def startup_summary(cfg, dims, data, run_dir: Path, n_params: int, fpt: float, p
          f"{t.steps * t.global_batch_size * T:,} tokens = {epochs:.2f} epochs of the train split"),
         f"compute: {fpt / 1e6:,.1f} MFLOP/token | {peak_s}",
         *_feature_lines(cfg),
+        *_pipeline_lines(cfg),
         *_thread_lines(),
     ]
+
+
+def _pipeline_lines(cfg) -> list[str]:
+    """Under pp > 1, the schedule and the blocks each pp rank holds (its virtual stages in order,
+    ``E`` / ``L`` where the embedding / head sit), as ``parallel/pp/stage.plan_stage`` splits them."""
+    p = cfg.parallel
+    if p.pp <= 1:
+        return []
+    from ndtrain.parallel.pp.stage import plan_stage
+
+    def runs(ids: list[str]) -> str:
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else (ids[0] if ids else "-")
+
+    ranks, shown = [], range(p.pp) if p.pp <= 6 else [0, 1, 2, p.pp - 2, p.pp - 1]  # long layouts: the ends
+    for r in shown:
+        if r == p.pp - 2 and p.pp > 6:
+            ranks.append("...")
+        info = plan_stage(cfg, r)
+        parts = [runs(c) for c in info.chunks]
+        ranks.append(f"{r}: " + ("E " if info.first else "") + ",".join(parts) + (" L" if info.last else ""))
+    m = f"{p.pp_microbatches} microbatches" if p.pp_microbatches else "microbatches of training.micro_batch_size"
+    v = f" x v {p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""
+    return [f"pipeline: {p.pp_schedule}, pp {p.pp}{v}, {m} | blocks per rank: " + " | ".join(ranks)]
 
 
 def _feature_lines(cfg) -> list[str]:

@@ -265,3 +265,20 @@ def test_feature_line_names_what_is_on_and_nothing_for_a_plain_run():
         "training: Muon (lr 0.001, moonlight scale, 5 NS steps) + QK-clip tau 50; width transfer from "
         "model.dim 32 (hidden LRs and init std); LoRA rank 4 alpha 16 on *.wq,*.wk,*.wv,*.wo (base frozen); "
         "packed documents masked (data.document_mask)"]
+
+
+def test_pipeline_line_names_the_schedule_and_each_ranks_blocks():
+    """pp > 1: the start-up summary says which blocks each pp rank holds (E / L: embedding / head);
+    pp 1 prints nothing; long pipelines show their two ends."""
+    from ndtrain.train.console import _pipeline_lines
+
+    assert _pipeline_lines(load_config("debug")) == []
+    cfg = load_config("debug", {"parallel.pp": "2", "parallel.pp_microbatches": "4", "model.n_layers": "4",
+                                "parallel.pp_layout": "Et|ttt,L"}, world_size=2)
+    assert _pipeline_lines(cfg) == ["pipeline: 1f1b, pp 2, 4 microbatches | blocks per rank: 0: E 0 | 1: 1-3 L"]
+    big = load_config("llama3_405b", {"parallel.pp": "16", "parallel.tp": "8", "parallel.dp_shard": "64",
+                                      "parallel.pp_schedule": "interleaved", "parallel.pp_virtual_stages": "8",
+                                      "parallel.pp_layout": "E|(t|)*126,L"}, world_size=8192)
+    (line,) = _pipeline_lines(big)
+    assert "pp 16 x v 8" in line and "0: E -,15,31,47,63,79,95,111 |" in line and " | ... | 14: " in line
+    assert line.endswith("15: 14,30,46,62,78,94,110,- L")
