@@ -182,7 +182,7 @@ class TrainingConfig:
     eval_every: int = 0  # steps between validation passes (0 = only at the end)
     eval_batches: int = 4  # global batches per validation pass
     sample_every: int = 0  # steps between generated samples (0 = only at the end)
-    sample_tokens: int = 64  # tokens generated per sample
+    sample_tokens: int = 64  # tokens generated per sample (0 = no sample: nothing generated or printed)
     sample_prompt: str = "def "  # prompt of the printed sample
     sample_temperature: float = 0.8  # 0 = greedy
     sample_top_k: int = 40  # 0 = no top-k filter

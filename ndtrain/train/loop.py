@@ -371,7 +371,10 @@ def _plot(r: _Run, quiet: bool = True, safe: bool = False) -> None:
 
 def _sample(r: _Run, label: str, quiet: bool) -> None:
     """Rank 0 generates: alone when the layout allows it (``ParallelPlan.sample_skip_reason``),
-    else on a single-process copy of the weights gathered to it (collective: ``rundir.sample_model``)."""
+    else on a single-process copy of the weights gathered to it (collective: ``rundir.sample_model``).
+    ``training.sample_tokens = 0``: no sample (every rank skips alike: the config is the same)."""
+    if r.cfg.training.sample_tokens <= 0:
+        return
     model, why = sample_model(r.trainer, r.cfg)
     if r.rank == 0 and not (why and quiet):
         print(f"{label}: skipped ({why})" if why else  # text, not repr

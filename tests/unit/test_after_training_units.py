@@ -175,3 +175,20 @@ def test_folded_expert_tp_makes_rank_0_gather_before_sampling():
     plain = SimpleNamespace(dims=ParallelDims(dp_shard=2, world_size=2))
     assert "expert_tp" in sample_skip_reason(folded, cfg)
     assert sample_skip_reason(plain, cfg) == ""
+
+
+def test_sample_tokens_zero_prints_and_gathers_nothing(monkeypatch, capsys):
+    """``training.sample_tokens=0``: the end-of-run sample is off on every rank -- no gather, no
+    line (it used to print the prompt alone); 1 or more samples as before."""
+    from types import SimpleNamespace
+
+    from ndtrain.config import load_config
+    from ndtrain.train import loop
+
+    calls = []
+    monkeypatch.setattr(loop, "sample_model", lambda tr, c: calls.append(1) or (None, "a reason"))
+    for n, printed in ((0, ""), (4, "sample: skipped (a reason)\n")):
+        run = SimpleNamespace(cfg=load_config("debug", {"training.sample_tokens": str(n)}), trainer=None, rank=0)
+        loop._sample(run, "sample", quiet=False)
+        assert capsys.readouterr().out == printed
+    assert calls == [1]
