@@ -1,6 +1,7 @@
 """Where a training step's time goes: forward, backward, optimizer, communication waits, bookkeeping.
 
-    python bench/step_breakdown.py [--steps 8] [--warmup 3] [--layouts single,pp2] [--out step_breakdown.json]
+    python bench/step_breakdown.py [--steps 8] [--warmup 3] [--layouts single,pp2] [--pp-schedule 1f1b]
+        [--pp-microbatches 4] [--switch-interval S] [--out step_breakdown.json]
 
 ``Trainer.step`` of the reference model (dim 256, 8 layers, 8 heads, vocab 8192, 8 sequences x 256
 tokens per data-parallel rank, bf16 autocast, AdamW) split into phases by
@@ -42,8 +43,14 @@ def reference_cfg(world: int, pp: int = 1, schedule: str = "1f1b", m: int = 0):
     return load_config("default", over, world_size=world)
 
 
-def _measure(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4) -> dict:
+def _measure(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4,
+             switch_s: float = 0.0) -> dict:
     import torch
+
+    from ndtrain.parallel.pp import runtime
+
+    if switch_s > 0:  # the GIL switch interval the pipeline step runs under (before / after comparisons)
+        runtime.SWITCH_INTERVAL_S = switch_s
 
     from ndtrain.mesh import ParallelDims
     from ndtrain.train.profiling import PHASES, StepBreakdown
@@ -112,18 +119,19 @@ def _batch(step: int, rows: int):
     return seq[:, :-1], seq[:, 1:]
 
 
-def _rank(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str, m: int) -> dict:
-    return _measure(rank, world, pp, steps, warmup, schedule, m)
+def _rank(rank: int, world: int, pp: int, steps: int, warmup: int, schedule: str, m: int, switch_s: float) -> dict:
+    return _measure(rank, world, pp, steps, warmup, schedule, m, switch_s)
 
 
-def run_layout(name: str, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4) -> list[dict]:
+def run_layout(name: str, steps: int, warmup: int, schedule: str = "1f1b", m: int = 4,
+               switch_s: float = 0.0) -> list[dict]:
     from ndtrain.spawn import policy_env, running_under, spawn, thread_policy
 
     if name == "single":
         with running_under(thread_policy(1)):
-            return [_measure(0, 1, 1, steps, warmup)]
+            return [_measure(0, 1, 1, steps, warmup, switch_s=switch_s)]
     p = thread_policy(2)
-    return spawn(_rank, 2, (2, steps, warmup, schedule, m), backend="gloo", threads=p.threads, env=policy_env(p),
+    return spawn(_rank, 2, (2, steps, warmup, schedule, m, switch_s), backend="gloo", threads=p.threads, env=policy_env(p),
                  timeout_s=3600.0)
 
 
@@ -134,15 +142,18 @@ def main() -> None:
     ap.add_argument("--layouts", default="single,pp2", help="comma list of single, pp2")
     ap.add_argument("--pp-schedule", default="1f1b", help="pp2's schedule (gpipe, 1f1b, interleaved, zero_bubble, dualpipev)")
     ap.add_argument("--pp-microbatches", type=int, default=4, help="pp2's microbatches (bench/peers.py's pp rows: 4)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="GIL switch interval (s) of the pipeline step; 0: the runtime's (0.0002); 0.005: Python's default")
     ap.add_argument("--out", default="step_breakdown.json", help="file name under bench/results/")
     args = ap.parse_args()
     from ndtrain.tools.bench_utils import write_result
 
     res = {"model": f"dim {DIM}, {LAYERS} layers, {HEADS} heads, vocab {VOCAB}, ffn {FFN}",
            "batch": f"{B} x {T} tokens per dp rank, bf16 autocast, AdamW", "steps": args.steps,
-           "warmup": args.warmup, "pp": f"{args.pp_schedule}, m {args.pp_microbatches}", "load_before": os.getloadavg(), "layouts": {}}
+           "warmup": args.warmup, "pp": f"{args.pp_schedule}, m {args.pp_microbatches}", "switch_interval_s": args.switch_interval or None, "load_before": os.getloadavg(), "layouts": {}}
     for name in args.layouts.split(","):
-        res["layouts"][name] = run_layout(name, args.steps, args.warmup, args.pp_schedule, args.pp_microbatches)
+        res["layouts"][name] = run_layout(name, args.steps, args.warmup, args.pp_schedule, args.pp_microbatches,
+                                          args.switch_interval)
         for r in res["layouts"][name]:
             print(name, f"rank {r['rank']}", json.dumps({k: round(v * 1e3, 1) for k, v in r["median_s"].items()}),
                   "(ms)", flush=True)
