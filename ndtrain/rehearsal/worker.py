@@ -33,21 +33,23 @@ def batch_reads(cfg, trainer) -> list[tuple]:
 def pipeline_header(cfg, trainer):
     """(shape, dtype) of the pipeline message with header tag ``tag`` (``pp.p2p.tag``): every stage
     boundary carries the residual stream, (rows of its microbatch, T / cp [/ tp under sequence
-    parallel], dim), in the parameter dtype (what the real peers send: the bf16 autocast runs send
-    float32 too)."""
+    parallel], dim), in the dtype the real peers send: the parameters' (float32 under bf16 autocast
+    with ZeRO 0), the compute dtype under ZeRO 1-3, whose bf16 weights make a bf16 residual stream."""
     from ndtrain.parallel.parallelize import param_dtype
     from ndtrain.parallel.pp.stage import plan_stage
+    from ndtrain.precision import compute_dtype
 
     d, p = trainer.mesh.dims, cfg.parallel
     info = plan_stage(cfg, 0)
     n_stages = info.p * info.v
     b = cfg.training.global_batch_size // d.dp
     t = cfg.data.seq_len // d.cp // (d.tp if p.sequence_parallel else 1)
+    dtype = (compute_dtype(cfg.training.dtype) if p.zero_stage else None) or param_dtype(cfg)
 
     def header(tag: int):
         mb, m = (tag // 4) // n_stages, trainer.pipeline.m
         rows = b // m + (1 if mb < b % m else 0)  # tensor_split's chunks
-        return (rows, t, cfg.model.dim), param_dtype(cfg)
+        return (rows, t, cfg.model.dim), dtype
     return header
 
 
