@@ -26,7 +26,7 @@ import torch
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import GroupedExperts
-from ndtrain.model.moe_autograd import scatter_rows
+from ndtrain.model.moe_autograd import scatter_rows, weighted_sum
 from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
 from ndtrain.parallel.ep.hier_rules import ep_nodes
 from ndtrain.parallel.ep.layers import ExpertParallelExperts
@@ -148,8 +148,8 @@ def node_exchange(xs: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
     row_in = meta_in[:, 1] + (torch.cumsum(recv[:, 0], 0) - recv[:, 0])[src]  # (A_in,) row of xp
     perm = torch.argsort(meta_in[:, 0], stable=True)  # -> expert order inside the node
     y = local_fn(xp[row_in[perm]], torch.bincount(meta_in[:, 0], minlength=per), tally)  # (A_in, C)
-    wdt = torch.promote_types(y.dtype, w_in.dtype)
-    yw = (y.to(wdt) * w_in[perm].unsqueeze(1).to(wdt)).to(y.dtype)  # (A_in, C)
+    # weighted in the weights' float32; backward keeps y in the experts' dtype (moe_autograd)
+    yw = weighted_sum(y.unsqueeze(1), w_in[perm].unsqueeze(1), y.dtype)  # (A_in, C)
     z = y.new_zeros(xp.shape[0], c).index_add(0, row_in[perm], yw)  # (P_in, C) summed inside the node
     back = AllToAllV.apply(z, sp, rp, groups.inter, tally)  # (P, C) one copy back per pair
     return scatter_rows(back.to(xs.dtype), first, m)
