@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model import moe_balance, moe_autograd
+from ndtrain.model import moe_autograd, moe_balance
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.moe_balance import moe_layers  # also re-exported
 from ndtrain.model.moe_capacity import SequenceShards, balanced_assignment, capacity_keep
