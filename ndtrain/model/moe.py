@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndtrain.config import ModelConfig
-from ndtrain.model import moe_balance
+from ndtrain.model import moe_autograd, moe_balance
 from ndtrain.model.mlp import FeedForward
 from ndtrain.model.moe_balance import moe_layers  # also re-exported
 from ndtrain.model.moe_capacity import SequenceShards, balanced_assignment, capacity_keep
@@ -141,10 +141,11 @@ class MoE(nn.Module):
 
     # ---- routing ---------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, C) -> logits (N, E) in float32 (float64 for a float64 model); autocast disabled."""
+        """x (N, C) -> logits (N, E) in float32 (float64 for a float64 model); autocast disabled.
+        Backward keeps x and the weight as given, not their float32 casts (``moe_autograd``)."""
         rdt = torch.promote_types(self.router.weight.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(rdt), self.router.weight.to(rdt))
+            return moe_autograd.router_logits(x, self.router.weight, rdt)
 
     def route(self, logits: torch.Tensor, forced: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,7 +199,7 @@ class MoE(nn.Module):
         n, k, c = flat.shape[0], self.top_k, flat.shape[1]
         if getattr(self.experts, "weights_inside", False):  # hierarchical dispatch: weighted sums per node
             ys = self.experts(xs, counts, weights.reshape(-1)[order], order // k)  # (M, C)
-            y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C): a token's sums, other rows 0
+            y = moe_autograd.scatter_rows(ys, order, n * k)  # (N*k, C): a token's sums, other rows 0
             return y.view(n, k, c).sum(1).to(flat.dtype), None
         shared = None
         if self.shared is not None and self.shared_overlap and getattr(self.experts, "accepts_side_fn", False):
@@ -206,9 +207,9 @@ class MoE(nn.Module):
             ys, shared = self.experts(xs, counts, side_fn=lambda: self.shared_output(flat))
         else:
             ys = self.run_experts(xs, counts)  # (M, C)
-        y = ys.new_zeros(n * k, c).index_copy(0, order, ys)  # (N*k, C), dropped rows stay 0
-        out_dtype = torch.promote_types(ys.dtype, weights.dtype)
-        return (y.view(n, k, c).to(out_dtype) * weights.unsqueeze(-1)).sum(1).to(flat.dtype), shared
+        y = moe_autograd.scatter_rows(ys, order, n * k)  # (N*k, C), dropped rows stay 0
+        # weighted in the scores' float32; backward keeps y in the experts' dtype (moe_autograd)
+        return moe_autograd.weighted_sum(y.view(n, k, c), weights, flat.dtype), shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_tokens(x, self.token_mask)

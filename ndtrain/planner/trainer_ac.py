@@ -7,10 +7,11 @@ accounting (``trainer_memory``): the tensors ``ndtrain.parallel.activation_ckpt`
   down projection's outputs at full width h, since the row-parallel matmul runs before its
   reduce-scatter or all-reduce; gate and up; the router logits; the shared experts'); ``op`` also
   the fused attention kernel's output and log-sum-exp (torchtitan's op SAC). Math attention (MLA
-  on this CPU) runs as two ``bmm``: its scores and output are kept by both. Norms, RoPE, SiLU(g)*u,
+  on this CPU) runs as two float32 ``bmm``: its scores and output are kept by both. Norms, RoPE, SiLU(g)*u,
   autocast's casts and the routed experts' ``grouped_mm`` are recomputed.
 * ``core_attn``: ``none`` less the attention core's own state (log-sum-exp; the math kernel's
-  score tensors); q, k, v stay as the core's inputs, its output as the O projection's.
+  float32 q, k, v and probabilities); q, k, v stay as the core's inputs (v as the kv projection
+  output it views), its output as the O projection's.
 * ``deepseek``: every RMSNorm keeps only its input; the projections that read a norm keep nothing
   for it (the output is recomputed), except autocast's bf16 casts of it; MLA keeps its latents and
   the attention output, not the per-head q, k, v.
@@ -21,7 +22,13 @@ sharded by TP as in ``trainer_memory._local``; under SP the residual stream is 1
 from __future__ import annotations
 
 POLICY_NAMES = ("selective", "op", "core_attn", "deepseek")
-MATH_SCORE_TENSORS = 2  # math SDPA: the scaled scores (saved by the PV matmul's input) and softmax out
+
+
+def math_core_bytes(a: float, dqk: int, dv: int, e: int, seq_len: int) -> float:
+    """Per-token bytes PyTorch's math SDPA keeps for backward (the path MLA takes where query / key
+    and value widths differ): q, k, v cast up to float32 (float64 stays) and the softmax
+    probabilities, ``seq_len`` per head; a heads (TP-local). Measured on bf16, fp32 blocks."""
+    return max(e, 4) * a * (2 * dqk + dv + seq_len)
 
 
 def _casts(h: float, kind: str, ts: int, n_linears: int) -> float:
@@ -48,8 +55,8 @@ def matmul_outputs(spec, loc: dict, e: int, seq_len: int, moe: bool, attn_kernel
         d, dqk, dv, kr, r = _mla_dims(spec)
         q = (spec.q_lora_rank + a * dqk) if spec.q_lora_rank else a * dqk
         attn = e * (q + kr + r + a * (d + dv))  # wq_a / wq_b, wkv_a, wkv_b outputs
-        if dqk != dv:  # the math kernel: two bmm, scores and output
-            attn += e * a * (seq_len + dv)
+        if dqk != dv:  # the math kernel: two bmm in float32, scores and output
+            attn += max(e, 4) * a * (seq_len + dv)
         elif attn_kernel:
             attn += e * a * dv + _lse(e) * a
     else:
@@ -79,9 +86,9 @@ def policy_block_bytes(none: dict, spec, loc: dict, kind: str, e: int, ts: int, 
     elif policy == "core_attn":
         a = loc["a"]
         drop = _lse(e) * a
-        _, dqk, dv, _, _ = _mla_dims(spec)
-        if spec.kv_lora_rank and dqk != dv:
-            drop += MATH_SCORE_TENSORS * e * a * seq_len
+        d, dqk, dv, _, _ = _mla_dims(spec)
+        if spec.kv_lora_rank and dqk != dv:  # the region keeps its inputs q, k and v's kv storage
+            drop = math_core_bytes(a, dqk, dv, e, seq_len) - e * a * (2 * dqk + d + dv)
         out = {"attention": attn - drop * tokens, "mlp": mlp}
     elif policy == "deepseek":
         keep = r * h / ts  # a norm's input

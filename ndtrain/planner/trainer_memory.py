@@ -19,16 +19,19 @@ float64). Per RMSNorm: the fp32 input copy 4h, rsqrt 4, the normalised y (e or 4
 w*y (or autocast's bf16 casts of it, one per linear) is what the projections save. With sequence
 parallelism everything on the residual stream is divided by t; the gathered projection inputs are
 not. Attention (SDPA's flash kernel) saves q, k, v, out and the fp32 logsumexp; SDPA takes the
-math path when the query / key head width differs from the value's (MLA on this CPU), which keeps
-two T x T score tensors per head and, while a block runs, two fp32 ones (``working``). SwiGLU keeps gate, SiLU(gate), up and their product.
-MoE blocks: the router's fp32 logits and scores (E each), then per routed copy (top-k) the
-dispatched input, the expert's four SwiGLU tensors and the weighted output; shared experts as a
-dense SwiGLU. MLA: the q / kv latents and their norms, the decoupled RoPE key, then full per-head
-q, k, v as the attention core receives them (``model/mla.py`` expands the latent before the core).
+math path when the query / key head width differs from the value's (MLA), which casts q, k, v up
+to fp32 and keeps them and the fp32 softmax probabilities (T per head), and, while a block runs,
+two more fp32 T x T tensors per head (``working``). SwiGLU keeps gate, SiLU(gate),
+up and their product. MoE blocks: the router's fp32 scores (E), the routing's indices and
+weights (32 bytes per routed copy), then per routed copy (top-k) the dispatched input, the
+expert's four SwiGLU tensors and the combined output in the experts' dtype (no fp32 copy:
+``model/moe_autograd.py``); shared experts as a dense SwiGLU. MLA: the latent norms' fp32 input
+copies and outputs, the concatenated [q latent | kv latent | RoPE key] that wq_b and wkv_b read,
+then the math core's fp32 q, k, v (``model/mla.py`` expands the latent before the core).
 """
 from __future__ import annotations
 
-from ndtrain.planner.trainer_ac import MATH_SCORE_TENSORS, POLICY_NAMES, policy_block_bytes
+from ndtrain.planner.trainer_ac import POLICY_NAMES, math_core_bytes, policy_block_bytes
 
 MEMORY_MODELS = ("fused", "trainer")
 
@@ -80,16 +83,23 @@ def _attention(spec, loc: dict, kind: str, e: int, ts: int, seq_len: int) -> flo
         return _norm(h, kind, e, 3, ts) + e * (2 * q + 2 * k) + lse * loc["a"]
     qr, kr, r = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
     dqk, dv = D + r, spec.v_head_dim or D
-    lat = e if kind == "lowp" else 4  # the latents live in the residual's dtype
     out = _norm(h, kind, e, 2 if qr else 1, ts)
-    if qr:  # q latent and its norm (input of wq_b)
-        out += lat * qr + _norm(qr, kind, e, 1, 1)
-    out += _norm(kr, kind, e, 1, 1) + lat * r  # kv latent norm (input of wkv_b), RoPE key
+    if kind == "autocast":  # latents in the fp32 residual's dtype, norms as on the residual
+        if qr:  # q latent and its norm (input of wq_b)
+            out += 4 * qr + _norm(qr, kind, e, 1, 1)
+        out += _norm(kr, kind, e, 1, 1) + 4 * r  # kv latent norm (input of wkv_b), RoPE key
+    else:
+        # each latent RMSNorm: fp32 input copy (fp32: the input itself, for c_kv the whole wkv_a
+        # output it views), rsqrt, y; then wq_b / wkv_b keep their input, the concatenation
+        # [q latent normalised | c_kv normalised | k_rope] that enters the heads (model/mla.py)
+        if qr:
+            out += 4 * qr + 4 + e * qr
+        out += 4 * kr + 4 + e * kr + (4 * r if e == 4 else 0)
+        out += e * ((qr or h) + kr + r)
     a = loc["a"]
-    out += e * a * (2 * dqk + 2 * dv) + lse * a  # q, k, v, out of the core
-    if dqk != dv:  # math SDPA: T x T scores per head
-        out += MATH_SCORE_TENSORS * e * a * seq_len
-    return out
+    if dqk != dv:  # SDPA's math path: float32 q, k, v and softmax probabilities; out (input of wo)
+        return out + math_core_bytes(a, dqk, dv, e, seq_len) + e * a * dv
+    return out + e * a * (2 * dqk + 2 * dv) + lse * a  # q, k, v, out of the flash core
 
 
 def _swiglu(h: float, f: float, kind: str, e: int, ts: int) -> float:
@@ -97,12 +107,16 @@ def _swiglu(h: float, f: float, kind: str, e: int, ts: int) -> float:
 
 
 def _moe(spec, loc: dict, kind: str, e: int, ts: int) -> float:
-    """Per-token bytes of a MoE MLP: norm, fp32 router logits and scores, per routed copy the
-    dispatched input, SwiGLU tensors and weighted output (autocast: fp32, ``grouped_mm`` is not
-    autocast), shared experts as a dense SwiGLU."""
+    """Per-token bytes of a MoE MLP: norm (its output is the router's and the shared experts'
+    saved input), the fp32 router scores (E; the logits are not kept), the routing's bookkeeping
+    (int64 expert ids, sort order and source rows, fp32 gathered and final weights: 32 bytes per
+    copy; two fp32 per-token sums), per routed copy (top-k) the dispatched input, the expert's
+    SwiGLU tensors and the combined output in the experts' dtype (``model/moe_autograd.py``:
+    neither the router nor the combine keeps a float32 copy; autocast: fp32, ``grouped_mm`` is
+    not autocast), shared experts as a dense SwiGLU."""
     h, k = spec.dim, spec.top_k
     ex = 4 if kind == "autocast" else e
-    out = _norm(h, "lowp" if kind != "autocast" else "autocast", e, 1, ts) + 8 * spec.n_experts
+    out = _norm(h, "lowp" if kind != "autocast" else "autocast", e, 1, ts) + 4 * spec.n_experts + 32 * k + 8
     out += k * (ex * (4 * loc["fe"] + 2 * h))
     if loc["fs"]:
         out += 4 * e * loc["fs"] + (2 * 2 * h if kind == "autocast" else 0)

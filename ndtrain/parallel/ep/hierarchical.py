@@ -26,6 +26,7 @@ import torch
 
 from ndtrain.mesh import AxisGroup, Mesh
 from ndtrain.model.moe import GroupedExperts
+from ndtrain.model.moe_autograd import scatter_rows, weighted_sum
 from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
 from ndtrain.parallel.ep.hier_rules import ep_nodes
 from ndtrain.parallel.ep.layers import ExpertParallelExperts
@@ -147,11 +148,11 @@ def node_exchange(xs: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
     row_in = meta_in[:, 1] + (torch.cumsum(recv[:, 0], 0) - recv[:, 0])[src]  # (A_in,) row of xp
     perm = torch.argsort(meta_in[:, 0], stable=True)  # -> expert order inside the node
     y = local_fn(xp[row_in[perm]], torch.bincount(meta_in[:, 0], minlength=per), tally)  # (A_in, C)
-    wdt = torch.promote_types(y.dtype, w_in.dtype)
-    yw = (y.to(wdt) * w_in[perm].unsqueeze(1).to(wdt)).to(y.dtype)  # (A_in, C)
+    # weighted in the weights' float32; backward keeps y in the experts' dtype (moe_autograd)
+    yw = weighted_sum(y.unsqueeze(1), w_in[perm].unsqueeze(1), y.dtype)  # (A_in, C)
     z = y.new_zeros(xp.shape[0], c).index_add(0, row_in[perm], yw)  # (P_in, C) summed inside the node
     back = AllToAllV.apply(z, sp, rp, groups.inter, tally)  # (P, C) one copy back per pair
-    return xs.new_zeros(m, c).index_copy(0, first, back.to(xs.dtype))
+    return scatter_rows(back.to(xs.dtype), first, m)
 
 
 def intra_exchange(x: torch.Tensor, counts: torch.Tensor, groups: NodeGroups, experts_fn, tally) -> torch.Tensor:
@@ -166,5 +167,5 @@ def intra_exchange(x: torch.Tensor, counts: torch.Tensor, groups: NodeGroups, ex
     seg = torch.arange(g * el, device=x.device).repeat_interleave(recv.reshape(-1))  # (R,) s * el + e
     perm = torch.argsort((seg % el) * g + seg // el, stable=True)  # -> (expert, source) order
     y = experts_fn(xr[perm], recv.sum(0))  # (R, C)
-    y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
+    y = scatter_rows(y, perm, y.shape[0])  # back to (source, expert) order
     return AllToAllV.apply(y, in_s, out_s, groups.intra, tally)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ndtrain.mesh import AxisGroup
 from ndtrain.model.moe import GroupedExperts
+from ndtrain.model.moe_autograd import scatter_rows
 from ndtrain.optim import SHARD_AXES_ATTR
 from ndtrain.parallel.ep.collectives import AllToAllV, all_to_all_v
 from ndtrain.parallel.ep.overlap import dispatch_overlapped
@@ -113,7 +114,7 @@ class TokenExchange:
 
     def combine(self, y: torch.Tensor, route):
         perm, in_splits, out_splits, tally, with_side, side = route
-        y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to (source, expert) order
+        y = scatter_rows(y, perm, y.shape[0])  # back to (source, expert) order; backward keeps perm only
         out = AllToAllV.apply(y, in_splits, out_splits, self.group, tally)  # (M, C)
         return (out, side) if with_side else out
 
