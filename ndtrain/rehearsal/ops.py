@@ -108,11 +108,46 @@ def _kind(func, name: str) -> str:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Counts every operator dispatched while active: ``rows()`` gives the folded table."""
+    """Counts every operator dispatched while active: ``rows()`` gives the folded table.
+    ``active()``: the innermost recorder entered and not yet left (None: none), which
+    ``rehearsal.replay`` adds replayed rows to (``snapshot`` / ``delta`` / ``add_rows``)."""
+
+    _entered: list = []  # recorders inside their ``with``, innermost last
 
     def __init__(self):
         super().__init__()
         self.table: dict[tuple, list] = {}
+
+    @classmethod
+    def active(cls) -> OpRecorder | None:
+        return cls._entered[-1] if cls._entered else None
+
+    def __enter__(self):
+        out = super().__enter__()
+        OpRecorder._entered.append(self)
+        return out
+
+    def __exit__(self, *exc):
+        OpRecorder._entered.remove(self)
+        return super().__exit__(*exc)
+
+    def snapshot(self) -> dict[tuple, tuple]:
+        """The table's rows now: {key: (count, flops, bytes)}."""
+        return {k: tuple(v) for k, v in self.table.items()}
+
+    def delta(self, before: dict[tuple, tuple]) -> dict[tuple, tuple]:
+        """Rows counted since ``before`` (a ``snapshot``): {key: (count, flops, bytes) added}."""
+        zero = (0, 0.0, 0)
+        return {k: tuple(a - b for a, b in zip(v, before.get(k, zero))) for k, v in self.table.items()
+                if tuple(v) != before.get(k, zero)}
+
+    def add_rows(self, rows: dict[tuple, tuple]) -> None:
+        """Add ``delta``-shaped rows, as if their operators had been dispatched again."""
+        for k, (n, flops, nbytes) in rows.items():
+            row = self.table.setdefault(k, [0, 0.0, 0])
+            row[0] += n
+            row[1] += flops
+            row[2] += nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -3,7 +3,8 @@ fake world (``ndtrain.rehearsal.fake``), measured (``ndtrain.rehearsal.measure``
 
     python -m ndtrain.rehearsal.worker JOB.json OUT.json
 
-JOB: ``preset``, ``overrides`` (dotted keys), ``world``, ``rank``, ``warmup``. OUT: the
+JOB: ``preset``, ``overrides`` (dotted keys), ``world``, ``rank``, ``warmup``, ``replay``
+(optional, default true: ``rehearse_rank``). OUT: the
 ``measure_step`` figures plus ``wall_s`` (build + steps) and ``host_peak_bytes`` (this process's
 peak resident memory). Each rank runs in its own process: the fake process group and the
 flight recorder are process-global, and the host peak is then the rank's own."""
@@ -51,17 +52,21 @@ def pipeline_header(cfg, trainer):
     return header
 
 
-def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None) -> dict:
+def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None,
+                  replay: bool = True) -> dict:
     """Build ``Trainer(cfg)`` as global ``rank`` of ``world`` in the fake world and measure a step
-    after ``warmup`` steps. Raises RuntimeError if a step's host reads did not consume the
-    queued batch-agreement values (the trainer's path changed under the rehearsal)."""
+    after ``warmup`` steps. ``replay``: ZeRO's per-piece gradient pack replayed after its first
+    call per shape (``rehearsal.replay``; False: dispatched every time, the slow twin). Raises
+    RuntimeError if a step's host reads did not consume the queued batch-agreement values (the
+    trainer's path changed under the rehearsal)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.rehearsal.fake import fake_pipeline_messages, fake_process_group, fake_tensors
     from ndtrain.rehearsal.measure import measure_step
+    from ndtrain.rehearsal.replay import replayed_packs
     from ndtrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    with fake_process_group(rank, world):
+    with fake_process_group(rank, world), replayed_packs(replay) as packs:
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh("cpu")
         with fake_tensors() as reads:
             if cfg.model.is_moe:  # routed counts computed from the forced routing (rehearsal.routing)
@@ -81,6 +86,9 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | No
             _check_consumed(reads)
             out["host_reads"] = reads.reads
             out["microbatches"] = microbatches(cfg, trainer)
+    if packs is not None:
+        out["pack_replay"] = {"hits": packs.hits, "misses": packs.misses, "skipped": packs.skipped,
+                              "refused": packs.refused}
     out["wall_s"] = time.perf_counter() - t0
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -118,7 +126,8 @@ def main(argv: list[str]) -> int:
 
     job = json.loads(Path(argv[0]).read_text())
     cfg = load_config(job["preset"], job.get("overrides") or {}, world_size=job["world"])
-    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1), job.get("moe_routing"))
+    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1), job.get("moe_routing"),
+                        job.get("replay", True))
     Path(argv[1]).write_text(json.dumps(out))
     return 0
 

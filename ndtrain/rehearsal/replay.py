@@ -1,0 +1,99 @@
+"""Operator loops that change nothing a rehearsal measures, run once per shape and replayed after.
+
+ZeRO's gradient pack (``FlatShardLayout.pack_reference``, taken whenever the gradients' dtype
+differs from ``reduce_dtype``: bf16 gradients reduced in fp32) copies one (rank, parameter) piece
+at a time: about 2 x N x P copies and zeros and 6 x N x P views per bucket and microbatch, the
+bulk of a full-size step's operators at N = 32 (80% of them: llama3_70b, tp8 x dp_shard32,
+ZeRO-2) and each one costs the fake world about 70 us in Python. On fake tensors the loop allocates
+nothing and writes no metadata: its only trace in the measurement is the operator counter's rows
+(``ops.OpRecorder``). So a call whose signature was seen before adds the rows the first call
+counted instead of dispatching them again; with no counter active (the warm-up step) the loop is
+skipped. The slow twin is the loop itself (``replayed_packs(False)``): a whole rehearsal run both
+ways must give the same figures (``tests/rehearsal/test_replay.py``).
+
+A first call whose counted operators include anything but views and in-place writes (an
+allocation would move MemTracker's figures) is never replayed: its signature runs the loop every
+time."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ndtrain.rehearsal import ops
+
+# operators of kind "view" that allocate: a loop that runs one is not replayed
+ALLOCATING = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "set_"}
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.device.type)
+
+
+def pack_signature(layout, tensors: list[torch.Tensor], out: torch.Tensor) -> tuple:
+    """Everything the loop's operator sequence depends on: the layout (shapes, ranks, this rank),
+    each tensor's dtype / shape / strides / offset, ``out``'s, and the phase the counter files
+    the operators under (``ops._phase``)."""
+    return (tuple(tuple(s) for s in layout.shapes), layout.n, layout.rank,
+            tuple(_meta(t) for t in tensors), _meta(out), ops._phase())
+
+
+def replayable(delta: dict) -> bool:
+    """A first call's counted rows (``OpRecorder.delta``) may be replayed: views (that do not
+    allocate) and in-place writes only."""
+    return all((k[2] == "view" and k[0] not in ALLOCATING) or (k[0].endswith("_") and k[0] not in ALLOCATING)
+               for k in delta)
+
+
+class PackReplay:
+    """The replacement of ``FlatShardLayout.pack_reference`` (module docstring); ``orig`` the loop.
+    ``hits`` / ``misses`` / ``skipped``: calls replayed, run and counted, run outside a counter's
+    reach (skipped: warm-up); ``refused``: signatures whose first call allocated."""
+
+    def __init__(self, orig):
+        self.orig = orig
+        self.rows: dict[tuple, dict | None] = {}
+        self.hits = self.misses = self.skipped = 0
+
+    @property
+    def refused(self) -> int:
+        return sum(v is None for v in self.rows.values())
+
+    def __call__(self, layout, tensors, out):
+        if not isinstance(out, FakeTensor) or not all(isinstance(t, FakeTensor) for t in tensors):
+            return self.orig(layout, tensors, out)  # real data: the copies are the point
+        rec = ops.OpRecorder.active()
+        if rec is None:  # nothing counts operators: the loop leaves no trace on fake tensors
+            self.skipped += 1
+            return out
+        key = pack_signature(layout, tensors, out)
+        if key in self.rows and self.rows[key] is not None:
+            self.hits += 1
+            rec.add_rows(self.rows[key])
+            return out
+        self.misses += 1
+        before = rec.snapshot()
+        self.orig(layout, tensors, out)
+        if key not in self.rows:
+            delta = rec.delta(before)
+            self.rows[key] = delta if replayable(delta) else None
+        return out
+
+
+@contextlib.contextmanager
+def replayed_packs(enabled: bool = True):
+    """Within: ``FlatShardLayout.pack_reference`` replayed (``PackReplay``, yielded), restored on
+    exit; ``enabled`` False: the loop as it is (the slow twin), yields None."""
+    from ndtrain.parallel.zero.flat_shard import FlatShardLayout
+
+    if not enabled:
+        yield None
+        return
+    orig = FlatShardLayout.pack_reference
+    replay = PackReplay(orig)
+    FlatShardLayout.pack_reference = lambda self, tensors, out: replay(self, tensors, out)
+    try:
+        yield replay
+    finally:
+        FlatShardLayout.pack_reference = orig
