@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+DEVICE = torch.ops.prim.device.default  # a tensor's device, dispatched for fake tensors
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 CPU_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": False,
                  "_scaled_dot_product_flash_attention_for_cpu_backward": True}
@@ -109,10 +110,13 @@ def _kind(func, name: str) -> str:
 
 class OpRecorder(TorchDispatchMode):
     """Counts every operator dispatched while active: ``rows()`` gives the folded table.
-    ``active()``: the innermost recorder entered and not yet left (None: none), which
+    ``fast_device``: ``prim.device`` counted by its known row (``_record``'s). ``active()``: the innermost recorder entered and not yet left (None: none), which
     ``rehearsal.replay`` adds replayed rows to (``snapshot`` / ``delta`` / ``add_rows``)."""
 
     _entered: list = []  # recorders inside their ``with``, innermost last
+    # ``prim.device`` past the tree walks here and in ``measure``'s modes; False: the slow twin
+    # (``replay.fast_paths(False)``)
+    fast_device = True
 
     def __init__(self):
         super().__init__()
@@ -152,6 +156,11 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is DEVICE and OpRecorder.fast_device and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # most operators of a fake step (C++ asking a fake tensor its device): ``_record``'s
+            # row for it, without the tree walks; pinned to ``_record`` by tests/rehearsal/test_replay.py
+            self._add(("device", _phase(), "view", (), str(args[0].dtype).replace("torch.", ""), False), 0.0, 0)
+            return out
         try:
             self._record(func, args, kwargs, out)
         except Exception as e:  # noqa: BLE001 - a shape this counter does not know must not break the step

@@ -8,7 +8,7 @@ ZeRO-2) and each one costs the fake world about 70 us in Python. On fake tensors
 nothing and writes no metadata: its only trace in the measurement is the operator counter's rows
 (``ops.OpRecorder``). So a call whose signature was seen before adds the rows the first call
 counted instead of dispatching them again; with no counter active (the warm-up step) the loop is
-skipped. The slow twin is the loop itself (``replayed_packs(False)``): a whole rehearsal run both
+skipped. The slow twin is the loop itself (``fast_paths(False)``): a whole rehearsal run both
 ways must give the same figures (``tests/rehearsal/test_replay.py``).
 
 A first call whose counted operators include anything but views and in-place writes (an
@@ -82,18 +82,18 @@ class PackReplay:
 
 
 @contextlib.contextmanager
-def replayed_packs(enabled: bool = True):
-    """Within: ``FlatShardLayout.pack_reference`` replayed (``PackReplay``, yielded), restored on
-    exit; ``enabled`` False: the loop as it is (the slow twin), yields None."""
+def fast_paths(enabled: bool = True):
+    """Within: ``FlatShardLayout.pack_reference`` replayed (``PackReplay``, yielded) and
+    ``prim.device`` past the counters' tree walks (``ops.OpRecorder.fast_device``); restored on
+    exit. ``enabled`` False: both as dispatched (the slow twins); yields None."""
     from ndtrain.parallel.zero.flat_shard import FlatShardLayout
 
-    if not enabled:
-        yield None
-        return
-    orig = FlatShardLayout.pack_reference
-    replay = PackReplay(orig)
-    FlatShardLayout.pack_reference = lambda self, tensors, out: replay(self, tensors, out)
+    saved = (FlatShardLayout.pack_reference, ops.OpRecorder.fast_device)
+    ops.OpRecorder.fast_device = enabled
+    replay = PackReplay(saved[0]) if enabled else None
+    if enabled:
+        FlatShardLayout.pack_reference = lambda self, tensors, out: replay(self, tensors, out)
     try:
         yield replay
     finally:
-        FlatShardLayout.pack_reference = orig
+        FlatShardLayout.pack_reference, ops.OpRecorder.fast_device = saved

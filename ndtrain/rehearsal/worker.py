@@ -34,8 +34,9 @@ def batch_reads(cfg, trainer) -> list[tuple]:
 def pipeline_header(cfg, trainer):
     """(shape, dtype) of the pipeline message with header tag ``tag`` (``pp.p2p.tag``): every stage
     boundary carries the residual stream, (rows of its microbatch, T / cp [/ tp under sequence
-    parallel], dim), in the parameter dtype (what the real peers send: the bf16 autocast runs send
-    float32 too)."""
+    parallel], dim), in the dtype of the stage's parameters, what the real peers send: ZeRO's
+    compute dtype (ZeRO-1/2/3 hold bf16 / fp16 parameters under autocast), else the master dtype
+    (bf16 autocast over fp32 weights sends float32)."""
     from ndtrain.parallel.parallelize import param_dtype
     from ndtrain.parallel.pp.stage import plan_stage
 
@@ -48,25 +49,27 @@ def pipeline_header(cfg, trainer):
     def header(tag: int):
         mb, m = (tag // 4) // n_stages, trainer.pipeline.m
         rows = b // m + (1 if mb < b % m else 0)  # tensor_split's chunks
-        return (rows, t, cfg.model.dim), param_dtype(cfg)
+        return (rows, t, cfg.model.dim), dtype
+    dtype = getattr(trainer.dp, "compute_dtype", None) or param_dtype(cfg)
     return header
 
 
 def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None,
                   replay: bool = True) -> dict:
     """Build ``Trainer(cfg)`` as global ``rank`` of ``world`` in the fake world and measure a step
-    after ``warmup`` steps. ``replay``: ZeRO's per-piece gradient pack replayed after its first
-    call per shape (``rehearsal.replay``; False: dispatched every time, the slow twin). Raises
+    after ``warmup`` steps. ``replay``: the fake world's fast paths (``rehearsal.replay.fast_paths``:
+    ZeRO's per-piece gradient pack replayed after its first call per shape, ``prim.device`` past
+    the counters' tree walks; False: all dispatched as they come, the slow twins). Raises
     RuntimeError if a step's host reads did not consume the queued batch-agreement values (the
     trainer's path changed under the rehearsal)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.rehearsal.fake import fake_pipeline_messages, fake_process_group, fake_tensors
     from ndtrain.rehearsal.measure import measure_step
-    from ndtrain.rehearsal.replay import replayed_packs
+    from ndtrain.rehearsal.replay import fast_paths
     from ndtrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    with fake_process_group(rank, world), replayed_packs(replay) as packs:
+    with fake_process_group(rank, world), fast_paths(replay) as packs:
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh("cpu")
         with fake_tensors() as reads:
             if cfg.model.is_moe:  # routed counts computed from the forced routing (rehearsal.routing)
