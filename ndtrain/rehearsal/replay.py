@@ -2,9 +2,10 @@
 
 ZeRO's gradient pack (``FlatShardLayout.pack_reference``, taken whenever the gradients' dtype
 differs from ``reduce_dtype``: bf16 gradients reduced in fp32) copies one (rank, parameter) piece
-at a time: about 2 x N x P copies and zeros and 6 x N x P views per bucket and microbatch, the
-bulk of a full-size step's operators at N = 32 (80% of them: llama3_70b, tp8 x dp_shard32,
-ZeRO-2) and each one costs the fake world about 70 us in Python. On fake tensors the loop allocates
+at a time: per bucket and microbatch, for each of N ranks and P parameters, a copy and a zero
+with about 6 views and 14 ``prim.device`` queries around them (seen), each a dispatched operator
+costing the fake world tens of microseconds in Python: 82% of a measured step's time at N = 32
+(llama3_70b, tp8 x dp_shard32, ZeRO-2, docs/rehearsal.md Round 5). On fake tensors the loop allocates
 nothing and writes no metadata: its only trace in the measurement is the operator counter's rows
 (``ops.OpRecorder``). So a call whose signature was seen before adds the rows the first call
 counted instead of dispatching them again; with no counter active (the warm-up step) the loop is

@@ -5,7 +5,8 @@ of the same stage (``ndtrain.planner.memory.estimate_memory``).
 The result (``rehearse``) is one dict, the JSON of ``ndtrain rehearse --json``: ``layout``,
 ``world``, ``hardware`` (name, device memory in bytes), and per role its ``role`` (``Role`` fields),
 the worker's figures (``memory_peak``, ``ndtrain_state``, ``axis_bytes``, ``collectives``,
-``step_s``, ``wall_s``, ``host_peak_bytes``, ``ops``, ``microbatches``), ``fits`` (peak tensor bytes
+``step_s``, ``wall_s``, ``host_peak_bytes``, ``ops``, ``microbatches``, ``pack_replay``: the fast
+path's counts, absent under ``fast=False``), ``fits`` (peak tensor bytes
 <= device memory; the allocator's overhead is not in the peak), ``planner`` (its estimate for the
 stage) and ``time`` (``timing.role_time``: estimated seconds on the hardware); and ``time``, the
 job's estimated step and MFU (``timing.job_time``, over the roles rehearsed)."""
