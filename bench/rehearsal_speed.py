@@ -30,6 +30,8 @@ def main() -> int:
                     help="config override (repeatable); default for llama3_8b: parallel.tp=8, 8 sequences")
     ap.add_argument("--roles", default="", help="comma-separated role indices to rehearse (default: all); "
                     "-1 is the last")
+    ap.add_argument("--slow", action="store_true", help="the fake world's slow twins (rehearsal.replay."
+                    "fast_paths off): the same figures, the wall time before the fast paths")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rehearsal_speed.json"))
     args = ap.parse_args()
     from ndtrain.config import load_config
@@ -45,20 +47,22 @@ def main() -> int:
     only = [int(i) % n_roles for i in args.roles.split(",")] if args.roles else None
     t0 = time.perf_counter()
     res = rehearse(args.config, over, cfg, args.gpus, args.hardware,
-                   progress=lambda text: print(text, file=sys.stderr, flush=True), only=only)
+                   progress=lambda text: print(text, file=sys.stderr, flush=True), only=only, fast=not args.slow)
     entry = {"config": args.config, "overrides": over, "gpus": args.gpus, "layout": res["layout"],
+             "fast_paths": not args.slow, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "hardware": args.hardware, "total_wall_s": time.perf_counter() - t0, "roles": [
                  {"role": r["role"]["name"], "rank": r["role"]["rank"], "ranks_alike": r["role"]["ranks_alike"],
                   "wall_s": r["wall_s"], "step_s": r["step_s"], "host_peak_bytes": r["host_peak_bytes"],
                   "peak_tensor_bytes": r["memory_peak"]["total"], "memory_peak": r["memory_peak"],
                   "fits": r["fits"], "planner_total_bytes": r["planner"].get("total_bytes"),
                   "microbatches": r.get("microbatches"), "saved_weight_copy_bytes": r.get("saved_weight_copy_bytes"),
+                  "pack_replay": r.get("pack_replay"),
                   "estimated_time": {k: v for k, v in r["time"].items() if k != "compute_by_kind_s"}}
                  for r in res["roles"]],
              "estimated_job_time": res.get("time")}
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    key = lambda e: (e["config"], e["gpus"], e["overrides"], [r["role"] for r in e["roles"]])
+    key = lambda e: (e["config"], e["gpus"], e["overrides"], [r["role"] for r in e["roles"]], e.get("fast_paths", False))
     runs = [e for e in old.get("runs", []) if key(e) != key(entry)] + [entry]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), "runs": runs}, indent=1) + "\n")

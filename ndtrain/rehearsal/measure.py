@@ -7,6 +7,7 @@ axis: count and op kinds (the flight recorder) and bytes sent (the mesh's counte
 creates in its first step, as every step of a long run does."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ndtrain.mem_account import state_tensors
 from ndtrain.parallel import flight_recorder
-from ndtrain.rehearsal.ops import OpRecorder
+from ndtrain.rehearsal.ops import DEVICE, OpRecorder
 
 # MemTracker's categories -> the names the report uses
 CATEGORIES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer_state",
@@ -28,10 +29,36 @@ class _NoHook:
         pass
 
 
+@contextlib.contextmanager
+def _leaf_nodes_in_grad():
+    """``torch._C._will_engine_execute_node`` answering True for a leaf's node inside
+    ``autograd.grad`` (the zero-bubble schedule's input- and weight-gradient passes), where it
+    raises. Its caller is ModTracker's gradient hook on a module's inputs, asked on the hook's
+    first call in a backward: a pipeline stage's received activation, a leaf, is the one input
+    of the stage's root module, so the call comes from that leaf's own hook, which the engine runs
+    (the gradient is one the pass computes). Elsewhere (``backward()``) the answer is the engine's."""
+    orig = torch._C._will_engine_execute_node
+
+    def will_execute(node):
+        try:
+            return orig(node)
+        except RuntimeError as e:
+            if "leaf node was passed" not in str(e):
+                raise
+            return True
+    torch._C._will_engine_execute_node = will_execute
+    try:
+        yield
+    finally:
+        torch._C._will_engine_execute_node = orig
+
+
 def _tracker(trainer):
     """A ``MemTracker`` that knows the trainer's model, optimizer and ndtrain's own state tensors
     (ZeRO / FSDP shards and flat buffers are not module parameters): each by its category."""
+    from torch._guards import active_fake_mode
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed.tensor import DTensor
 
     class StepTracker(MemTracker):
         """Allows a root module's forward once per microbatch (MemTracker refuses a second call of
@@ -48,6 +75,17 @@ def _tracker(trainer):
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            """``prim.device`` (most operators of a fake step: C++ asking a fake tensor its device)
+            without the tree walk of its output, a device, which holds no storage; the peak check
+            and the DTensor hand-off as ``MemTracker``'s."""
+            if func is not DEVICE or not OpRecorder.fast_device or any(t == DTensor for t in types):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            res = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                self._update_peak_stats(None)
+            return res
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for prm in module.parameters():
@@ -89,6 +127,8 @@ class WeightCopies(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is DEVICE and OpRecorder.fast_device:  # most operators of a fake step; never a cast
+            return out
         if func._overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor) \
                 and args[0].untyped_storage()._cdata in self.params and isinstance(out, torch.Tensor):
             self.copies[out] = True
@@ -138,7 +178,7 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     if before_step:
         before_step()
     t0 = time.perf_counter()
-    with mt, ops, copies:
+    with mt, ops, copies, _leaf_nodes_in_grad():
         out = trainer.step(inputs, labels)
     step_s = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")

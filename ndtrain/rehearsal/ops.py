@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+DEVICE = torch.ops.prim.device.default  # a tensor's device, dispatched for fake tensors
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 CPU_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": False,
                  "_scaled_dot_product_flash_attention_for_cpu_backward": True}
@@ -108,15 +109,58 @@ def _kind(func, name: str) -> str:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Counts every operator dispatched while active: ``rows()`` gives the folded table."""
+    """Counts every operator dispatched while active: ``rows()`` gives the folded table.
+    ``fast_device``: ``prim.device`` counted by its known row (``_record``'s). ``active()``: the innermost recorder entered and not yet left (None: none), which
+    ``rehearsal.replay`` adds replayed rows to (``snapshot`` / ``delta`` / ``add_rows``)."""
+
+    _entered: list = []  # recorders inside their ``with``, innermost last
+    # ``prim.device`` past the tree walks here and in ``measure``'s modes; False: the slow twin
+    # (``replay.fast_paths(False)``)
+    fast_device = True
 
     def __init__(self):
         super().__init__()
         self.table: dict[tuple, list] = {}
 
+    @classmethod
+    def active(cls) -> OpRecorder | None:
+        return cls._entered[-1] if cls._entered else None
+
+    def __enter__(self):
+        out = super().__enter__()
+        OpRecorder._entered.append(self)
+        return out
+
+    def __exit__(self, *exc):
+        OpRecorder._entered.remove(self)
+        return super().__exit__(*exc)
+
+    def snapshot(self) -> dict[tuple, tuple]:
+        """The table's rows now: {key: (count, flops, bytes)}."""
+        return {k: tuple(v) for k, v in self.table.items()}
+
+    def delta(self, before: dict[tuple, tuple]) -> dict[tuple, tuple]:
+        """Rows counted since ``before`` (a ``snapshot``): {key: (count, flops, bytes) added}."""
+        zero = (0, 0.0, 0)
+        return {k: tuple(a - b for a, b in zip(v, before.get(k, zero))) for k, v in self.table.items()
+                if tuple(v) != before.get(k, zero)}
+
+    def add_rows(self, rows: dict[tuple, tuple]) -> None:
+        """Add ``delta``-shaped rows, as if their operators had been dispatched again."""
+        for k, (n, flops, nbytes) in rows.items():
+            row = self.table.setdefault(k, [0, 0.0, 0])
+            row[0] += n
+            row[1] += flops
+            row[2] += nbytes
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is DEVICE and OpRecorder.fast_device and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # most operators of a fake step (C++ asking a fake tensor its device): ``_record``'s
+            # row for it, without the tree walks; pinned to ``_record`` by tests/rehearsal/test_replay.py
+            self._add(("device", _phase(), "view", (), str(args[0].dtype).replace("torch.", ""), False), 0.0, 0)
+            return out
         try:
             self._record(func, args, kwargs, out)
         except Exception as e:  # noqa: BLE001 - a shape this counter does not know must not break the step

@@ -5,7 +5,8 @@ of the same stage (``ndtrain.planner.memory.estimate_memory``).
 The result (``rehearse``) is one dict, the JSON of ``ndtrain rehearse --json``: ``layout``,
 ``world``, ``hardware`` (name, device memory in bytes), and per role its ``role`` (``Role`` fields),
 the worker's figures (``memory_peak``, ``ndtrain_state``, ``axis_bytes``, ``collectives``,
-``step_s``, ``wall_s``, ``host_peak_bytes``, ``ops``, ``microbatches``), ``fits`` (peak tensor bytes
+``step_s``, ``wall_s``, ``host_peak_bytes``, ``ops``, ``microbatches``, ``pack_replay``: the fast
+path's counts, absent under ``fast=False``), ``fits`` (peak tensor bytes
 <= device memory; the allocator's overhead is not in the peak), ``planner`` (its estimate for the
 stage) and ``time`` (``timing.role_time``: estimated seconds on the hardware); and ``time``, the
 job's estimated step and MFU (``timing.job_time``, over the roles rehearsed)."""
@@ -54,12 +55,15 @@ def planner_memory(cfg: Config, world: int, capacity: float) -> dict:
 
 
 def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int = 1,
-             timeout_s: float | None = None, routing: str | None = None) -> dict:
-    """One role's worker process; returns its figures. Raises RehearsalError when it fails."""
+             timeout_s: float | None = None, routing: str | None = None, fast: bool = True) -> dict:
+    """One role's worker process; returns its figures. ``fast``: the fake world's fast paths
+    (``replay.fast_paths``; False: their slow twins, the same figures). Raises RehearsalError
+    when it fails."""
     with tempfile.TemporaryDirectory(prefix="ndtrain_rehearse_") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"preset": preset, "overrides": overrides, "world": world,
-                                   "rank": role.rank, "warmup": warmup, "moe_routing": routing}))
+                                   "rank": role.rank, "warmup": warmup, "moe_routing": routing,
+                                   "replay": fast}))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.run([sys.executable, "-m", "ndtrain.rehearsal.worker", str(job), str(out)],
                               check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -71,12 +75,13 @@ def run_role(preset: str, overrides: dict, world: int, role: Role, warmup: int =
 
 
 def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: str = "H100",
-             warmup: int = 1, progress=None, only: list[int] | None = None, routing: str | None = None) -> dict:
+             warmup: int = 1, progress=None, only: list[int] | None = None, routing: str | None = None,
+             fast: bool = True) -> dict:
     """Rehearse every role of ``cfg`` (loaded from ``preset`` + ``overrides``, valid for ``world``)
     on ``hardware`` (a planner accelerator name: its device memory decides ``fits``).
     ``progress(text)`` is told each role as it starts; ``only``: indices of the roles to rehearse
     (None: all); ``routing``: ``--moe-routing`` of an MoE model (``cfg`` already has
-    ``training.moe_routing=balanced``). Raises RehearsalError (a role failed),
+    ``training.moe_routing=balanced``); ``fast``: ``run_role``'s. Raises RehearsalError (a role failed),
     ValueError (unknown hardware; from ``planner.get_accelerator``)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.planner.hardware import get_accelerator
@@ -92,7 +97,7 @@ def rehearse(preset: str, overrides: dict, cfg: Config, world: int, hardware: st
             continue
         if progress:
             progress(f"rehearsing {role.name} (rank {role.rank}, {role.ranks_alike} ranks alike)")
-        res = run_role(preset, overrides, world, role, warmup, routing=routing)
+        res = run_role(preset, overrides, world, role, warmup, routing=routing, fast=fast)
         res["role"] = asdict(role)
         res["fits"] = res["memory_peak"]["total"] <= acc.hbm_bytes
         if "per_stage" in plan:

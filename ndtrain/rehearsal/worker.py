@@ -3,7 +3,8 @@ fake world (``ndtrain.rehearsal.fake``), measured (``ndtrain.rehearsal.measure``
 
     python -m ndtrain.rehearsal.worker JOB.json OUT.json
 
-JOB: ``preset``, ``overrides`` (dotted keys), ``world``, ``rank``, ``warmup``. OUT: the
+JOB: ``preset``, ``overrides`` (dotted keys), ``world``, ``rank``, ``warmup``, ``replay``
+(optional, default true: ``rehearse_rank``). OUT: the
 ``measure_step`` figures plus ``wall_s`` (build + steps) and ``host_peak_bytes`` (this process's
 peak resident memory). Each rank runs in its own process: the fake process group and the
 flight recorder are process-global, and the host peak is then the rank's own."""
@@ -33,37 +34,42 @@ def batch_reads(cfg, trainer) -> list[tuple]:
 def pipeline_header(cfg, trainer):
     """(shape, dtype) of the pipeline message with header tag ``tag`` (``pp.p2p.tag``): every stage
     boundary carries the residual stream, (rows of its microbatch, T / cp [/ tp under sequence
-    parallel], dim), in the dtype the real peers send: the parameters' (float32 under bf16 autocast
-    with ZeRO 0), the compute dtype under ZeRO 1-3, whose bf16 weights make a bf16 residual stream."""
+    parallel], dim), in the dtype of the stage's parameters, what the real peers send: ZeRO's
+    compute dtype (ZeRO-1/2/3 hold bf16 / fp16 parameters under autocast), else the master dtype
+    (bf16 autocast over fp32 weights sends float32)."""
     from ndtrain.parallel.parallelize import param_dtype
     from ndtrain.parallel.pp.stage import plan_stage
-    from ndtrain.precision import compute_dtype
 
     d, p = trainer.mesh.dims, cfg.parallel
     info = plan_stage(cfg, 0)
     n_stages = info.p * info.v
     b = cfg.training.global_batch_size // d.dp
     t = cfg.data.seq_len // d.cp // (d.tp if p.sequence_parallel else 1)
-    dtype = (compute_dtype(cfg.training.dtype) if p.zero_stage else None) or param_dtype(cfg)
 
     def header(tag: int):
         mb, m = (tag // 4) // n_stages, trainer.pipeline.m
         rows = b // m + (1 if mb < b % m else 0)  # tensor_split's chunks
         return (rows, t, cfg.model.dim), dtype
+    dtype = getattr(trainer.dp, "compute_dtype", None) or param_dtype(cfg)
     return header
 
 
-def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None) -> dict:
+def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | None = None,
+                  replay: bool = True) -> dict:
     """Build ``Trainer(cfg)`` as global ``rank`` of ``world`` in the fake world and measure a step
-    after ``warmup`` steps. Raises RuntimeError if a step's host reads did not consume the
-    queued batch-agreement values (the trainer's path changed under the rehearsal)."""
+    after ``warmup`` steps. ``replay``: the fake world's fast paths (``rehearsal.replay.fast_paths``:
+    ZeRO's per-piece gradient pack replayed after its first call per shape, ``prim.device`` past
+    the counters' tree walks; False: all dispatched as they come, the slow twins). Raises
+    RuntimeError if a step's host reads did not consume the queued batch-agreement values (the
+    trainer's path changed under the rehearsal)."""
     from ndtrain.mesh import ParallelDims
     from ndtrain.rehearsal.fake import fake_pipeline_messages, fake_process_group, fake_tensors
     from ndtrain.rehearsal.measure import measure_step
+    from ndtrain.rehearsal.replay import fast_paths
     from ndtrain.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    with fake_process_group(rank, world):
+    with fake_process_group(rank, world), fast_paths(replay) as packs:
         mesh = ParallelDims.from_config(cfg.parallel, world).build_mesh("cpu")
         with fake_tensors() as reads:
             if cfg.model.is_moe:  # routed counts computed from the forced routing (rehearsal.routing)
@@ -83,6 +89,9 @@ def rehearse_rank(cfg, world: int, rank: int, warmup: int = 1, routing: str | No
             _check_consumed(reads)
             out["host_reads"] = reads.reads
             out["microbatches"] = microbatches(cfg, trainer)
+    if packs is not None:
+        out["pack_replay"] = {"hits": packs.hits, "misses": packs.misses, "skipped": packs.skipped,
+                              "refused": packs.refused}
     out["wall_s"] = time.perf_counter() - t0
     out["host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -120,7 +129,8 @@ def main(argv: list[str]) -> int:
 
     job = json.loads(Path(argv[0]).read_text())
     cfg = load_config(job["preset"], job.get("overrides") or {}, world_size=job["world"])
-    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1), job.get("moe_routing"))
+    out = rehearse_rank(cfg, job["world"], job["rank"], job.get("warmup", 1), job.get("moe_routing"),
+                        job.get("replay", True))
     Path(argv[1]).write_text(json.dumps(out))
     return 0
 

@@ -67,6 +67,28 @@ def test_rehearsal_equals_real_run(world, overrides):
     _check(world, "debug", overrides)
 
 
+@pytest.mark.slow
+def test_zero_bubble_under_zero1_bf16_sends_the_compute_dtype():
+    """pp2 x dp2, zero_bubble, ZeRO-1, bf16: the last stage's input-gradient pass is
+    ``autograd.grad`` over its received activation, a leaf (``measure._leaf_nodes_in_grad``), and
+    the stages exchange ZeRO's bf16 compute dtype (``worker.pipeline_header``; float32 before:
+    twice the last stage's pp bytes). Bytes per axis, collectives and ndtrain's state of both
+    stages as in the real run, the last stage's memory per category too. Not equal, not traced:
+    the first stage's peak, 1,402,920 rehearsed against 1,599,784 real bytes (the real rank peaks
+    in the forward holding 279,040 more activation bytes, twice its parameters; 1F1B the same)."""
+    over = {"parallel.pp": 2, "parallel.pp_schedule": "zero_bubble", "parallel.zero_stage": 1,
+            "training.dtype": "bfloat16"}
+    cfg = load_config("debug", over, world_size=4)
+    real = run_ranks(_real, 4, "debug", over)
+    res = rehearse("debug", over, cfg, 4, "H100")
+    for fake in res["roles"]:
+        ref = real[fake["role"]["rank"]]
+        for k in ("axis_bytes", "collectives", "ndtrain_state"):
+            assert fake[k] == ref[k], (fake["role"]["name"], k)
+    assert res["roles"][1]["memory_peak"] == real[2]["memory_peak"]
+    assert res["roles"][1]["axis_bytes"]["pp"] == 16528  # with float32 messages: 32,912
+
+
 def test_roles_of_a_pipeline():
     """One role per stage; the representative is the stage's first rank; blocks follow plan_stage."""
     cfg = load_config("debug", {"parallel.pp": 2, "model.n_layers": 4}, world_size=8)
