@@ -23,6 +23,7 @@ from ndtrain.parallel.pp.observe import ActivationMemory
 from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
 from ndtrain.parallel.pp.pairs import run_pair
 from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
+from ndtrain.parallel.pp.stage import release_sent_output
 from ndtrain.parallel.pp.split_backward import (
     accumulate_weight_grads,
     direct_parameters,
@@ -261,6 +262,8 @@ class PipelineRuntime:
         else:
             self._send(out, a)
             extra = self._stage_extra(a)
+            if st.train:  # backward needs out's node and shape only; the send keeps its own reference
+                release_sent_output(out)
         if st.train:
             st.saved[(a.mb, a.chunk)] = {"x": x if stage > 0 else None, "out": out, "captured": captured,
                                          "extra": extra}
