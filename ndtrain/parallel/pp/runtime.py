@@ -23,13 +23,13 @@ from ndtrain.parallel.pp.observe import ActivationMemory
 from ndtrain.parallel.pp.p2p import Receiver, send_tensor, tag
 from ndtrain.parallel.pp.pairs import run_pair
 from ndtrain.parallel.pp.schedules import Action, Schedule, build_schedule, forward_only
-from ndtrain.parallel.pp.stage import release_sent_output
 from ndtrain.parallel.pp.split_backward import (
     accumulate_weight_grads,
     direct_parameters,
     parameter_owners,
     shared_parameters,
 )
+from ndtrain.parallel.pp.stage import release_sent_output
 
 
 @dataclass
