@@ -190,7 +190,7 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     dense, working = dense_b["total"], dense_b["working"] if n_layers else 0.0
     moe = trainer_layer_bytes(spec, moe=True, **kw)["total"] if spec.is_moe else dense
     per_mb = (n_layers - n_moe) * dense + n_moe * moe
-    bd["activations"] = _checkpointed(spec, lay, per_mb, max(dense, moe), n_layers, kind, e, tokens) * inflight
+    bd["activations"] = _checkpointed(spec, lay, per_mb, n_layers, kind, e, tokens, w.seq_len) * inflight
     if lay.ac not in ("none", "core_attn", "deepseek") and n_layers:  # one block recomputed in backward
         kw["policy"] = "none"  # what the recompute rebuilds: the block as under none
         whole = [trainer_layer_bytes(spec, moe=m, **kw)["total"] for m in {False, spec.is_moe}]
@@ -202,14 +202,24 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     return bd
 
 
-def _checkpointed(spec, lay, per_mb: float, biggest: float, n_layers: int, kind: str, e: int, tokens: int) -> float:
+def _checkpointed(spec, lay, per_mb: float, n_layers: int, kind: str, e: int, tokens: int, seq_len: int) -> float:
     """A microbatch's stored bytes under the layout's checkpointing: ``full`` keeps each block's
     input (the residual stream, SP-sharded), ``every:C`` that for every C-th block and everything
-    for the others; ``none`` and the per-layer policies (``per_mb`` already under them) all of it."""
-    if lay.ac == "none" or lay.ac in POLICY_NAMES or not n_layers:
+    for the others; ``none`` and the part policies (``core_attn``, ``deepseek``: ``per_mb``
+    already under them) all of it. Every policy that checkpoints whole blocks (full, every:C,
+    sqrt, selective, op) also keeps the regions' other inputs once per model chunk of the rank
+    (each chunk's forward indexes its own; ``parallel/activation_ckpt.py``): the RoPE tables at
+    the positions, ``cos`` and ``sin``, each (T / cp, D_rope / 2) float32, not sharded by SP
+    (D_rope: head_dim, or MLA's decoupled RoPE width)."""
+    if lay.ac in ("none", "core_attn", "deepseek") or not n_layers:
         return per_mb
+    rope_dim = spec.qk_rope_head_dim if spec.kv_lora_rank else spec.head_dim
+    chunks = 1 if lay.pp <= 1 else (2 if lay.pp_schedule == "dualpipev" else max(1, lay.pp_virtual_stages))
+    tables = 2 * 4 * (seq_len // lay.cp) * (rope_dim // 2) * min(chunks, n_layers)  # an embedding-only chunk: none
+    if lay.ac in POLICY_NAMES:
+        return per_mb + tables
     from ndtrain.planner.layout import ac_every
 
     inp = (4 if kind == "autocast" else e) * spec.dim * tokens / (lay.tp if lay.seq_parallel else 1)
     n_ck = n_layers if lay.ac == "full" else -(-n_layers // ac_every(lay.ac, spec.n_layers))
-    return n_ck * inp + (n_layers - n_ck) * per_mb / n_layers
+    return n_ck * inp + (n_layers - n_ck) * per_mb / n_layers + tables

@@ -30,6 +30,7 @@ from ndtrain.parallel.pp.split_backward import (
     parameter_owners,
     shared_parameters,
 )
+from ndtrain.parallel.pp.stage import release_sent_output
 
 
 # Python's GIL switch interval while a step runs (the default is 5 ms). The receiver threads (``p2p``)
@@ -281,6 +282,8 @@ class PipelineRuntime:
         else:
             self._send(out, a)
             extra = self._stage_extra(a)
+            if st.train:  # backward needs out's node and shape only; the send keeps its own reference
+                release_sent_output(out)
         if st.train:
             st.saved[(a.mb, a.chunk)] = {"x": x if stage > 0 else None, "out": out, "captured": captured,
                                          "extra": extra}

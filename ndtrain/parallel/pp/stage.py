@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # annotations only: the config package validates with paralle
     from ndtrain.config import Config, ModelConfig
 
 STAGE_ATTR = "ndtrain_pp_stage"
+RELEASE_SENT = True  # False: keep each sent output whole until its backward (the reference in tests)
 
 
 @dataclass
@@ -172,6 +173,20 @@ def tag_pipeline_params(model: nn.Module) -> None:
         axes = shard_axes(q)
         if "pp" not in axes:
             setattr(q, SHARD_AXES_ATTR, tuple(axes) + ("pp",))
+
+
+def release_sent_output(out: torch.Tensor) -> None:
+    """Free a non-last stage's output once it is handed to the send (Megatron-LM's
+    ``deallocate_output_tensor``; Llama 3 frees sent outputs too). Its backward needs only the
+    autograd node and the shape: ``out`` keeps both (shape and dtype over a one-element storage,
+    stride 0), so ``backward(out, grad)`` still checks the received gradient's shape; the send holds
+    the data until it completes (``p2p.send_tensor`` keeps a reference). Without it each in-flight
+    (microbatch, chunk) keeps its (B, T[/tp], C) output, as much as a block input under full
+    checkpointing. Leaves (a chunk that passed its input on) and views (whose base owns the
+    storage) are left alone."""
+    if not RELEASE_SENT or out.grad_fn is None or out._base is not None:
+        return
+    out.data = out.new_empty(()).expand(out.shape)
 
 
 def stage_chunks(model: nn.Module) -> list[nn.Module]:
