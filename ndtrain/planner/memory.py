@@ -145,7 +145,8 @@ def stage_params(spec, stage_layers, stage: int) -> dict:
 def rank_params(spec, layers: tuple, embedding: bool, head: bool, n_stages: int = 2) -> dict:
     """Parameter counts (whole, before TP / EP) on a rank holding blocks ``layers`` and, if asked,
     the embedding / the final norm + head (+ the MTP modules, which sit after the last block):
-    dense and expert parts, and its MoE / dense block counts. A tied head is a copy when pp > 1."""
+    dense and expert parts, and its MoE / dense block counts. A tied head is a copy when pp > 1; so is
+    the embedding MTP reads on a head stage that does not hold it (``model/mtp.py``)."""
     moe = sum(1 for i in layers if spec.is_moe and i >= spec.first_dense_layers
               and (i - spec.first_dense_layers) % spec.moe_layer_freq == 0)
     dense_layers = len(layers) - moe
@@ -160,6 +161,8 @@ def rank_params(spec, layers: tuple, embedding: bool, head: bool, n_stages: int 
         mtp_expert = spec.mtp_depth * spec.n_experts * spec.expert_params if spec.last_layer_is_moe else 0
         dense += spec.mtp_params() - mtp_expert
         expert += mtp_expert
+        if spec.mtp_depth and not embedding and not spec.tie_embeddings:  # MTP's embedding copy (pp > 1)
+            dense += spec.embedding_params
     return {"dense": dense, "expert": expert, "moe_layers": moe, "dense_layers": dense_layers}
 
 

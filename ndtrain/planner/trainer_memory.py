@@ -199,6 +199,8 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         bd["backward_working"] = working
     if head:
         bd["logits"] = trainer_loss_bytes(spec, tokens, lay.tp, getattr(w, "fused_loss", False))
+        if working:  # the loss's buffers die before the first block's backward: only the larger counts
+            bd["backward_working"] = max(0.0, working - bd["logits"])
     return bd
 
 
