@@ -39,7 +39,7 @@ from ndtrain.model.lora import is_adapter
 from ndtrain.parallel import comm, flight_recorder
 from ndtrain.train import console, metrics, outputs, validation
 from ndtrain.train.profiling import StepProfiler
-from ndtrain.train.rundir import sample_model, write_run_files
+from ndtrain.train.rundir import sample_model, sample_text, write_run_files
 from ndtrain.train.trainer import IGNORE_INDEX, Trainer
 
 __all__ = ["IGNORE_INDEX", "Trainer", "run", "sample_text"]
@@ -379,25 +379,3 @@ def _sample(r: _Run, label: str, quiet: bool) -> None:
     if r.rank == 0 and not (why and quiet):
         print(f"{label}: skipped ({why})" if why else  # text, not repr
               f"{label}:\n{sample_text(r.trainer, r.data, r.cfg, model)}", flush=True)
-
-
-@torch.no_grad()
-def sample_text(trainer: Trainer, data, cfg: Config, model=None) -> str:
-    """Generate ``sample_tokens`` after ``sample_prompt`` with ``model`` (default: the trainer's)."""
-    from ndtrain.inference.generate import generate
-
-    model = model if model is not None else trainer.model
-    tok = data.tokenizer
-    ids = tok.encode(cfg.training.sample_prompt) or [tok.eos_id]
-    prompt = torch.tensor(ids[-(cfg.model.max_seq_len - 1):], dtype=torch.long)
-    gen = torch.Generator().manual_seed(cfg.training.seed)
-    model.eval()
-    ctx = (torch.autocast(trainer.device.type, dtype=trainer.autocast_dtype) if trainer.autocast
-           else contextlib.nullcontext())
-    with ctx:
-        n_new = max(0, min(cfg.training.sample_tokens, cfg.model.max_seq_len - prompt.numel()))
-        out = generate(model, prompt.to(trainer.device), n_new,
-                       temperature=cfg.training.sample_temperature, top_k=cfg.training.sample_top_k,
-                       generator=gen)
-    trainer.model.train()
-    return tok.decode(out.tolist())

@@ -18,6 +18,7 @@ rank 0.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -236,3 +237,26 @@ def gather_model(trainer, cfg: Config) -> nn.Module | None:
     model.load_state_dict(whole, strict=True)
     model.tie_weights()
     return model.eval()
+
+
+@torch.no_grad()
+def sample_text(trainer, data, cfg: Config, model=None) -> str:
+    """Generate ``sample_tokens`` after ``sample_prompt`` with ``model`` (default: the trainer's, a
+    ``train.trainer.Trainer``); the decoded prompt and continuation."""
+    from ndtrain.inference.generate import generate
+
+    model = model if model is not None else trainer.model
+    tok = data.tokenizer
+    ids = tok.encode(cfg.training.sample_prompt) or [tok.eos_id]
+    prompt = torch.tensor(ids[-(cfg.model.max_seq_len - 1):], dtype=torch.long)
+    gen = torch.Generator().manual_seed(cfg.training.seed)
+    model.eval()
+    ctx = (torch.autocast(trainer.device.type, dtype=trainer.autocast_dtype) if trainer.autocast
+           else contextlib.nullcontext())
+    with ctx:
+        n_new = max(0, min(cfg.training.sample_tokens, cfg.model.max_seq_len - prompt.numel()))
+        out = generate(model, prompt.to(trainer.device), n_new,
+                       temperature=cfg.training.sample_temperature, top_k=cfg.training.sample_top_k,
+                       generator=gen)
+    trainer.model.train()
+    return tok.decode(out.tolist())
