@@ -124,12 +124,21 @@ def test_observers_meter_only_when_attached(monkeypatch):
     assert not rt.track_memory and rt.observers == [timer]
 
 
-def test_step_runs_under_the_short_gil_switch_interval_and_restores_it():
-    """``PipelineRuntime.run`` shortens Python's GIL switch interval for the step (receiver threads hand
-    over at each message) and restores the caller's value afterwards, also when the step raises."""
+def test_gil_switch_interval_is_set_for_pipelines_only_and_restored():
+    """``_switch_interval`` shortens Python's GIL switch interval and restores the caller's value, also
+    when the body raises; a one-stage runtime (no receiver threads) leaves it as it is."""
     import sys
 
     from ndtrain.parallel.pp import runtime as rt_mod
+
+    before = sys.getswitchinterval()
+    assert before > rt_mod.SWITCH_INTERVAL_S  # Python's default 5 ms
+    with rt_mod._switch_interval(rt_mod.SWITCH_INTERVAL_S):
+        assert sys.getswitchinterval() == pytest.approx(rt_mod.SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError, match="boom"), rt_mod._switch_interval(rt_mod.SWITCH_INTERVAL_S):
+        raise RuntimeError("boom")
+    assert sys.getswitchinterval() == before
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).double()
@@ -140,15 +149,5 @@ def test_step_runs_under_the_short_gil_switch_interval_and_restores_it():
     def loss_fn(logits, y):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
 
-    rt = PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "1f1b", loss_fn)
-    before = sys.getswitchinterval()
-    assert before > rt_mod.SWITCH_INTERVAL_S  # Python's default 5 ms
-    rt.run(x, x, m=2)
-    assert seen == [pytest.approx(rt_mod.SWITCH_INTERVAL_S)] * 2 and sys.getswitchinterval() == before
-
-    def bad_loss(logits, y):
-        raise RuntimeError("loss failed")
-
-    with pytest.raises(RuntimeError, match="loss failed"):
-        PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "1f1b", bad_loss).run(x, x, m=2)
-    assert sys.getswitchinterval() == before
+    PipelineRuntime([net], AxisGroup("pp", 1, 0, None), "1f1b", loss_fn).run(x, x, m=2)
+    assert seen == [before] * 2 and sys.getswitchinterval() == before

@@ -152,7 +152,7 @@ class PipelineRuntime:
             o.on_step_start(self, s, train)
         pairs = self._overlapped_pairs(s, train)
         try:
-            with contextlib.nullcontext() if train else torch.no_grad(), _switch_interval(SWITCH_INTERVAL_S):
+            with contextlib.nullcontext() if train else torch.no_grad(), self._switch_interval():
                 i = 0
                 while i < len(acts):
                     if i in pairs:  # F at i, B at i + 1: B in a worker thread beside F
@@ -175,6 +175,11 @@ class PipelineRuntime:
             loss_sum += loss
         comm.all_reduce(loss_sum, self.group)  # only the last stage holds a non-zero sum
         return loss_sum
+
+    def _switch_interval(self):
+        """The step's GIL switch interval (``SWITCH_INTERVAL_S``) when there are stages to message;
+        one stage has no receiver threads, and keeps the caller's."""
+        return _switch_interval(SWITCH_INTERVAL_S) if self.p > 1 else contextlib.nullcontext()
 
     def _run_action(self, i: int, a: Action) -> None:
         """Action ``i`` of the rank's list: wait for its input, run it (observers around both)."""
