@@ -37,8 +37,8 @@ from ndtrain.parallel.pp.stage import release_sent_output
 # and DualPipeV's B thread need the GIL for a few microseconds at each message: with the default, a
 # thread woken by an arrived header waits up to 5 ms for the main thread (running a forward's Python)
 # to let go, and the sending rank, whose sends complete only once the receive is posted, waits with
-# it. On two 1-thread CPU ranks (``bench/step_breakdown.py``, 1F1B, m 4, two alternating runs each)
-# 0.2 ms took the median step from 612 to 594 ms.
+# it. On two 1-thread CPU ranks (``bench/step_breakdown.py``, 1F1B, m 4) one alternating pair of runs
+# gave 612 -> 594 ms a step, a second pair was within the machine's spread (docs/performance.md).
 SWITCH_INTERVAL_S = 2e-4
 
 
