@@ -197,13 +197,24 @@ def _rank_entry(rank, world, out_dir, fn, args, backend, threads, group_timeout_
     # Exception; it too must reach the launcher as this rank's error, not as a bare exit code.
     except BaseException:  # noqa: BLE001 - handed to the launcher, which reports the first failing rank once
         _write(out_dir, rank, pickle.dumps(("error", traceback.format_exc(), time.time())))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # no group teardown: it can block on peers that are gone; the OS frees it all
+        _exit_now(1)  # no group teardown: it can block on peers that are gone; the OS frees it all
     _write(out_dir, rank, payload)
     dist = sys.modules.get("torch.distributed")  # fn may have created the group itself
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End a rank without interpreter finalization. Meshes and groups of ``fn`` may still hold gloo
+    process groups; destroyed during finalization, their worker threads can abort the process
+    (SIGABRT, "terminate called without an active exception") after the rank's work is done."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _write(out_dir: str, rank: int, payload: bytes) -> None:
