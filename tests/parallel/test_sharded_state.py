@@ -118,7 +118,9 @@ def test_sharded_checkpoints_carry_buffers_and_resume_across_layouts(tmp_path):
 
 
 class _OddShapes(nn.Module):
-    """Parameters of shapes (0,), (), (1,), (2, 3), (5,), (3, 0); forward x (B, 3) -> scalar."""
+    """Parameters of shapes (0,), (), (1,), (2, 3), (5,), (3, 0), (1, 5, 3), (2, 4, 3); forward x (B, 3)
+    -> scalar. The last two are sharded along dim 1 where dim 0 is shorter than the ranks
+    (``flat_shard.shard_dim``: one of them on 2 ranks, both on 3), ragged either way."""
 
     def __init__(self):
         super().__init__()
@@ -130,11 +132,14 @@ class _OddShapes(nn.Module):
         self.w = nn.Parameter(torch.randn(2, 3, generator=g, **f64))
         self.b = nn.Parameter(torch.randn(5, generator=g, **f64))
         self.flat = nn.Parameter(torch.zeros(3, 0, **f64))
+        self.one_expert = nn.Parameter(torch.randn(1, 5, 3, generator=g, **f64))
+        self.two_experts = nn.Parameter(torch.randn(2, 4, 3, generator=g, **f64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.scale * (x @ self.w.t()) + self.one  # (B, 2)
         extra = self.empty.sum() + self.flat.sum() + self.b.pow(2).sum() * self.one.sum()
-        return h.tanh().pow(2).sum() + extra * x.shape[0]
+        e = (x @ self.one_expert[0].t()).sin().sum() + torch.einsum("bc,efc->bef", x, self.two_experts).cos().sum()
+        return h.tanh().pow(2).sum() + extra * x.shape[0] + e
 
 
 def _odd_shapes(rank: int, world: int) -> dict:

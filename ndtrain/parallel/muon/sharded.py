@@ -14,8 +14,10 @@ What a rank holds of a Muon matrix W (tp-global (m, n); experts (E, F, C)):
   different optimizer. Under ZeRO the owner gathers over tp: owners of one matrix on the tp ranks
   of a tp group share their data-parallel coordinates, so they form that tp group.
 * **EP**: a rank's experts (E/ep, F, C) are whole matrices along dim 0, and so are ZeRO's row
-  blocks of them (dim 0 is the expert dim): each is orthogonalised where it lies, no traffic
-  (padding experts are zero and stay zero).
+  blocks of them while dim 0 is the shard dim: each is orthogonalised where it lies, no traffic
+  (padding experts are zero and stay zero). With fewer local experts than shard ranks ZeRO
+  shards dim 1 (``flat_shard.shard_dim``): those are routed like any matrix, the owner
+  orthogonalising every expert of the batch.
 * **PP**: each stage's optimizer holds its stage's matrices; tied embeddings are AdamW anyway.
 * plain data parallel (DDP): every rank holds the whole matrix and the same gradient; each
   orthogonalises every matrix (redundant compute, no traffic).
@@ -62,7 +64,9 @@ class Matrix:
 
     @property
     def routed(self) -> bool:
-        return self.route is not None and self.route[2].size > 1 and not self.batched
+        if self.route is None or self.route[2].size == 1:
+            return False
+        return not self.batched or self.route[0].dims[self.route[1]] != 0  # dim-0 blocks are whole experts
 
     def flops(self, steps: int) -> int:
         batch = self.shape[0] if self.batched else 1
@@ -150,10 +154,9 @@ class ShardedOrthogonalizer:
         all_to_all_v(recv, send, [s_mine] * n, in_splits, group)
         grid = recv.view(n, s_mine)
         fulls, col = {}, 0
-        for j in mine:  # (N, s_j) blocks -> (N r_j, c_j) -> drop padding rows
+        for j in mine:  # (N, s_j) blocks -> the whole matrix, padding dropped
             layout, i = mats[j].route[:2]
-            piece = grid[:, col:col + sizes[j]].reshape(n * layout.rows[i], layout.cols[i])
-            fulls[j] = piece[:layout.d0[i]].reshape(mats[j].shape)
+            fulls[j] = layout.assemble(grid[:, col:col + sizes[j]], i).reshape(mats[j].shape)
             col += sizes[j]
         return {"mats": mats, "owner": owner, "sizes": sizes, "mine": mine, "fulls": fulls,
                 "like": updates[0]}
@@ -166,12 +169,9 @@ class ShardedOrthogonalizer:
         group = mats[0].route[2]
         n = group.size
         blocks = []
-        for j in mine:  # pad to (N r_j, c_j): row block k goes to rank k
+        for j in mine:  # padded (N, s_j): row block k goes to rank k
             layout, i = mats[j].route[:2]
-            flat = done[j].reshape(layout.d0[i], layout.cols[i])
-            padded = flat.new_zeros(n * layout.rows[i], layout.cols[i])
-            padded[:layout.d0[i]] = flat
-            blocks.append(padded.view(n, sizes[j]))
+            blocks.append(layout.split(done[j].reshape(layout.shapes[i]), i))
         like = pend["like"]
         send = torch.cat(blocks, dim=1).reshape(-1) if blocks else like.new_empty(0)
         s_mine = sum(sizes[j] for j in mine)
@@ -182,7 +182,7 @@ class ShardedOrthogonalizer:
         off = 0
         for j in sorted(range(len(mats)), key=lambda j: (owner[j], j)):
             layout, i = mats[j].route[:2]
-            res[j] = recv[off:off + sizes[j]].view(layout.rows[i], *layout.shapes[i][1:])
+            res[j] = layout.block_view(recv[off:off + sizes[j]], i)
             off += sizes[j]
         return res
 

@@ -3,8 +3,10 @@ global tensor (docs/moe.md, "Expert parallel with ZeRO-1/2/3 and HSDP").
 
 dense: sharded over ``dp_shard_cp``, replicated over ``dp_replicate``. expert (ep > 1): the E/ep
 local experts sharded over ``edp_shard``, replicated over ``dp_replicate`` (torchtitan's and
-Megatron-Core's expert data parallel). An expert weight is DTensor ``(Shard(0), Shard(0))`` over
-(ep, edp_shard); ``ndtrain.mesh`` orders those dims the other way, so the expert domain builds its
+Megatron-Core's expert data parallel). An expert weight is DTensor ``(Shard(0), Shard(d))`` over
+(ep, edp_shard), d = 0, or 1 when the E/ep local experts are fewer than the edp_shard ranks
+(``flat_shard.shard_dim``: each rank then holds a slice of every local expert, not padding);
+``ndtrain.mesh`` orders those dims the other way, so the expert domain builds its
 own ``DeviceMesh`` over the same ranks with them swapped. Checkpoints then hold each expert tensor
 once under its single-process name and shape."""
 from __future__ import annotations
@@ -43,33 +45,37 @@ class ShardDomain:
             return torch.Size(shape)
         return torch.Size((shape[0] * self.ep.size, *shape[1:]))
 
-    def present(self, local: torch.Tensor, shape: torch.Size):
-        """This rank's valid rows ``local`` as the global tensor: a DTensor viewing ``local`` (``dcp.load``
-        writes in place), or ``local`` itself. A 0-d parameter is broadcast whole (a 0-d DTensor cannot
-        be sharded)."""
+    def present(self, local: torch.Tensor, shape: torch.Size, dim: int = 0):
+        """This rank's valid rows ``local`` (in the parameter's dim order, sharded along ``dim``) as
+        the global tensor: a DTensor viewing ``local`` (``dcp.load`` writes in place), or ``local``
+        itself. A 0-d parameter is broadcast whole (a 0-d DTensor cannot be sharded)."""
         if self.dmesh is None:
             return local.view(shape)
         if len(shape) == 0:
             t = local.reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
             comm.broadcast(t, self.shard_group, 0)
             return t.view(())
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Shard
 
+        placements = list(self.placements)
+        if self.shard_group.size > 1:  # the ZeRO shard dim is the last placement
+            placements[-1] = Shard(dim)
         full = self.global_shape(shape)
-        return DTensor.from_local(local, self.dmesh, self.placements, run_check=False, shape=full,
+        return DTensor.from_local(local, self.dmesh, placements, run_check=False, shape=full,
                                   stride=contiguous_stride(full))
 
     def local_rows(self, src, e) -> torch.Tensor:
-        """This rank's valid rows of ``e`` from a DTensor of this layout or a whole tensor (sliced)."""
+        """This rank's valid rows of ``e``, row-first (``FlatShardLayout.rows_of``), from a DTensor of
+        this layout or a whole tensor (sliced)."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(src, DTensor):
-            return src.to_local()
+            return e.layout.rows_of(src.to_local(), e.index)
         if self.ep is not None and src.dim() > 0:
             el = src.shape[0] // self.ep.size
             src = src[self.ep.rank * el:(self.ep.rank + 1) * el]
         lo, hi = e.layout.row_range(e.index)
-        return src.reshape(-1)[lo:hi] if src.dim() == 0 else src[lo:hi]
+        return e.layout.rows_of(src, e.index)[lo:hi]
 
 
 def dense_domain(mesh) -> ShardDomain:

@@ -1,7 +1,7 @@
 """What ZeRO-1/2 and ZeRO-3 share: fp32 master shards, AdamW over them, clipping, layout-free state
 dicts (docs/sharded_data_parallel.md, "Checkpoints that reshard").
 
-A ``ShardEntry``'s padded dim-0 shard is the optimizer's parameter; AdamW is elementwise, so this
+A ``ShardEntry``'s padded row-first shard (``flat_shard``) is the optimizer's parameter; AdamW is elementwise, so this
 is stepping the full tensors (ZeRO, Rajbhandari et al. 2020), and a shard keeps its number of dims
 (decay still skips 1-D parameters). State dicts use the single-process names and global shapes:
 DTensors viewing the live shards (``dcp.load`` writes in place), 0-d parameters and buffers whole,
@@ -24,7 +24,8 @@ from ndtrain.parallel.zero.reduce import GradShardReducer
 @dataclass
 class ShardEntry:
     """One parameter seen through its shard: ``fqn``, ``shape`` (rank-local pre-ZeRO, e.g. (E/ep, ...)),
-    ``layout`` / ``index`` (place in the flat buffer), ``param`` (padded shard (r, *rest)), ``axes``
+    ``layout`` / ``index`` (place in the flat buffer), ``param`` (padded row-first shard,
+    ``layout.shard_shape(index)``), ``axes``
     (axes already split before dp, e.g. ("tp",)), ``aliases`` (further names of a tied parameter),
     ``domain`` (its ``ShardDomain``)."""
 
@@ -89,7 +90,7 @@ class ShardedDataParallelBase(GradShardReducer):
     @staticmethod
     def _present(local: torch.Tensor, e: ShardEntry):
         """This rank's valid rows ``local`` of entry ``e`` as the global tensor."""
-        return e.domain.present(local, e.shape)
+        return e.domain.present(e.layout.natural(local, e.index), e.shape, e.layout.dims[e.index])
 
     @staticmethod
     def _local_rows(src, e: ShardEntry) -> torch.Tensor:
