@@ -30,27 +30,50 @@ class _NoHook:
 
 
 @contextlib.contextmanager
-def _leaf_nodes_in_grad():
-    """``torch._C._will_engine_execute_node`` answering True for a leaf's node inside
-    ``autograd.grad`` (the zero-bubble schedule's input- and weight-gradient passes), where it
-    raises. Its caller is ModTracker's gradient hook on a module's inputs, asked on the hook's
-    first call in a backward: a pipeline stage's received activation, a leaf, is the one input
-    of the stage's root module, so the call comes from that leaf's own hook, which the engine runs
-    (the gradient is one the pass computes). Elsewhere (``backward()``) the answer is the engine's."""
-    orig = torch._C._will_engine_execute_node
+def _input_hooks_any():
+    """ModTracker's backward hook on each module's inputs (it marks the module's backward done)
+    registered in ``register_multi_grad_hook``'s "any" mode, not "all". In "all" mode the hook's
+    closure holds the inputs' autograd nodes while those nodes hold the hook: a cycle through C++
+    that ``gc.collect()`` does not break, through which every finished backward leaves its inputs
+    and their gradients alive, counted as live memory to the end of the step (a rehearsed Llama 3
+    405B interleaved stage read 46 GiB where the planner's accounting of the trainer gives 18).
+    "any" keeps no node; only the per-module attribution, which the rehearsal does not report,
+    moves to the first input gradient."""
+    from torch.distributed._tools import mod_tracker
 
-    def will_execute(node):
-        try:
-            return orig(node)
-        except RuntimeError as e:
-            if "leaf node was passed" not in str(e):
-                raise
-            return True
-    torch._C._will_engine_execute_node = will_execute
+    orig = mod_tracker.register_multi_grad_hook
+
+    def any_mode(tensors, fn, mode="all"):
+        return orig(tensors, fn, mode="any")
+    mod_tracker.register_multi_grad_hook = any_mode
     try:
         yield
     finally:
-        torch._C._will_engine_execute_node = orig
+        mod_tracker.register_multi_grad_hook = orig
+
+
+@contextlib.contextmanager
+def _taken_messages_counted(mt):
+    """Each pipeline message a stage takes (``pp.p2p.Receiver.take``) counted as an activation.
+    A receiver thread allocates the buffer outside the main thread's dispatch modes, so MemTracker
+    never sees it made; "all"-mode ModTracker hooks had counted it only by touching it. The same on
+    a real rank (gloo threads) and in the fake world (``fake._inline_receiver``)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from ndtrain.parallel.pp import runtime
+
+    base = runtime.Receiver
+
+    class Counted(base):
+        def take(self, key):
+            t = super().take(key)
+            mt._update_and_maybe_create_winfos(t, _MemRefType.ACT)  # no public API names a category
+            return t
+    runtime.Receiver = Counted
+    try:
+        yield
+    finally:
+        runtime.Receiver = base
 
 
 def _tracker(trainer):
@@ -178,7 +201,7 @@ def measure_step(trainer, inputs: torch.Tensor, labels: torch.Tensor, warmup: in
     if before_step:
         before_step()
     t0 = time.perf_counter()
-    with mt, ops, copies, _leaf_nodes_in_grad():
+    with _input_hooks_any(), _taken_messages_counted(mt), mt, ops, copies:
         out = trainer.step(inputs, labels)
     step_s = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")
