@@ -73,6 +73,8 @@ def inflight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, st
         return chunks / v
     if schedule == "dualpipev":  # PP + 1 chunk-activations, PP = 2p chunks, 2 chunks per rank
         return min(2 * m, 2 * p + 1) / 2
+    if schedule == "zero_bubble":  # ZB-H1: rank s defers W by s microbatches, so p - s + s = p graphs
+        return float(min(m, p))
     return float(min(m, p - stage))
 
 

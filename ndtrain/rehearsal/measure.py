@@ -158,9 +158,14 @@ class WeightCopies(TorchDispatchMode):
         return out
 
     def _pack(self, t):
+        """Counts ``t`` if it is a weight copy; packs it detached: a saved *output* packed as itself
+        would hold its own node (node -> t -> grad_fn -> node), a cycle through C++ that only
+        freeing the saved variables breaks, which ``backward()`` does and the zero-bubble passes
+        (``autograd.grad(retain_graph=True)``) never do, so every microbatch's graph stayed alive
+        and was counted to the end of the step."""
         if isinstance(t, torch.Tensor) and (t in self.copies or (t._base is not None and t._base in self.copies)):
             self.bytes += t.untyped_storage().nbytes()
-        return t
+        return t.detach() if isinstance(t, torch.Tensor) else t
 
     def __enter__(self):
         self._hooks.__enter__()

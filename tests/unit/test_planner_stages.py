@@ -139,7 +139,9 @@ def test_inflight_and_bubble_per_schedule():
     assert rank_chunks(4, 1, "dualpipev") == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert inflight_microbatches(8, 32, "dualpipev") == 8.5
     assert inflight_microbatches(8, 2, "dualpipev") == 2.0  # never more than the m microbatches
-    assert inflight_microbatches(8, 32, "zero_bubble", stage=3) == 5  # ZB-H1 keeps 1F1B's p - s
+    # ZB-H1: rank s keeps 1F1B's p - s graphs and s more whose W it has deferred (W_j after B_{j+s})
+    assert inflight_microbatches(8, 32, "zero_bubble", stage=3) == 8
+    assert inflight_microbatches(8, 3, "zero_bubble", stage=7) == 3
     assert estimate_pipeline_time(1.0, 2.0, 8, 16, "dualpipev")["bubble"] == pytest.approx(7 * 0.5)
     spec, _ = load_model_spec("deepseek_v3")
     r = rank_layers(spec, 8, 1, "dualpipev", 4096)
