@@ -89,7 +89,7 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
 
     ``stage`` holds the stage's local parameter counts {"dense", "expert"} (after TP / EP split)
     and its block counts {"layers", "moe_layers"}. Per microbatch and per layer: ``tp_fwd``,
-    ``tp_bwd``, ``cp_fwd``, ``cp_bwd``; per MoE layer: ``ep_fwd``, ``ep_bwd``; per microbatch per
+    ``tp_bwd`` (``cp_fwd``, ``cp_bwd``: 0 here, per mixer in ``mixer_comm``); per MoE layer: ``ep_fwd``, ``ep_bwd``; per microbatch per
     stage boundary: ``pp``; per microbatch for the stage: ``zero_fwd`` (ZeRO-3 all-gather) and
     ``zero_bwd`` (ZeRO-3 all-gather + reduce-scatter, ZeRO-2 reduce-scatter); per step:
     ``dp_grad`` (gradient reduction left after the last microbatch) and ``dp_param`` (all-gather
@@ -113,20 +113,8 @@ def estimate_axis_comm(spec, cluster: Cluster, w: Workload, lay: Layout, stage: 
         else:
             ar = L.time("all_reduce", "tp", act, t)
             out["tp_fwd"] = out["tp_bwd"] = 2 * ar
-    if lay.cp > 1:
+    if lay.cp > 1:  # seconds per mixer kind: planner.mixer_comm (timing.py fills cp_fwd / cp_bwd)
         links["cp"] = L.name("cp")
-        kv_local = max(spec.n_kv_heads / t, 1.0)
-        kv = 2 * e * tokens * kv_local * spec.head_dim  # local K and V blocks
-        if lay.cp_impl == "ring":  # Liu 2023: cp-1 block exchanges, overlapped with block compute
-            out["cp_fwd"] = (lay.cp - 1) * L.time("send", "cp", kv, 2)
-            out["cp_bwd"] = 2 * out["cp_fwd"]  # K, V and their gradients travel
-        elif lay.cp_impl == "allgather":  # Llama 3: all-gather K, V; reduce-scatter dK, dV
-            out["cp_fwd"] = L.time("all_gather", "cp", kv * lay.cp, lay.cp)
-            out["cp_bwd"] = out["cp_fwd"] + L.time("reduce_scatter", "cp", kv * lay.cp, lay.cp)
-        else:  # Ulysses (Jacobs 2023): all-to-all of q, k, v and of the output
-            qkvo = e * tokens * (2 * spec.n_heads + 2 * kv_local * t) * spec.head_dim / t
-            out["cp_fwd"] = L.time("all_to_all", "cp", qkvo, lay.cp)
-            out["cp_bwd"] = out["cp_fwd"]
     if lay.ep > 1 and stage["moe_layers"]:  # GShard / Switch: dispatch + combine all-to-all
         links["ep"] = L.name("ep")
         # folded: the tp group's tokens split over its tp / expert_tp expert-TP groups (fewest bytes)

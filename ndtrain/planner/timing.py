@@ -17,7 +17,8 @@ Overlap assumptions (stated, the same for every case):
     communication (Narayanan 2021, Korthikanti 2022); the excess is exposed. Inside a TPU torus
     slice both directions hide behind the layer's GEMMs (XLA's collective matmul, ``torus.py``).
   * CP ring (Liu 2023): each K/V block exchange overlaps with the previous block's attention; the
-    excess over attention compute is exposed. All-gather CP (Llama 3) and Ulysses are exposed.
+    excess over attention compute is exposed. All-gather CP (Llama 3) and Ulysses are exposed; so
+    are the linear mixers' state all-gathers and halo exchanges (``mixer_comm``: bytes per mixer).
   * EP all-to-all and PP send / recv are exposed (on the critical path of each microbatch).
   * ZeRO-3 gathers are prefetched under the forward / backward of the microbatch; ZeRO-2's
     reduce-scatters overlap with the backward that produces them; the excess is exposed.
@@ -30,11 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ndtrain.planner.ac_memory import recompute_attention_share
-from ndtrain.planner.comm import estimate_axis_comm
+from ndtrain.planner.comm import Links, estimate_axis_comm
 from ndtrain.planner.compute import optimizer_seconds, stage_op_times
 from ndtrain.planner.hardware import Cluster
 from ndtrain.planner.layout import Layout, Workload, microbatches
 from ndtrain.planner.memory import PRECISIONS, rank_params, recompute_fraction
+from ndtrain.planner.mixer_comm import cp_stage_seconds
 from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import estimate_pipeline_time, rank_layers
 from ndtrain.planner.torus import in_slice_tp, torus_tp_exposed
@@ -64,7 +66,7 @@ def stage_layout(spec, lay: Layout, w: Workload) -> list[int]:
 
 
 def _slowest_stage(spec, cluster: Cluster, w: Workload, lay: Layout, eff: float):
-    """(op times, one attention layer's forward s, pp rank, its params) of the pipeline rank with the
+    """(op times, one attention layer's forward s, pp rank, its params, its mixers) of the pipeline rank with the
     longest forward + backward: it sets the pipeline's pace. Every rank is timed from its own
     blocks (dense / MoE / MTP, the head where it sits: DualPipeV's is on rank 0), as the trainer
     splits them (``pipeline.rank_layers``)."""
@@ -78,7 +80,7 @@ def _slowest_stage(spec, cluster: Cluster, w: Workload, lay: Layout, eff: float)
             seen[key] = stage_op_times(spec, cluster, w.seq_len, lay, *key)
         ops, t_attn = seen[key]
         if best is None or ops.fwd + ops.bwd > best[0].fwd + best[0].bwd:
-            best = (ops, t_attn, r, prm)
+            best = (ops, t_attn, r, prm, key[-1])
     return best
 
 
@@ -87,7 +89,7 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
     acc = cluster.accelerator
     eff = getattr(acc, "compute_efficiency", 0.0)
     m = microbatches(lay, w)
-    ops, t_attn_layer, _, prm = _slowest_stage(spec, cluster, w, lay, eff)
+    ops, t_attn_layer, _, prm, mixers = _slowest_stage(spec, cluster, w, lay, eff)
     n_layers, n_moe = prm["moe_layers"] + prm["dense_layers"], prm["moe_layers"]
     local = {"dense": prm["dense"] / lay.tp, "expert": prm["expert"] / (lay.etp * lay.ep),
              "moe_layers": n_moe, "layers": n_layers}
@@ -106,11 +108,11 @@ def estimate_step_time(spec, cluster: Cluster, w: Workload, lay: Layout) -> Step
         per = max(n_layers, 1)
         f_tp, b_tp = torus_tp_exposed(c["tp_fwd"], c["tp_bwd"], ops.gemm_fwd / per, ops.gemm_bwd / per)
         fwd["tp"], bwd["tp"] = n_layers * f_tp, n_layers * b_tp
-    if lay.cp_impl == "ring":
-        fwd["cp"] = n_layers * max(0.0, c["cp_fwd"] - t_attn_layer)
-        bwd["cp"] = n_layers * max(0.0, c["cp_bwd"] - 2.5 * t_attn_layer)
-    else:
-        fwd["cp"], bwd["cp"] = n_layers * c["cp_fwd"], n_layers * c["cp_bwd"]
+    # each mixer's own cp traffic: ring / Ulysses for softmax layers, state passing for linear ones
+    cp_args = (spec, Links(cluster, lay), mixers, lay.microbatch, w.seq_len, lay.cp, lay.tp, w.act_bytes, lay.cp_impl)
+    fwd["cp"], bwd["cp"] = cp_stage_seconds(*cp_args, t_attn_layer)
+    raw_f, raw_b = cp_stage_seconds(*cp_args, 0.0)  # before overlap, per layer as raw_comm keeps it
+    c["cp_fwd"], c["cp_bwd"] = raw_f / max(n_layers, 1), raw_b / max(n_layers, 1)
     t_f = t_fwd_c + sum(fwd.values())
     t_b = t_bwd_c + t_rc + sum(bwd.values())
     pipe = estimate_pipeline_time(t_f, t_b, lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages)

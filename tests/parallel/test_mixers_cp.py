@@ -134,3 +134,24 @@ def test_rules_for_mixers_under_cp():
 
     assert resolve_layout("ring", "auto", ("gated_deltanet",)) == "contiguous"
     assert resolve_layout("ring", "auto", ("dsa",)) == "load_balanced"
+
+
+@pytest.mark.parametrize("layout,cp", [("cp2_dp2", 2), ("cp4", 4)])
+def test_planner_cp_bytes_equal_the_counted_traffic(results, layout, cp):
+    """The planner's bytes per mixer (``planner.mixer_comm``: ring blocks and dK / dV for the softmax
+    layer, state all-gathers and conv halos for the Gated DeltaNet ones) summed over the model's
+    layers equal what each rank's counted primitives sent on cp in a training step, at every cp
+    position (the first rank sends no backward halo, the last no forward one)."""
+    from ndtrain.mixer_spec import layer_mixers
+    from ndtrain.planner.mixer_comm import cp_layer_bytes
+    from ndtrain.planner.model_spec import from_model_config
+
+    cfg = _cfg(4, "GGGA", cp=cp)
+    spec = from_model_config(cfg.model)
+    seqs = G // (4 // cp)  # this rank's sequences per step, over all its microbatches
+    kinds = layer_mixers(cfg.model.layer_pattern, cfg.model.n_layers)
+    for rank, per_rank in enumerate(results):
+        r = rank % cp
+        pos = "first" if r == 0 else ("last" if r == cp - 1 else "middle")
+        want = sum(sum(cp_layer_bytes(spec, k, seqs, T, cp, 1, 8, "ring", pos)) for k in kinds)
+        assert per_rank[layout]["cp_bytes"] == want, (layout, rank, per_rank[layout]["cp_bytes"], want)
