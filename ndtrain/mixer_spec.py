@@ -189,6 +189,7 @@ class MixerFields:
     swa_window: int = 0
     dsa_top_k: int = 0
     dsa_index_heads: int = 4
+    linear_chunk_size: int = 64
 
     @classmethod
     def from_model_config(cls, m) -> MixerFields | None:

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ndtrain.planner.layout import Layout, Workload, ac_every, microbatches
+from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import inflight_microbatches, rank_layers
-from ndtrain.planner.trainer_memory import MEMORY_MODELS, trainer_loss_bytes, trainer_rank_breakdown
+from ndtrain.planner.trainer_memory import MEMORY_MODELS, trainer_kind, trainer_loss_bytes, trainer_rank_breakdown
+from ndtrain.planner.trainer_split import split_pending_bytes, w_gradient_bytes
 
 PRECISIONS = {  # bytes per parameter: (weights, gradients, optimizer state)
     "mixed": (2, 2, 12),
@@ -188,9 +190,11 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
     for r, info in enumerate(ranks):
         inflight = inflight_microbatches(lay.pp, m, lay.pp_schedule, lay.pp_virtual_stages, stage=r)
         prm = rank_params(spec, info["layers"], info["embedding"], info["head"], len(ranks))
-        key = (tuple(prm.values()), info["embedding"], info["head"], inflight)  # ranks alike by counts
+        # ranks alike by counts (zero_bubble: the W gradients a rank holds grow with its index)
+        key = (tuple(prm.values()), info["embedding"], info["head"], inflight,
+               r if lay.pp_schedule == "zero_bubble" else 0, stage_mixers(spec, info["layers"]))
         if key not in cache:
-            bd = _rank_breakdown(spec, w, lay, info, inflight, tokens, per_layer, len(ranks), m)
+            bd = _rank_breakdown(spec, w, lay, info, inflight, tokens, per_layer, len(ranks), m, r)
             if allocator_overhead != 1.0:
                 transient = bd.get("backward_working", 0.0) + bd.get("logits", 0.0)
                 bd["allocator_overhead"] = (allocator_overhead - 1.0) * transient
@@ -205,7 +209,7 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
 
 
 def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float, tokens: int,
-                    per_layer: dict, n_ranks: int, n_micro: int = 1) -> dict:
+                    per_layer: dict, n_ranks: int, n_micro: int = 1, stage: int = 0) -> dict:
     """Model state, ZeRO buffers, activations and loss bytes of one pp rank (``w.memory_model``
     "trainer": ``trainer_memory.trainer_rank_breakdown``)."""
     n_shard = lay.dp_shard * lay.cp
@@ -213,7 +217,20 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
     prm = rank_params(spec, info["layers"], info["embedding"], info["head"], n_ranks)
     if w.memory_model == "trainer":
         n_layers, n_moe = _block_counts(spec, info, prm)
-        return trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, n_micro, tokens)
+        # zero_bubble peaks in a B or W after an earlier W accumulated gradients, even with only as
+        # many microbatches as in flight (1F1B then peaks before any gradient exists)
+        zb_micro = inflight + 1 if lay.pp_schedule == "zero_bubble" and n_micro > 1 else n_micro
+        bd = trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, zb_micro, tokens,
+                                    layers=tuple(info["layers"]))
+        kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
+        pending = split_pending_bytes(spec, lay, tokens, e, kind == "autocast", n_layers, n_moe, info["embedding"],
+                                      info["head"], stage, n_micro, getattr(w, "fused_loss", False))
+        if pending:
+            bd["w_pending_grads"] = pending
+            m_bytes = 8 if e == 8 else 4
+            local = prm["dense"] / lay.tp + prm["expert"] / (lay.tp * lay.ep)
+            bd["w_gradients"] = w_gradient_bytes(lay, local, m_bytes if lay.zero_stage == 0 else e)
+        return bd
     dense_local = prm["dense"] / lay.tp
     expert_local = prm["expert"] / (lay.tp * lay.ep)
     bd = {}
@@ -224,7 +241,7 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
             bd[k] = bd.get(k, 0.0) + count * per[k]
     n_layers, n_moe = _block_counts(spec, info, prm)
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's full grads
-        bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * pb + gb)
+        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep) * (2 * pb + gb)
     if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
         bd["param_casts"] = 2 * (dense_local + expert_local) / (n_shard if lay.zero_stage == 3 else 1)
     act = _stage_activations(spec, lay, per_layer, n_layers, n_moe)

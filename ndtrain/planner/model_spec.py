@@ -164,6 +164,12 @@ class ModelSpec:
         """One block's parameters (MoE: all experts, or only the top-k when ``active``)."""
         return _layer_params(self, moe, active)
 
+    def rank_block_params(self, moe: bool, tp: int = 1, ep: int = 1) -> float:
+        """One block's parameters on one rank: dense parts over tp, routed experts over tp x ep
+        (a ZeRO-3 rank gathers only its own experts)."""
+        experts = self.n_experts * self.expert_params if moe else 0
+        return (self.layer_params(moe) - experts) / tp + experts / (tp * ep)
+
     def _count_layer_params(self, moe: bool, active: bool) -> int:
         if not moe:
             return self.attn_params + self.dense_mlp_params

@@ -28,10 +28,15 @@ expert's four SwiGLU tensors and the combined output in the experts' dtype (no f
 ``model/moe_autograd.py``); shared experts as a dense SwiGLU. MLA: the latent norms' fp32 input
 copies and outputs, the concatenated [q latent | kv latent | RoPE key] that wq_b and wkv_b read,
 then the math core's fp32 q, k, v (``model/mla.py`` expands the latent before the core).
+The other token mixers of ``model.layer_pattern`` (linear, mamba2, gated_deltanet, sliding_window,
+dsa) replace the attention half with their own (``trainer_mixers``); a stage sums each block under
+its mixer (``stage_mixer_counts``).
 """
 from __future__ import annotations
 
+from ndtrain.mixer_spec import layer_mixers, parse_pattern
 from ndtrain.planner.trainer_ac import POLICY_NAMES, math_core_bytes, policy_block_bytes
+from ndtrain.planner.trainer_mixers import mixer_half_bytes, rope_casts
 
 MEMORY_MODELS = ("fused", "trainer")
 
@@ -124,29 +129,45 @@ def _moe(spec, loc: dict, kind: str, e: int, ts: int) -> float:
 
 
 def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool = False, moe: bool = False,
-                        kind: str = "lowp", e: int = 2, policy: str = "none") -> dict:
+                        kind: str = "lowp", e: int = 2, policy: str = "none", mixer: str = "attention",
+                        chunk: int | None = None) -> dict:
     """Bytes one block keeps for backward on one rank for one microbatch of ``tokens`` tokens
     (``seq_len``: the key length); {"attention", "mlp", "weight_casts", "rope", "total", "working",
-    "tokens"}. ``policy``: none or a per-layer checkpointing policy (``trainer_ac``)."""
+    "tokens"}. ``policy``: none or a per-layer checkpointing policy (``trainer_ac``). ``mixer``: the
+    block's token mixer (``mixer_spec``); "attention" holds its half, ``trainer_mixers`` for the
+    others (``chunk``: their linear_chunk_size, None: the spec's or the default). A mixer-only block
+    (``ffn_hidden`` 0, not MoE) has no feed-forward half."""
     loc, ts, h = _local(spec, tp), (tp if sp else 1), spec.dim
-    attn = _attention(spec, loc, kind, e, ts, seq_len) * tokens
-    mlp = (_moe(spec, loc, kind, e, ts) if (moe and spec.is_moe) else _swiglu(h, loc["f"], kind, e, ts)) * tokens
+    if mixer == "attention":
+        attn = _attention(spec, loc, kind, e, ts, seq_len) * tokens
+    else:
+        attn = mixer_half_bytes(spec, mixer, tp, e, seq_len, tokens, lambda w, n: _norm(w, kind, e, n, ts), chunk)
+    if moe and spec.is_moe:
+        mlp = _moe(spec, loc, kind, e, ts) * tokens
+    else:
+        mlp = _swiglu(h, loc["f"], kind, e, ts) * tokens if spec.ffn_hidden else 0.0
     casts = 0.0
     if kind == "autocast":  # bf16 copies of the block's matrices, kept by the matmuls (per microbatch)
         dense = spec.layer_params(False) - 2 * h
         casts = 2 * dense / tp
     # cos / sin cast to the compute dtype at the positions, per block (fp32: no cast)
-    rope = 0 if (kind == "lowp" and e == 4) else 4 * (spec.head_dim // 2) * e * seq_len
+    # (per q / k pair rotated: ``rope_casts``)
+    rope = 0 if (kind == "lowp" and e == 4) else rope_casts(mixer) * 4 * (spec.head_dim // 2) * e * seq_len
     total = attn + mlp + casts + rope
     # math SDPA's transient while one block runs: two fp32 T x T tensors per head (scores, softmax)
     dqk, dv = spec.head_dim + spec.qk_rope_head_dim, spec.v_head_dim or spec.head_dim
-    working = 8 * loc["a"] * tokens * seq_len if (spec.kv_lora_rank and dqk != dv) else 0.0
+    mla_math = mixer == "attention" and spec.kv_lora_rank and dqk != dv
+    working = 8 * loc["a"] * tokens * seq_len if mla_math else 0.0
     out = {"attention": attn, "mlp": mlp, "weight_casts": casts, "rope": rope, "total": total, "working": working,
            "tokens": tokens}
     if policy == "none":
         return out
-    return policy_block_bytes(out, spec, loc, kind, e, ts, seq_len, moe, policy,
-                              lambda w, n, t: _norm(w, kind, e, n, t))
+    res = policy_block_bytes(out, spec, loc, kind, e, ts, seq_len, moe, policy,
+                             lambda w, n, t: _norm(w, kind, e, n, t))
+    if mixer != "attention":  # the policies' mixer terms are softmax attention's: keep this mixer's half
+        res["attention"], res["rope"] = attn, rope  # whole (not derived under the policy: an upper bound)
+        res["total"] = res["attention"] + res["mlp"] + res["weight_casts"] + res["rope"]
+    return res
 
 
 def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
@@ -164,13 +185,14 @@ def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
 
 
 def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, head: bool,
-                           inflight: float, n_micro: int, tokens: int) -> dict:
+                           inflight: float, n_micro: int, tokens: int, layers: tuple | None = None) -> dict:
     """One pp rank's bytes under the trainer's accounting: model state (``trainer_state_bytes``;
     dense parts sharded over dp_shard x cp, experts over dp_shard x cp / ep), the ``inflight``
     microbatches' blocks, one block's backward working set, the loss. Gradients count at the
     activation peak only when a backward finished before it (``n_micro`` > ``inflight``: the stage
     peaks again in the steady state; with as many microbatches as in flight it peaks at its first
-    backward, before any gradient exists). ``prm``: ``memory.rank_params``' counts."""
+    backward, before any gradient exists). ``prm``: ``memory.rank_params``' counts. ``layers``: the
+    rank's block indices, so each block counts under its own token mixer (``stage_mixer_counts``)."""
     kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
     n_shard = lay.dp_shard * lay.cp
     bd = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -182,7 +204,7 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     if n_micro <= inflight:
         bd["grads"] = 0.0
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
-        bd["zero3_buffers"] = spec.layer_params(n_moe > 0) / lay.tp * (2 * e + 4)
+        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep) * (2 * e + 4)
     per_layer = lay.ac if lay.ac in POLICY_NAMES else "none"
     kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e,
           "policy": per_layer}
@@ -190,11 +212,19 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     dense, working = dense_b["total"], dense_b["working"] if n_layers else 0.0
     moe = trainer_layer_bytes(spec, moe=True, **kw)["total"] if spec.is_moe else dense
     per_mb = (n_layers - n_moe) * dense + n_moe * moe
+    mixers = stage_mixer_counts(spec, n_layers, layers)
+    # the mixer half and the feed-forward half add up, so each non-attention block swaps its
+    # attention half for its own (MoE or dense alike); "whole" blocks take the largest mixer
+    swaps = {k: trainer_layer_bytes(spec, moe=False, mixer=k, **kw)["total"] - dense for k in mixers if k != "attention"}
+    per_mb += sum(mixers[k] * d for k, d in swaps.items())
+    top = max([0.0] + [d for k, d in swaps.items()])  # the largest block's excess over attention
     bd["activations"] = _checkpointed(spec, lay, per_mb, n_layers, kind, e, tokens, w.seq_len) * inflight
     if lay.ac not in ("none", "core_attn", "deepseek") and n_layers:  # one block recomputed in backward
         kw["policy"] = "none"  # what the recompute rebuilds: the block as under none
         whole = [trainer_layer_bytes(spec, moe=m, **kw)["total"] for m in {False, spec.is_moe}]
-        working += max(0.0, max(whole) - (max(dense, moe) if per_layer != "none" else 0.0))
+        whole = [b + max([0.0] + [trainer_layer_bytes(spec, moe=False, mixer=k, **kw)["total"] - whole[0]
+                                  for k in swaps]) for b in whole]
+        working += max(0.0, max(whole) - (max(dense, moe) + top if per_layer != "none" else 0.0))
     if working:
         bd["backward_working"] = working
     if head:
@@ -202,6 +232,26 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         if working:  # the loss's buffers die before the first block's backward: only the larger counts
             bd["backward_working"] = max(0.0, working - bd["logits"])
     return bd
+
+
+def stage_mixer_counts(spec, n_layers: int, layers: tuple | None = None) -> dict:
+    """{mixer: blocks} of a rank running ``n_layers`` blocks: by its block indices ``layers`` (the
+    model's ``layer_pattern``; blocks past it, the MTP depths, are attention), or without them the
+    rank's share of each mixer over the pattern's period (fractional counts)."""
+    if not spec.mixers or not n_layers:
+        return {"attention": n_layers}
+    if layers is not None:
+        kinds = layer_mixers(spec.mixers.layer_pattern, spec.n_layers)
+        out: dict = {}
+        for i in layers:
+            k = kinds[i] if i < len(kinds) else "attention"
+            out[k] = out.get(k, 0) + 1
+        extra = n_layers - len(layers)  # MTP blocks (attention, ``model/block.py``)
+        if extra > 0:
+            out["attention"] = out.get("attention", 0) + extra
+        return out
+    period = parse_pattern(spec.mixers.layer_pattern)
+    return {k: n_layers * period.count(k) / len(period) for k in set(period)}
 
 
 def _checkpointed(spec, lay, per_mb: float, n_layers: int, kind: str, e: int, tokens: int, seq_len: int) -> float:

@@ -107,3 +107,21 @@ def test_unknown_memory_model_is_named():
     spec = from_model_config(load_config("debug").model)
     with pytest.raises(ValueError, match="memory_model"):
         estimate_memory(spec, Workload(seq_len=32, global_batch_tokens=256, memory_model="x"), Layout(dp_shard=1), 1e9)
+
+
+def test_zero3_gathers_only_the_ranks_own_experts():
+    """Under ZeRO-3 a rank gathers one block at a time, and of a MoE block only its E / ep local
+    experts (the experts' FSDP units shard over edp): the buffer counts the local block's
+    parameters, measured on the real model's MoE block (its routed experts sit in ``experts``)."""
+    cfg = load_config("moe_debug", {"model.n_layers": 2})
+    model = build_model(cfg.model, "meta", torch.float32)
+    blk = model.layers["1"]
+    expert = sum(p.numel() for n, p in blk.named_parameters() if ".experts." in f".{n}")
+    whole = sum(p.numel() for p in blk.parameters())
+    spec = from_model_config(cfg.model)
+    e = cfg.model.moe_experts
+    for ep in (1, 2, e):
+        lay = Layout(dp_shard=e, ep=ep, zero_stage=3)
+        w = Workload(seq_len=64, global_batch_tokens=64 * e, precision="mixed", act_bytes=2, memory_model="trainer")
+        buf = estimate_memory(spec, w, lay, 80e9).breakdown["zero3_buffers"]
+        assert buf == pytest.approx((whole - expert + expert / ep) * (2 * 2 + 4)), ep
