@@ -40,8 +40,7 @@ from functools import lru_cache
 from ndtrain.planner.layout import Layout, Workload, ac_every, microbatches
 from ndtrain.planner.mixer_time import stage_mixers
 from ndtrain.planner.pipeline import inflight_microbatches, rank_layers
-from ndtrain.planner.trainer_memory import MEMORY_MODELS, trainer_kind, trainer_loss_bytes, trainer_rank_breakdown
-from ndtrain.planner.trainer_split import split_pending_bytes, w_gradient_bytes
+from ndtrain.planner.trainer_memory import MEMORY_MODELS, trainer_loss_bytes, trainer_rank_breakdown
 
 PRECISIONS = {  # bytes per parameter: (weights, gradients, optimizer state)
     "mixed": (2, 2, 12),
@@ -217,20 +216,8 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
     prm = rank_params(spec, info["layers"], info["embedding"], info["head"], n_ranks)
     if w.memory_model == "trainer":
         n_layers, n_moe = _block_counts(spec, info, prm)
-        # zero_bubble peaks in a B or W after an earlier W accumulated gradients, even with only as
-        # many microbatches as in flight (1F1B then peaks before any gradient exists)
-        zb_micro = inflight + 1 if lay.pp_schedule == "zero_bubble" and n_micro > 1 else n_micro
-        bd = trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, zb_micro, tokens,
-                                    layers=tuple(info["layers"]))
-        kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
-        pending = split_pending_bytes(spec, lay, tokens, e, kind == "autocast", n_layers, n_moe, info["embedding"],
-                                      info["head"], stage, n_micro, getattr(w, "fused_loss", False))
-        if pending:
-            bd["w_pending_grads"] = pending
-            m_bytes = 8 if e == 8 else 4
-            local = prm["dense"] / lay.tp + prm["expert"] / (lay.tp * lay.ep)
-            bd["w_gradients"] = w_gradient_bytes(lay, local, m_bytes if lay.zero_stage == 0 else e)
-        return bd
+        return trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, n_micro, tokens,
+                                      layers=tuple(info["layers"]), stage=stage, embedding=info["embedding"])
     dense_local = prm["dense"] / lay.tp
     expert_local = prm["expert"] / (lay.tp * lay.ep)
     bd = {}

@@ -27,6 +27,11 @@ from ndtrain.mixer_spec import linear_dims
 SOFTMAX = ("attention", "dsa")
 
 
+def _acc_bytes(e: int) -> int:
+    """Bytes of the kernels' accumulation dtype for activations of e bytes (fp64 stays fp64)."""
+    return 8 if e == 8 else 4
+
+
 def _state_elements(spec, kind: str, tp: int) -> float:
     """Elements of one sequence's packed state on one tp rank (the all-gathered unit)."""
     if kind == "linear":
@@ -61,7 +66,7 @@ def cp_layer_bytes(spec, kind: str, seqs: float, seq_len: int, cp: int, tp: int 
         return 0.0, 0.0
     if position not in ("first", "middle", "last"):
         raise ValueError(f"position {position!r}: first, middle or last")
-    s = 8 if e == 8 else 4
+    s = _acc_bytes(e)
     t_l = seq_len / cp
     if kind in SOFTMAX:
         g = max(spec.n_kv_heads / tp, 1.0)
@@ -85,7 +90,7 @@ def cp_layer_bytes(spec, kind: str, seqs: float, seq_len: int, cp: int, tp: int 
 
 def _linear_parts(spec, kind: str, seqs: float, cp: int, tp: int, e: int) -> tuple[float, float]:
     """(state all-gather bytes a rank sends, one halo message's bytes) of a non-softmax layer."""
-    s = 8 if e == 8 else 4
+    s = _acc_bytes(e)
     halo = _halo_elements(spec, kind, tp) * seqs * e
     state = 0.0 if kind == "sliding_window" else (cp - 1) * _state_elements(spec, kind, tp) * seqs * s
     return state, halo

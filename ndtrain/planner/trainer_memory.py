@@ -37,6 +37,7 @@ from __future__ import annotations
 from ndtrain.mixer_spec import layer_mixers, parse_pattern
 from ndtrain.planner.trainer_ac import POLICY_NAMES, math_core_bytes, policy_block_bytes
 from ndtrain.planner.trainer_mixers import mixer_half_bytes, rope_casts
+from ndtrain.planner.trainer_split import split_pending_bytes, w_gradient_bytes
 
 MEMORY_MODELS = ("fused", "trainer")
 
@@ -185,14 +186,17 @@ def trainer_loss_bytes(spec, tokens: int, tp: int = 1, fused_loss: bool = False,
 
 
 def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, head: bool,
-                           inflight: float, n_micro: int, tokens: int, layers: tuple | None = None) -> dict:
+                           inflight: float, n_micro: int, tokens: int, layers: tuple | None = None,
+                           stage: int = 0, embedding: bool = False) -> dict:
     """One pp rank's bytes under the trainer's accounting: model state (``trainer_state_bytes``;
     dense parts sharded over dp_shard x cp, experts over dp_shard x cp / ep), the ``inflight``
     microbatches' blocks, one block's backward working set, the loss. Gradients count at the
     activation peak only when a backward finished before it (``n_micro`` > ``inflight``: the stage
     peaks again in the steady state; with as many microbatches as in flight it peaks at its first
     backward, before any gradient exists). ``prm``: ``memory.rank_params``' counts. ``layers``: the
-    rank's block indices, so each block counts under its own token mixer (``stage_mixer_counts``)."""
+    rank's block indices, so each block counts under its own token mixer (``stage_mixer_counts``).
+    Under ``zero_bubble`` rank ``stage`` also holds what W needs (``trainer_split``), and its peak
+    (a B or W) follows an earlier W, so gradients count whenever the step has two microbatches."""
     kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
     n_shard = lay.dp_shard * lay.cp
     bd = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -201,8 +205,15 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         per = trainer_state_bytes(w.precision, w.act_bytes, lay.zero_stage, shards)
         for k in ("params", "grads", "optimizer"):
             bd[k] += count * per[k]
-    if n_micro <= inflight:
+    split = lay.pp_schedule == "zero_bubble" and lay.pp > 1
+    if n_micro <= inflight and not (split and n_micro > 1):
         bd["grads"] = 0.0
+    if split:  # W's gradients in the unsharded gradient's dtype (ZeRO 0: fp32, else the compute dtype)
+        local = prm["dense"] / lay.tp + prm["expert"] / (lay.tp * lay.ep)
+        grad_bytes = trainer_state_bytes(w.precision, w.act_bytes, min(lay.zero_stage, 1), 1)["grads"]
+        bd["w_pending_grads"] = split_pending_bytes(spec, lay, tokens, e, kind == "autocast", n_layers, n_moe,
+                                                    embedding, head, stage, n_micro, getattr(w, "fused_loss", False))
+        bd["w_gradients"] = w_gradient_bytes(lay, local, grad_bytes)
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
         bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep) * (2 * e + 4)
     per_layer = lay.ac if lay.ac in POLICY_NAMES else "none"
