@@ -95,7 +95,8 @@ def test_a_stage_sums_its_blocks_each_under_its_own_mixer():
     assert stage_mixer_counts(spec, 2, (2, 3)) == {"gated_deltanet": 1, "attention": 1}
     assert stage_mixer_counts(spec, 4) == {"gated_deltanet": 3.0, "attention": 1.0}
     w = SimpleNamespace(precision="fp32", act_bytes=2, seq_len=32, fused_loss=False)
-    lay = SimpleNamespace(zero_stage=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", seq_parallel=False, pp=1)
+    lay = SimpleNamespace(zero_stage=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", seq_parallel=False, pp=1,
+                          pp_schedule="1f1b", pp_virtual_stages=1)
     prm = {"dense": 0, "expert": 0}
     kw = {"tokens": 64, "seq_len": 32, "kind": "lowp", "e": 2, "moe": True}
     want = 3 * trainer_layer_bytes(spec, mixer="gated_deltanet", **kw)["total"] + trainer_layer_bytes(spec, **kw)["total"]
