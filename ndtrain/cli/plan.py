@@ -42,8 +42,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware-override", default="",
                    help='replace datasheet fields, e.g. "memory_gb=96,peak_tflops=989,inter_node_gbps=100" '
                         f"(keys: {', '.join(OVERRIDES)})")
-    p.add_argument("--gpus", type=int, default=0, help="accelerators in total")
-    p.add_argument("--nodes", type=int, default=0, help="alternative to --gpus: nodes x gpus-per-node")
+    p.add_argument("--gpus", type=int, default=None, help="accelerators in total")
+    p.add_argument("--nodes", type=int, default=None, help="alternative to --gpus: nodes x gpus-per-node")
     p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's (8 for GPUs)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence T (default: the preset's)")
     p.add_argument("--global-batch-tokens", type=float, default=0,
@@ -140,9 +140,12 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     gpn = args.gpus_per_node or acc.gpus_per_node
-    gpus = args.gpus or args.nodes * gpn
-    if gpus < 1:
+    for flag, v in (("--gpus", args.gpus), ("--nodes", args.nodes)):
+        if v is not None and v < 1:
+            return _fail(f"{flag} must be >= 1 (got {v})")
+    if args.gpus is None and args.nodes is None:
         return _fail("give --gpus N (or --nodes K)")
+    gpus = args.gpus or args.nodes * gpn
     seq = args.seq_len or preset_seq
     batch = int(args.global_batch_tokens) or _preset_batch_tokens(args.model, seq)
     dtype = "float32" if acc.name == "cpu" and args.dtype == "bfloat16" and args.measure else args.dtype
@@ -171,6 +174,8 @@ def run_plan(args: argparse.Namespace) -> int:
             for note in layout_assumptions(args.layout, layout):
                 print(f"assumed: {note}", file=sys.stderr if args.json else sys.stdout)
             plans = [evaluate(spec, cluster, w, layout)]
+            if plans[0].errors and plans[0].memory is None:  # breaks a rule: not a plan at all
+                return _fail("invalid layout: " + "; ".join(plans[0].errors))
             rec = plans[0] if plans[0].fits else None
             for rule in plans[0].unsupported:
                 print(f"not accepted by ndtrain train: {rule}", file=sys.stderr if args.json else sys.stdout)

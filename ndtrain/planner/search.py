@@ -269,6 +269,11 @@ def explain(plan: Plan, plans: list, spec, cluster: Cluster, w: Workload) -> lis
     out.append("largest losses: " + (", ".join(f"{LOSS_NAMES.get(k, k)} {v / st.step_time_s:.0%}"
                                                for v, k in losses) or "none above 0.5% of the step"))
     out.append(goodput_line(plan))
+    fastest = max((p for p in plans if not p.unsupported), key=lambda p: p.mfu, default=plan)
+    if fastest is not plan and fastest.mfu > plan.mfu:
+        out.append(f"chosen over the fastest modelled layout ({fastest.layout.short()}, MFU {fastest.mfu:.2%}): "
+                   f"within 1% of it the simplest wins (fewer parallel axes, then a lower ZeRO stage, less "
+                   f"recompute, fewer virtual stages), as the model is not more precise than that")
     lay = plan.layout
     for axis, what in (("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("cp", "context parallel"),
                        ("ep", "expert parallel")):

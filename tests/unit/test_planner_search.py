@@ -94,8 +94,11 @@ def test_cli_search_table_and_report(tmp_path, capsys):
 
 
 def test_cli_errors(capsys):
-    assert main(["--model", "llama3_8b", "--gpus", "8", "--layout", "tp=3"]) == 1
-    assert "invalid layout" in capsys.readouterr().out
+    assert main(["--model", "llama3_8b", "--gpus", "8", "--layout", "tp=3"]) == 2  # bad input, not "does not fit"
+    out, err = capsys.readouterr()
+    assert "invalid layout: gpus (8) is not divisible" in err and "TP3" not in out  # one line, no table row
+    assert main(["--model", "llama3_8b", "--gpus", "0"]) == 2
+    assert "--gpus must be >= 1 (got 0)" in capsys.readouterr().err
     assert main(["--model", "nope", "--gpus", "8"]) == 2
     assert main(["--model", "llama3_8b"]) == 2
     assert main(["--model", "llama3_8b", "--gpus", "8", "--hardware", "TPU"]) == 2
@@ -112,3 +115,15 @@ def test_cli_nodes_and_link_overrides(capsys):
     slow = json.loads(capsys.readouterr().out)
     assert slow["step_time_s"] > fast["step_time_s"]
     assert slow["links"]["dp_comm"] == "inter-node"
+
+
+def test_a_recommendation_below_the_top_row_says_which_row_it_beat_and_why():
+    rec, plans, why = _recommend(LLAMA_1B, 8, Workload(seq_len=2048, global_batch_tokens=2**20))
+    fastest = max(plans, key=lambda p: p.mfu)
+    line = [r for r in why if r.startswith("chosen over the fastest")]
+    # ZeRO-2/3 reach a hair more than plain DDP, which is simpler and within 1%
+    assert fastest is not rec and rec.layout.zero_stage == 0 < fastest.layout.zero_stage
+    assert fastest.mfu <= rec.mfu / 0.99 and len(line) == 1 and fastest.layout.short() in line[0]
+    lone = [p for p in plans if p is fastest]
+    assert not [r for r in explain(fastest, lone, LLAMA_1B, Cluster(H100, 8), Workload(
+        seq_len=2048, global_batch_tokens=2**20)) if r.startswith("chosen over")]
