@@ -18,10 +18,10 @@ from ndtrain.config.schema import ParallelConfig
 from ndtrain.config.validate import ModelFacts, check_axes, seq_len_rule
 from ndtrain.errors import ConfigError
 from ndtrain.mixer_spec import non_softmax_mixers
-from ndtrain.planner.exec_mode import MODES
 from ndtrain.parallel.ac_policy import every_blocks
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
+from ndtrain.planner.exec_mode import MODES
 
 CP_IMPLS = ("ring", "allgather", "ulysses")  # allgather (Llama 3): modelled, not in ndtrain's runtime
 
@@ -75,6 +75,14 @@ class Layout:
         if self.folded:
             return self.edp or max(1, self.world // (self.pp * self.ep * self.expert_tp))
         return max(1, self.dp * self.cp // self.ep)
+
+    @property
+    def expert_shards(self) -> int:
+        """ZeRO's shards of one expert shard (the trainer's ``edp_shard``): expert_dp / dp_replicate
+        on the folded mesh, dp_shard x cp / ep on the tied one."""
+        if self.folded:
+            return max(1, self.expert_dp // self.dp_replicate)
+        return max(1, self.dp_shard * self.cp // self.ep)
 
     @property
     def seq_parallel(self) -> bool:

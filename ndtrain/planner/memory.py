@@ -172,7 +172,8 @@ def estimate_memory(spec, workload: Workload, layout: Layout, capacity: float, r
     """Peak per-rank memory over every pipeline rank, each from its own blocks (dense, MoE, MTP,
     embedding, head; ``pipeline.rank_layers``: the trainer's split) and its own in-flight
     microbatches under the schedule. ZeRO shards over dp_shard x cp; experts split over ep x tp
-    and shard over dp_shard x cp / ep. ``reserve``: runtime bytes (CUDA context, NCCL buffers);
+    (ep x expert_tp on the folded expert mesh) and shard over ``Layout.expert_shards``.
+    ``reserve``: runtime bytes (CUDA context, NCCL buffers);
     ``allocator_overhead``: factor on the transient bytes (the loss buffers and one block's backward
     working set), the short-lived large blocks that fragment PyTorch's caching allocator.
     ``workload.memory_model``: "fused" (this module's model) or "trainer" (``trainer_memory``:
@@ -219,16 +220,15 @@ def _rank_breakdown(spec, w: Workload, lay: Layout, info: dict, inflight: float,
         return trainer_rank_breakdown(spec, w, lay, prm, n_layers, n_moe, info["head"], inflight, n_micro, tokens,
                                       layers=tuple(info["layers"]), stage=stage, embedding=info["embedding"])
     dense_local = prm["dense"] / lay.tp
-    expert_local = prm["expert"] / (lay.tp * lay.ep)
+    expert_local = prm["expert"] / (lay.etp * lay.ep)
     bd = {}
-    for part, count, shards in (("dense", dense_local, n_shard),
-                                ("expert", expert_local, max(1, n_shard // lay.ep))):
+    for part, count, shards in (("dense", dense_local, n_shard), ("expert", expert_local, lay.expert_shards)):
         per = estimate_state_bytes_per_param(lay.zero_stage, shards, w.precision)
         for k in ("params", "grads", "optimizer"):
             bd[k] = bd.get(k, 0.0) + count * per[k]
     n_layers, n_moe = _block_counts(spec, info, prm)
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's full grads
-        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep) * (2 * pb + gb)
+        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep, lay.etp) * (2 * pb + gb)
     if w.precision == "fp32" and w.act_bytes == 2:  # autocast's bf16 weight copies, kept for bwd
         bd["param_casts"] = 2 * (dense_local + expert_local) / (n_shard if lay.zero_stage == 3 else 1)
     act = _stage_activations(spec, lay, per_layer, n_layers, n_moe)

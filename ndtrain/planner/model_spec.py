@@ -164,11 +164,12 @@ class ModelSpec:
         """One block's parameters (MoE: all experts, or only the top-k when ``active``)."""
         return _layer_params(self, moe, active)
 
-    def rank_block_params(self, moe: bool, tp: int = 1, ep: int = 1) -> float:
-        """One block's parameters on one rank: dense parts over tp, routed experts over tp x ep
-        (a ZeRO-3 rank gathers only its own experts)."""
+    def rank_block_params(self, moe: bool, tp: int = 1, ep: int = 1, expert_tp: int = 0) -> float:
+        """One block's parameters on one rank: dense parts over tp, routed experts over expert_tp x ep
+        (``expert_tp`` 0: the attention tp, the tied expert mesh; a ZeRO-3 rank gathers only its own
+        experts)."""
         experts = self.n_experts * self.expert_params if moe else 0
-        return (self.layer_params(moe) - experts) / tp + experts / (tp * ep)
+        return (self.layer_params(moe) - experts) / tp + experts / ((expert_tp or tp) * ep)
 
     def _count_layer_params(self, moe: bool, active: bool) -> int:
         if not moe:

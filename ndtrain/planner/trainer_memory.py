@@ -200,8 +200,8 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     kind, e = trainer_kind(w.precision, w.act_bytes, lay.zero_stage)
     n_shard = lay.dp_shard * lay.cp
     bd = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for count, shards in ((prm["dense"] / lay.tp, n_shard), (prm["expert"] / (lay.tp * lay.ep),
-                                                             max(1, n_shard // lay.ep))):
+    experts = prm["expert"] / (lay.etp * lay.ep)  # folded mesh: over ep x expert_tp
+    for count, shards in ((prm["dense"] / lay.tp, n_shard), (experts, lay.expert_shards)):
         per = trainer_state_bytes(w.precision, w.act_bytes, lay.zero_stage, shards)
         for k in ("params", "grads", "optimizer"):
             bd[k] += count * per[k]
@@ -209,13 +209,13 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     if n_micro <= inflight and not (split and n_micro > 1):
         bd["grads"] = 0.0
     if split:  # W's gradients in the unsharded gradient's dtype (ZeRO 0: fp32, else the compute dtype)
-        local = prm["dense"] / lay.tp + prm["expert"] / (lay.tp * lay.ep)
+        local = prm["dense"] / lay.tp + prm["expert"] / (lay.etp * lay.ep)
         grad_bytes = trainer_state_bytes(w.precision, w.act_bytes, min(lay.zero_stage, 1), 1)["grads"]
         bd["w_pending_grads"] = split_pending_bytes(spec, lay, tokens, e, kind == "autocast", n_layers, n_moe,
                                                     embedding, head, stage, n_micro, getattr(w, "fused_loss", False))
         bd["w_gradients"] = w_gradient_bytes(lay, local, grad_bytes)
     if lay.zero_stage == 3 and n_layers:  # gathered current + prefetched block, one block's grads
-        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep) * (2 * e + 4)
+        bd["zero3_buffers"] = spec.rank_block_params(n_moe > 0, lay.tp, lay.ep, lay.etp) * (2 * e + 4)
     per_layer = lay.ac if lay.ac in POLICY_NAMES else "none"
     kw = {"tokens": tokens, "seq_len": w.seq_len, "tp": lay.tp, "sp": lay.seq_parallel, "kind": kind, "e": e,
           "policy": per_layer}
