@@ -69,7 +69,10 @@ def trainer_layout(cfg, world: int | None = None) -> Layout:
     return Layout(tp=p.tp, cp=p.cp, pp=p.pp, dp_shard=dp_shard, dp_replicate=p.dp_replicate, ep=p.ep,
                   zero_stage=p.zero_stage, ac=t.activation_checkpoint, microbatch=t.micro_batch_size or local,
                   pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1,
-                  sp=int(p.sequence_parallel), cp_impl=p.cp_impl)
+                  sp=int(p.sequence_parallel), cp_impl=p.cp_impl,
+                  # the trainer's expert_tp = tp is the planner's tied mesh (experts split by the attention
+                  # tp); any other (1: whole experts on each tp rank) is an expert_tp of its own
+                  expert_tp=-1 if p.expert_tp == p.tp else p.expert_tp, edp=getattr(p, "edp", 0))
 
 
 def predict_memory(cfg, world: int | None = None, baseline_bytes: float = 0.0, hooks_sampled: bool = True) -> dict:

@@ -78,10 +78,14 @@ class Layout:
 
     @property
     def expert_shards(self) -> int:
-        """ZeRO's shards of one expert shard (the trainer's ``edp_shard``): expert_dp / dp_replicate
-        on the folded mesh, dp_shard x cp / ep on the tied one."""
-        if self.folded:
+        """ZeRO's shards of one expert shard (the trainer's ``edp_shard``, ``mesh.py``): expert_dp /
+        dp_replicate where the trainer folds the expert mesh, else dp_shard x cp / ep."""
+        from ndtrain.mesh import expert_folded
+
+        if self.folded and expert_folded(self.ep, self.expert_tp, self.dp_shard, self.cp, self.tp):
             return max(1, self.expert_dp // self.dp_replicate)
+        # whole experts (expert_tp 1) whose ep fits in dp_shard x cp: the trainer's tied mesh, the
+        # tp ranks holding copies outside the shard group
         return max(1, self.dp_shard * self.cp // self.ep)
 
     @property

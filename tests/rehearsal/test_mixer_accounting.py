@@ -87,6 +87,8 @@ def test_a_stage_sums_its_blocks_each_under_its_own_mixer():
     and one attention block, from the block indices or, without them, the pattern's shares."""
     from types import SimpleNamespace
 
+    from ndtrain.planner.layout import Layout
+
     from ndtrain.planner.trainer_memory import stage_mixer_counts, trainer_rank_breakdown
 
     # linear_chunk_size at its default: the planner's MixerFields does not carry it
@@ -95,8 +97,7 @@ def test_a_stage_sums_its_blocks_each_under_its_own_mixer():
     assert stage_mixer_counts(spec, 2, (2, 3)) == {"gated_deltanet": 1, "attention": 1}
     assert stage_mixer_counts(spec, 4) == {"gated_deltanet": 3.0, "attention": 1.0}
     w = SimpleNamespace(precision="fp32", act_bytes=2, seq_len=32, fused_loss=False)
-    lay = SimpleNamespace(zero_stage=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", seq_parallel=False, pp=1,
-                          pp_schedule="1f1b", pp_virtual_stages=1)
+    lay = Layout(zero_stage=1, dp_shard=1, ac="none")
     prm = {"dense": 0, "expert": 0}
     kw = {"tokens": 64, "seq_len": 32, "kind": "lowp", "e": 2, "moe": True}
     want = 3 * trainer_layer_bytes(spec, mixer="gated_deltanet", **kw)["total"] + trainer_layer_bytes(spec, **kw)["total"]

@@ -53,3 +53,25 @@ def test_plan_rehearse_ranks_and_compares(capsys, tmp_path):
     assert main(args) == 0
     again = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('{"rehearsed"')][-1])
     assert again["rehearsed"][0]["stages"] == rec["stages"]
+
+
+@pytest.mark.parametrize("expert_tp", [1, 2])
+def test_planner_state_equals_the_rehearsal_for_whole_and_tp_split_experts(expert_tp):
+    """moe_debug on 4 ranks as tp2 (SP) x dp_shard 2 with ep 2, ZeRO-1: with the trainer's default
+    ``expert_tp`` 1 every tp rank holds whole experts (``trainer_layout`` maps it to the planner's
+    expert_tp 1), with expert_tp = tp they are split over the attention tp (the planner's tied
+    mesh). The planner's parameters and optimizer state equal the rehearsal's to 1%."""
+    over = {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.ep": 2, "parallel.zero_stage": 1,
+            "parallel.expert_tp": expert_tp, "training.global_batch_size": 2, "training.micro_batch_size": 1,
+            "training.moe_routing": "balanced"}
+    cfg = load_config("moe_debug", over, world_size=4)
+    lay = trainer_layout(cfg, 4)
+    assert (lay.expert_tp, lay.etp, lay.expert_shards) == ((1, 1, 1) if expert_tp == 1 else (-1, 2, 1))
+    res = rehearse("moe_debug", over, cfg, 4, "H100")
+    precision = {"bfloat16": "fp32", "float32": "fp32"}[cfg.training.dtype]
+    w = Workload(seq_len=cfg.data.seq_len, global_batch_tokens=2 * cfg.data.seq_len, precision=precision,
+                 act_bytes=2 if cfg.training.dtype == "bfloat16" else 4, memory_model="trainer")
+    est = estimate_memory(from_model_config(cfg.model), w, lay, 80e9)
+    peak = res["roles"][0]["memory_peak"]
+    assert est.breakdown["params"] == pytest.approx(peak["parameters"], rel=0.01)
+    assert est.breakdown["optimizer"] == pytest.approx(peak["optimizer_state"], rel=0.01)

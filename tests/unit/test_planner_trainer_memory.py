@@ -129,10 +129,10 @@ def test_zero3_gathers_only_the_ranks_own_experts():
 
 @pytest.mark.parametrize("memory_model", ["trainer", "fused"])
 def test_the_folded_expert_mesh_splits_experts_by_expert_tp_and_shards_them_over_edp(memory_model):
-    """On the folded mesh (``expert_tp`` >= 1) a rank holds E / ep experts split over expert_tp, not
-    over the attention tp, and ZeRO shards them over ``edp_shard`` = world / (pp ep expert_tp) /
-    dp_replicate (``mesh.py``): 8 ranks as tp 2 x dp 4 with ep 4, expert_tp 1 hold a quarter of the
-    experts in 2 shards, where the tied mesh (experts over tp 2 x ep 4, 1 shard) holds an eighth."""
+    """Experts split and ZeRO-shard as the trainer's mesh (``mesh.py``) does, on 8 ranks: folded
+    (expert_tp 2 under tp 4, ep 2: edp 2) a rank holds a quarter of the experts in 2 shards; whole
+    experts (expert_tp 1 under tp 2, ep 4 within dp_shard 4) a quarter, the tp copies outside the
+    shard group; the tied mesh (experts over the attention tp 4 x ep 2) an eighth, unsharded."""
     cfg = load_config("moe_debug", {"model.n_layers": 2})
     spec = from_model_config(cfg.model)
     w = Workload(seq_len=64, global_batch_tokens=64 * 8, precision="fp32", act_bytes=4, memory_model=memory_model)
@@ -140,11 +140,13 @@ def test_the_folded_expert_mesh_splits_experts_by_expert_tp_and_shards_them_over
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
     dense = sum(p.numel() for p in model.parameters()) - expert
     gathered = {}
-    for lay, share, shards in ((Layout(tp=2, dp_shard=4, ep=4, zero_stage=3, expert_tp=1), 1 / 4, 2),
-                               (Layout(tp=2, dp_shard=4, ep=4, zero_stage=3), 1 / 8, 1)):
+    for lay, share, shards in ((Layout(tp=4, dp_shard=2, ep=2, zero_stage=3, expert_tp=2), 1 / 4, 2),
+                               (Layout(tp=2, dp_shard=4, ep=4, zero_stage=3, expert_tp=1), 1 / 4, 1),
+                               (Layout(tp=4, dp_shard=2, ep=2, zero_stage=3), 1 / 8, 1)):
         assert lay.etp * lay.ep == round(1 / share) and lay.expert_shards == shards
         got = estimate_memory(spec, w, lay, 80e9).breakdown
-        # ZeRO-3, fp32: 4 bytes a local parameter, dense over tp 2 then 4 shards, experts as above
-        assert got["params"] == pytest.approx(dense / 2 * 4 / 4 + expert * share * 4 / shards, rel=1e-3), lay
-        gathered[lay.folded] = got["zero3_buffers"]
-    assert gathered[True] > gathered[False]  # a folded rank gathers twice the expert bytes of a block
+        # ZeRO-3, fp32: 4 bytes a local parameter; dense over tp, then dp_shard shards
+        want = dense / lay.tp * 4 / lay.dp_shard + expert * share * 4 / shards
+        assert got["params"] == pytest.approx(want, rel=1e-3), lay
+        gathered[lay.expert_tp] = got["zero3_buffers"]
+    assert gathered[2] > gathered[-1]  # a folded rank gathers twice the expert bytes of a block
