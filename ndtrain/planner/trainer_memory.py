@@ -37,7 +37,7 @@ from __future__ import annotations
 from ndtrain.mixer_spec import layer_mixers, parse_pattern
 from ndtrain.planner.trainer_ac import POLICY_NAMES, math_core_bytes, policy_block_bytes
 from ndtrain.planner.trainer_mixers import mixer_half_bytes, rope_casts
-from ndtrain.planner.trainer_split import split_pending_bytes, w_gradient_bytes
+from ndtrain.planner.trainer_split import captured_output_bytes, split_pending_bytes, w_gradient_bytes
 
 MEMORY_MODELS = ("fused", "trainer")
 
@@ -230,6 +230,9 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
     per_mb += sum(mixers[k] * d for k, d in swaps.items())
     top = max([0.0] + [d for k, d in swaps.items()])  # the largest block's excess over attention
     bd["activations"] = _checkpointed(spec, lay, per_mb, n_layers, kind, e, tokens, w.seq_len) * inflight
+    if split:
+        logits = head and not getattr(w, "fused_loss", False)
+        bd["captured_outputs"] = inflight * tokens * _captured(spec, lay, e, n_layers, n_moe, logits)
     if lay.ac not in ("none", "core_attn", "deepseek") and n_layers:  # one block recomputed in backward
         kw["policy"] = "none"  # what the recompute rebuilds: the block as under none
         whole = [trainer_layer_bytes(spec, moe=m, **kw)["total"] for m in {False, spec.is_moe}]
@@ -263,6 +266,14 @@ def stage_mixer_counts(spec, n_layers: int, layers: tuple | None = None) -> dict
         return out
     period = parse_pattern(spec.mixers.layer_pattern)
     return {k: n_layers * period.count(k) / len(period) for k in set(period)}
+
+
+def _captured(spec, lay, e: int, n_layers: int, n_moe: int, logits: bool) -> float:
+    """Bytes per token of a graph's recorded owner outputs no backward saves under a split backward
+    (``trainer_split.captured_output_bytes``), the head's logits with ``logits``."""
+    blocks = sum(count * captured_output_bytes(spec, lay.tp, e, moe, lay.ep)
+                 for moe, count in ((False, n_layers - n_moe), (True, n_moe)) if count)
+    return blocks + (-(-spec.vocab_size // lay.tp) * e if logits else 0.0)
 
 
 def _checkpointed(spec, lay, per_mb: float, n_layers: int, kind: str, e: int, tokens: int, seq_len: int) -> float:

@@ -19,6 +19,12 @@ W itself computes every owner's weight gradient before one backward accumulates 
 gradients exist twice: the ``w_gradients`` transient, the stage's local parameters in their
 compute dtype (fp32 weights under ZeRO 0, unsharded under every ZeRO stage).
 
+The outputs themselves stay too: the pipeline's forward hook records every owner's output (or the
+partial sum before a row-parallel / expert-parallel collective, ``weight_grad_output``) for W, so
+every graph in flight holds them from F to W, also those no backward saves (``captured_outputs``:
+q and k before RoPE and the full-width wo / w2 partial sums of each block, the logits on the last
+stage without the fused loss).
+
 Rank s of a p-stage ZB-H1 runs W_j right after B_{j+s} (``schedules.zero_bubble_h1``), so at its
 peak it holds the gradients of min(s + 1, m) microbatches. Checked against the rehearsal:
 ``tests/rehearsal/test_zero_bubble_accounting.py``.
@@ -48,6 +54,20 @@ def owner_output_bytes(spec, tp: int, sp: bool, e: int, autocast: bool, moe: boo
             out += (2 * fs + h) * e
         return out
     return out + (2 * spec.ffn_hidden / tp + h) * e
+
+
+def captured_output_bytes(spec, tp: int, e: int, moe: bool, ep: int) -> float:
+    """Bytes per token of one block's recorded owner outputs that no backward saves, held by every
+    graph in flight under a split backward (module docstring): q and k before RoPE (MLA: wq_b's
+    output), the row-parallel wo and w2 partial sums (full width, before g), per routed copy the
+    experts' GEMM output before the combine when ep > 1, the shared experts' w2 output. (The
+    trainer runs split schedules without recompute, so no block's outputs are all unsaved.)"""
+    h, a, g, d = spec.dim, spec.n_heads / tp, max(spec.n_kv_heads / tp, 1.0), spec.head_dim
+    attn = a * (d + spec.qk_rope_head_dim) if spec.kv_lora_rank else (a + g) * d
+    out = (attn + h) * e
+    if moe and spec.is_moe:
+        return out + (spec.top_k * h * e if ep > 1 else 0.0) + (h * e if spec.n_shared_experts else 0.0)
+    return out + h * e
 
 
 def split_pending_bytes(spec, lay, tokens: int, e: int, autocast: bool, n_layers: int, n_moe: int,
