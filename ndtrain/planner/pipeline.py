@@ -78,6 +78,20 @@ def inflight_microbatches(p: int, m: int, schedule: str = "1f1b", v: int = 1, st
     return float(min(m, p - stage))
 
 
+def grad_share_at_peak(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage: int = 0) -> float:
+    """Share of stage ``stage``'s gradients that exist at its activation peak (the end of its
+    steady state): 0 when no backward ran before it (as many microbatches as in flight), else 1;
+    interleaved (``schedules.interleaved``): backwards run chunk v-1 .. 0 per microbatch group, so
+    the k backwards before the steady state's last forward have reached ceil(k / g) of the v chunks
+    (g the first group's size), each chunk's gradients appearing with its first backward."""
+    if schedule == "interleaved" and v > 1 and p > 1:
+        g = m if m < p else (p if m >= 2 * p else p + m % p)
+        warm = min(m * v, 2 * (p - stage - 1) + (v - 1) * (m if m < p else p + m % p))  # the largest group
+        done = m * v - warm - 1  # backwards before the steady state's last forward (its F precedes its B)
+        return 0.0 if done <= 0 else min(v, -(-done // g)) / v
+    return 0.0 if m <= inflight_microbatches(p, m, schedule, v, stage) else 1.0
+
+
 def partition_layers(n_layers: int, p: int, head_cost: float = 0.0, embed_cost: float = 0.0) -> list[int]:
     """Layers per stage balancing compute (Llama 3: first and last stages may take fewer
     blocks because they also run the embedding and the output head). ``head_cost`` and

@@ -131,3 +131,25 @@ def test_fits_against_capacity():
     p = _plan(SPEC_405B, 8, 8192, 8 * 8192, Layout(dp_shard=8))
     assert not p.fits and p.memory.total > 80 * GiB
     assert p.memory.capacity == get_accelerator("H100").hbm_bytes
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 3), (8, 4)])
+def test_grad_share_at_peak_follows_the_interleaved_schedule(p, v):
+    """The share of a rank's gradients present at its activation peak, against ndtrain's own
+    interleaved action lists: at the last action that leaves the most chunk-forwards outstanding
+    (the peak, before the backwards that free them), the chunks that have had a backward."""
+    from ndtrain.parallel.pp.schedules import interleaved
+    from ndtrain.planner.pipeline import grad_share_at_peak
+
+    for m in (p, p + 1, 2 * p, 3 * p + 1):
+        sched = interleaved(p, m, v)
+        for r in range(p):
+            live, top, share = 0, -1, 0.0
+            seen: set[int] = set()
+            for a in sched.actions[r]:
+                live += 1 if a.kind == "F" else -1
+                if a.kind == "B":
+                    seen.add(a.chunk)
+                if a.kind == "F" and live >= top:
+                    top, share = live, len(seen) / v
+            assert grad_share_at_peak(p, m, "interleaved", v, r) == pytest.approx(share), (m, r)
