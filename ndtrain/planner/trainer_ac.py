@@ -31,7 +31,7 @@ def math_core_bytes(a: float, dqk: int, dv: int, e: int, seq_len: int) -> float:
     return max(e, 4) * a * (2 * dqk + dv + seq_len)
 
 
-def _casts(h: float, kind: str, ts: int, n_linears: int) -> float:
+def norm_casts(h: float, kind: str, ts: int, n_linears: int) -> float:
     """Autocast's bf16 copies of a norm's output that its linears keep (SP: one shard cast)."""
     if kind != "autocast":
         return 0.0
@@ -94,10 +94,12 @@ def policy_block_bytes(none: dict, spec, loc: dict, kind: str, e: int, ts: int, 
         keep = r * h / ts  # a norm's input
         attn = _deepseek_attention(spec, loc, kind, e, ts, none, norm_bytes, keep)
         n_mlp = 1 if (moe and spec.is_moe) else 2
-        mlp = mlp - (norm_bytes(h, n_mlp, ts) - keep - _casts(h, kind, ts, n_mlp)) * tokens
+        mlp = mlp - (norm_bytes(h, n_mlp, ts) - keep - norm_casts(h, kind, ts, n_mlp)) * tokens
         out = {"attention": attn, "mlp": mlp}
     else:
         raise ValueError(f"per-layer policy must be one of {', '.join(POLICY_NAMES)}, not {policy!r}")
+    if not none["mlp"]:  # a mixer-only block (model.block_ffn false): no feed-forward half to keep
+        out["mlp"] = 0.0
     res = {**none, **out}
     res["total"] = res["attention"] + res["mlp"] + res["weight_casts"] + res["rope"]
     return res
@@ -107,9 +109,9 @@ def _deepseek_attention(spec, loc, kind, e, ts, none, norm_bytes, keep) -> float
     """The attention half under ``deepseek``: the norm keeps its input; MLA its latents and output."""
     tokens, h = none["tokens"], spec.dim
     if not spec.kv_lora_rank:
-        return none["attention"] - (norm_bytes(h, 3, ts) - keep - _casts(h, kind, ts, 3)) * tokens
+        return none["attention"] - (norm_bytes(h, 3, ts) - keep - norm_casts(h, kind, ts, 3)) * tokens
     _, _, dv, kr, rr = _mla_dims(spec)
     lat = e if kind == "lowp" else 4
     n_lin = 2 if spec.q_lora_rank else 1
-    per = keep + _casts(h, kind, ts, n_lin) + lat * (spec.q_lora_rank + kr + rr) + e * loc["a"] * dv
+    per = keep + norm_casts(h, kind, ts, n_lin) + lat * (spec.q_lora_rank + kr + rr) + e * loc["a"] * dv
     return per * tokens

@@ -35,7 +35,9 @@ its mixer (``stage_mixer_counts``).
 from __future__ import annotations
 
 from ndtrain.mixer_spec import layer_mixers, parse_pattern
+from ndtrain.planner.pipeline import grad_share_at_peak
 from ndtrain.planner.trainer_ac import POLICY_NAMES, math_core_bytes, policy_block_bytes
+from ndtrain.planner.trainer_mixer_ac import mixer_policy_bytes
 from ndtrain.planner.trainer_mixers import mixer_half_bytes, rope_casts
 from ndtrain.planner.trainer_split import captured_output_bytes, split_pending_bytes, w_gradient_bytes
 
@@ -165,8 +167,9 @@ def trainer_layer_bytes(spec, tokens: int, seq_len: int, tp: int = 1, sp: bool =
         return out
     res = policy_block_bytes(out, spec, loc, kind, e, ts, seq_len, moe, policy,
                              lambda w, n, t: _norm(w, kind, e, n, t))
-    if mixer != "attention":  # the policies' mixer terms are softmax attention's: keep this mixer's half
-        res["attention"], res["rope"] = attn, rope  # whole (not derived under the policy: an upper bound)
+    if mixer != "attention":  # the policies' mixer terms are softmax attention's: this mixer's own
+        res["attention"], res["rope"] = mixer_policy_bytes(spec, mixer, policy, attn, rope, tokens, seq_len, tp, e,
+                                                           kind, ts, lambda w, n: _norm(w, kind, e, n, ts), chunk)
         res["total"] = res["attention"] + res["mlp"] + res["weight_casts"] + res["rope"]
     return res
 
@@ -206,8 +209,9 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         for k in ("params", "grads", "optimizer"):
             bd[k] += count * per[k]
     split = lay.pp_schedule == "zero_bubble" and lay.pp > 1
-    if n_micro <= inflight and not (split and n_micro > 1):
-        bd["grads"] = 0.0
+    all_grads = bd["grads"]
+    if not (split and n_micro > 1):  # at the activation peak: only the chunks whose backward began
+        bd["grads"] *= grad_share_at_peak(lay.pp, n_micro, lay.pp_schedule, lay.pp_virtual_stages, stage)
     if split:  # W's gradients in the unsharded gradient's dtype (ZeRO 0: fp32, else the compute dtype)
         local = prm["dense"] / lay.tp + prm["expert"] / (lay.etp * lay.ep)
         grad_bytes = trainer_state_bytes(w.precision, w.act_bytes, min(lay.zero_stage, 1), 1)["grads"]
@@ -245,7 +249,17 @@ def trainer_rank_breakdown(spec, w, lay, prm: dict, n_layers: int, n_moe: int, h
         bd["logits"] = trainer_loss_bytes(spec, tokens, lay.tp, getattr(w, "fused_loss", False))
         if working:  # the loss's buffers die before the first block's backward: only the larger counts
             bd["backward_working"] = max(0.0, working - bd["logits"])
-    return bd
+    return _last_backward(bd, all_grads, working) if not split else bd
+
+
+def _last_backward(bd: dict, all_grads: float, working: float) -> dict:
+    """The larger of the activation peak ``bd`` and the step's last backward: every gradient,
+    the state and one block's backward working set, the activations all but freed (seen where the
+    activation peak precedes most backwards: interleaved with m = p, Llama 3 405B at 16,384 GPUs).
+    ``working``: one block's backward working set (on a head stage not netted against the loss)."""
+    last = {k: bd[k] for k in ("params", "optimizer", "zero3_buffers") if k in bd}
+    last["grads"], last["backward_working"] = all_grads, working  # the loss's buffers long gone
+    return last if sum(last.values()) > sum(bd.values()) else bd
 
 
 def stage_mixer_counts(spec, n_layers: int, layers: tuple | None = None) -> dict:

@@ -30,6 +30,8 @@ from ndtrain.mixer_spec import linear_dims
 
 MIXER_HALVES = ("linear", "mamba2", "gated_deltanet", "sliding_window", "dsa")  # accounted here
 DEFAULT_CHUNK = 64  # ModelConfig.linear_chunk_size's default, for a spec without MixerFields
+# the projections reading each mixer's block norm (``norm``'s n_linears: autocast casts per linear)
+NORM_LINEARS = {"linear": 3, "mamba2": 1, "gated_deltanet": 2, "sliding_window": 3, "dsa": 3}
 
 
 def _chunks(seq_len: int, chunk: int) -> tuple[int, int, float]:
@@ -37,6 +39,40 @@ def _chunks(seq_len: int, chunk: int) -> tuple[int, int, float]:
     c = min(chunk, max(seq_len, 1))
     n = -(-seq_len // c)
     return c, n, n * c / seq_len
+
+
+def resolve_chunk(spec, chunk: int | None) -> int:
+    """linear_chunk_size: ``chunk``, else the spec's, else ``DEFAULT_CHUNK``."""
+    return getattr(spec.mixers, "linear_chunk_size", DEFAULT_CHUNK) if chunk is None else chunk
+
+
+def gdn_z_is_view(hk: float, hv: float) -> bool:
+    """Whether Gated DeltaNet's z (B, T, H_v, V) is a view of the in_proj_qkvz output: its reshape
+    out of the grouped layout (B, T, H_k, 2K + 2rV) merges H_k with r = H_v / H_k, which only a
+    single local key head or r = 1 allows without a copy."""
+    return hk <= 1 or hv <= hk
+
+
+def gdn_gated_norm_bytes(e: int, key: float, val: float, hk: float, hv: float) -> float:
+    """Per-token bytes the gated output norm RMSNorm(o) SiLU(z) of a Gated DeltaNet half keeps,
+    out_proj's input included (``gated_deltanet_bytes``' projections; f = max(e, 4)): fp32 o (fp32
+    runs: the kernel's output itself), the normalised y, w y in fp32, SiLU(z) 3 f val; z in fp32
+    f val (fp32 runs: z itself, a copy of the split projection, or a view keeping the whole
+    in_proj_qkvz output e (2 key + 2 val), see ``gdn_z_is_view``); the rsqrt f hv; y and out_proj's
+    input 2 e val."""
+    f = max(e, 4)
+    z = f * val if e < f else (e * (2 * key + 2 * val) if gdn_z_is_view(hk, hv) else e * val)
+    return (3 * f + 2 * e) * val + z + f * hv
+
+
+def mamba2_gated_norm_bytes(e: int, di: float, ch: float, nh: float, groups: float) -> float:
+    """Per-token bytes the gated norm RMSNorm(y SiLU(z)) of a Mamba-2 half keeps, out_proj's input
+    included (``mamba2_bytes``' projections; f = max(e, 4)): y, z and SiLU(z) in fp32, the
+    product's fp32 copy 3 f di + f di (fp32 runs: z is a view of the in_proj output, e (di + ch +
+    nh), in place of one f di), the rsqrt f per group, the normalised y and out_proj's input 2 e di."""
+    f = max(e, 4)
+    gate = f * di if e < f else e * (di + ch + nh)
+    return 3 * f * di + gate + f * groups + 2 * e * di
 
 
 def gated_deltanet_bytes(spec, tp: int, e: int, seq_len: int, chunk: int, norm) -> tuple[float, float]:
@@ -48,7 +84,8 @@ def gated_deltanet_bytes(spec, tp: int, e: int, seq_len: int, chunk: int, norm) 
       repeated q and k, f hv K + f hv (rsqrt) each; beta (sigmoid output) e hv and its fp32 copy
       (bf16 only); the decay's softplus input and output 2 f hv; the gated output norm: fp32 o,
       normalised y, w y in fp32, SiLU(z) 3 f val, z in fp32 f val (fp32 runs: z itself, a view of
-      the whole in_proj_qkvz output when H_v = H_k), the rsqrt f hv, y and out_proj's input 2 e val.
+      the whole in_proj_qkvz output: ``gdn_z_is_view``), the rsqrt f hv, y and out_proj's input 2 e val
+      (``gdn_gated_norm_bytes``).
     core (p): [U~ | W] f hv (V + K); decays 3 f hv + f hv / C. bf16 (autocast): D and I + A
       2 f hv C, (b K) K^T and Q K^T as bf16 2 m hv C, fp32 k, q, v f hv (2K + V), those matmuls'
       four operand casts 4 m hv K; per chunk the state cast twice 2 m hv K V / C, u cast twice
@@ -61,12 +98,9 @@ def gated_deltanet_bytes(spec, tp: int, e: int, seq_len: int, chunk: int, norm) 
     key, val = hk * dk, hv * dv
     ch, c, n, p = 2 * key + val, *_chunks(seq_len, chunk)
     f = max(e, 4)
-    proj = norm(spec.dim, 2) + e * ch * (seq_len + x["conv"] - 1) / seq_len + e * ch
+    proj = norm(spec.dim, NORM_LINEARS["gated_deltanet"]) + e * ch * (seq_len + x["conv"] - 1) / seq_len + e * ch
     proj += 2 * f * hv * (dk + 1) + e * hv + (f * hv if e < f else 0) + 2 * f * hv
-    # z in fp32: a bf16 run casts it (f val); an fp32 run keeps z itself, a copy of the split
-    # projection when H_v > H_k, else a view keeping the whole in_proj_qkvz output e (2 key + 2 val)
-    z = f * val if (e < f or hv > hk) else e * (2 * key + 2 * val)
-    proj += (3 * f + 2 * e) * val + z + f * hv
+    proj += gdn_gated_norm_bytes(e, key, val, hk, hv)
     late = (n - 1) / n  # per-chunk tensors of all but the first chunk, or of all but the last
     core = f * hv * (dv + dk) + 3 * f * hv + f * hv / c  # [U~ | W], decays
     if e == 2:  # bf16 autocast: every matmul casts its fp32 operands to bf16 copies (m = 2)
@@ -103,10 +137,8 @@ def mamba2_bytes(spec, tp: int, e: int, seq_len: int, chunk: int, norm) -> tuple
     di, gn = nh * hp, groups * ns
     ch, c, n, p = di + 2 * gn, *_chunks(seq_len, chunk)
     f = max(e, 4)
-    proj = norm(spec.dim, 1) + e * ch * (seq_len + x["conv"] - 1) / seq_len + 2 * e * ch
-    proj += (f * di if e < f else 0) + 2 * f * nh
-    gate = f * di if e < f else e * (di + ch + nh)
-    proj += 3 * f * di + gate + f * groups + 2 * e * di
+    proj = norm(spec.dim, NORM_LINEARS["mamba2"]) + e * ch * (seq_len + x["conv"] - 1) / seq_len + 2 * e * ch
+    proj += (f * di if e < f else 0) + 2 * f * nh + mamba2_gated_norm_bytes(e, di, ch, nh, groups)
     # C and B per head: one group is an expand, its fp32 copy (bf16) contiguous, so the chunk slices
     # of C e^g and B e^(g_C - g) are views of one tensor each, and an fp32 run keeps SiLU's output
     # for them; several groups come transposed: own fp32 tensors, sliced to per-chunk copies
@@ -140,7 +172,7 @@ def linear_bytes(spec, tp: int, e: int, seq_len: int, chunk: int, norm) -> tuple
     a, d = spec.n_heads / tp, spec.head_dim
     c, n, p = _chunks(seq_len, chunk)
     f = max(e, 4)
-    proj = norm(spec.dim, 3) + 2 * e * a * d + e * a + e * a * (d + 1) + e * a * d
+    proj = norm(spec.dim, NORM_LINEARS["linear"]) + 2 * e * a * d + e * a + e * a * (d + 1) + e * a * d
     late = (n - 1) / n
     core = f * a * c + 2 * f * a + f * a / c  # D, decays
     if e == 2:  # bf16 autocast: the matmuls' operands cast to bf16 copies (m = 2), chunk by chunk
@@ -160,12 +192,14 @@ def sliding_window_bytes(spec, tp: int, e: int, seq_len: int, norm) -> tuple[flo
     projections: q, k, v's shared input (the norm's output); RoPE's tables as for attention
       (``trainer_memory``'s ``rope``). core (p): the padded query blocks e a D; the doubled key and
       value blocks 2 x 2 e g D; the window mask as SDPA's additive mask in the compute dtype,
-      e 2w; the log-sum-exp 4 a; the output (also wo's input) e a D."""
+      e 2w; the log-sum-exp 4 a; the output e a D. wo's input: a view of that output when w
+      divides T; else (a padded tail) its own copy of the real tokens, e a D."""
     a, g, d = spec.n_heads / tp, max(spec.n_kv_heads / tp, 1.0), spec.head_dim
     w = min(spec.mixers.swa_window, seq_len)
     p = math.ceil(seq_len / w) * w / seq_len
     lse = 8 if e == 8 else 4
-    return norm(spec.dim, 3) + p * (2 * e * a * d + 4 * e * g * d + 2 * e * w + lse * a), 0.0
+    core = p * (2 * e * a * d + 4 * e * g * d + 2 * e * w + lse * a) + (e * a * d if p > 1 else 0.0)
+    return norm(spec.dim, NORM_LINEARS["sliding_window"]) + core, 0.0
 
 
 def dsa_bytes(spec, tp: int, e: int, seq_len: int, norm) -> tuple[float, float]:
@@ -186,7 +220,7 @@ def dsa_bytes(spec, tp: int, e: int, seq_len: int, norm) -> tuple[float, float]:
     f = max(e, 4)
     index = e * hi * d + e * d + e * hi * seq_len + e * hi + e * seq_len + 8 * k + 3 * k
     attn = 2 * e * g * d + 2 * e * a * d + 2 * e * g * k * d + f * a * k + e * a * k + 2 * e * k
-    return norm(spec.dim, 3) + index + attn, 0.0
+    return norm(spec.dim, NORM_LINEARS["dsa"]) + index + attn, 0.0
 
 
 def mixer_half_bytes(spec, mixer: str, tp: int, e: int, seq_len: int, tokens: int, norm,
@@ -194,8 +228,7 @@ def mixer_half_bytes(spec, mixer: str, tp: int, e: int, seq_len: int, tokens: in
     """Bytes one block's ``mixer`` half keeps for one microbatch of ``tokens`` tokens (``seq_len`` per
     sequence). ``chunk``: linear_chunk_size (None: the spec's, else ``DEFAULT_CHUNK``). Raises
     ValueError for a mixer not accounted here (attention is ``trainer_memory._attention``)."""
-    if chunk is None:
-        chunk = getattr(spec.mixers, "linear_chunk_size", DEFAULT_CHUNK)
+    chunk = resolve_chunk(spec, chunk)
     if mixer == "gated_deltanet":
         per, fixed = gated_deltanet_bytes(spec, tp, e, seq_len, chunk, norm)
     elif mixer == "mamba2":
