@@ -42,25 +42,25 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware-override", default="",
                    help='replace datasheet fields, e.g. "memory_gb=96,peak_tflops=989,inter_node_gbps=100" '
                         f"(keys: {', '.join(OVERRIDES)})")
-    p.add_argument("--gpus", type=int, default=None, help="accelerators in total")
-    p.add_argument("--nodes", type=int, default=None, help="alternative to --gpus: nodes x gpus-per-node")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's (8 for GPUs)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence T (default: the preset's)")
-    p.add_argument("--global-batch-tokens", type=float, default=0,
+    p.add_argument("--gpus", type=_count, default=None, help="accelerators in total")
+    p.add_argument("--nodes", type=_count, default=None, help="alternative to --gpus: nodes x gpus-per-node")
+    p.add_argument("--gpus-per-node", type=_count, default=0, help="default: the hardware's (8 for GPUs)")
+    p.add_argument("--seq-len", type=_count, default=0, help="tokens per sequence T (default: the preset's)")
+    p.add_argument("--global-batch-tokens", type=_positive, default=0,
                    help="tokens per optimizer step (default: the preset's batch, else 4M)")
-    p.add_argument("--train-tokens", type=float, default=1e12, help="tokens to train on in total")
+    p.add_argument("--train-tokens", type=_positive, default=1e12, help="tokens to train on in total")
     p.add_argument("--layout", default="",
                    help='evaluate one layout, e.g. "tp=8,pp=16,dp_shard=64,zero_stage=1"')
     p.add_argument("--precision", default="mixed", help="bytes/param convention: mixed | fp32 | lower_bound")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak is used")
-    p.add_argument("--price-per-gpu-hour", type=float, default=2.0, help="dollars")
-    p.add_argument("--efficiency", type=float, default=0.0, help="run every GEMM at this share of peak "
+    p.add_argument("--price-per-gpu-hour", type=_non_negative, default=2.0, help="dollars")
+    p.add_argument("--efficiency", type=_positive, default=0.0, help="run every GEMM at this share of peak "
                    "(v1's flat model) instead of the per-operation compute model (planner/compute.py)")
-    p.add_argument("--intra-node-gbps", type=float, default=0, help="override NVLink GB/s per direction")
-    p.add_argument("--inter-node-gbps", type=float, default=0, help="override NIC GB/s per direction")
-    p.add_argument("--pod-gpus", type=int, default=0, help="GPUs per pod (0 = no pod level)")
-    p.add_argument("--inter-pod-gbps", type=float, default=0, help="pod uplink GB/s per GPU per direction")
-    p.add_argument("--top", type=int, default=10, help="layouts shown by the search")
+    p.add_argument("--intra-node-gbps", type=_positive, default=0, help="override NVLink GB/s per direction")
+    p.add_argument("--inter-node-gbps", type=_positive, default=0, help="override NIC GB/s per direction")
+    p.add_argument("--pod-gpus", type=_count, default=0, help="GPUs per pod (0 = no pod level)")
+    p.add_argument("--inter-pod-gbps", type=_positive, default=0, help="pod uplink GB/s per GPU per direction")
+    p.add_argument("--top", type=_whole, default=10, help="layouts shown by the search (0: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object per layout")
     p.add_argument("--report", default="", help="write plan.md, memory.png, timeline.png into this directory")
     p.add_argument("--include-unsupported", action="store_true",
@@ -115,6 +115,28 @@ def _positive(text: str) -> float:
     return v
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer >= 1 (leave the flag out for its default)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1 (leave the flag out for its default)")
+    return v
+
+
+def _whole(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return v
+
+
 def _non_negative(text: str) -> float:
     """argparse type: a finite float >= 0."""
     v = float(text)
@@ -140,11 +162,10 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     gpn = args.gpus_per_node or acc.gpus_per_node
-    for flag, v in (("--gpus", args.gpus), ("--nodes", args.nodes)):
-        if v is not None and v < 1:
-            return _fail(f"{flag} must be >= 1 (got {v})")
     if args.gpus is None and args.nodes is None:
         return _fail("give --gpus N (or --nodes K)")
+    if args.gpus is not None and args.nodes is not None and args.gpus != args.nodes * gpn:
+        return _fail(f"--gpus {args.gpus} contradicts --nodes {args.nodes} x {gpn} GPUs per node; give one")
     gpus = args.gpus or args.nodes * gpn
     seq = args.seq_len or preset_seq
     batch = int(args.global_batch_tokens) or _preset_batch_tokens(args.model, seq)

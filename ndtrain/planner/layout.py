@@ -145,6 +145,8 @@ def parse_layout(text: str) -> Layout:
         key = aliases.get(key, key)
         if key not in known:
             raise ValueError(f"unknown layout key {key!r}; known: {', '.join(known)}")
+        if key in kw:
+            raise ValueError(f"layout key {key!r} given twice")
         if key in ("ac", "pp_schedule", "cp_impl", "mode", "moe_dispatch"):
             kw[key] = value
         else:
@@ -152,6 +154,11 @@ def parse_layout(text: str) -> Layout:
                 kw[key] = int(value)
             except ValueError:
                 raise ValueError(f"layout key {key!r} needs an integer, got {value!r}") from None
+    if not kw:
+        raise ValueError(f"empty layout {text!r}: give key=value items, e.g. \"tp=8,pp=4,zero_stage=1\"")
+    for key in ("tp", "cp", "pp", "dp_replicate", "ep", "microbatch", "pp_virtual_stages"):
+        if key in kw and kw[key] < 1:
+            raise ValueError(f"{key} ({kw[key]}) must be >= 1")
     return Layout(**kw)
 
 

@@ -243,15 +243,22 @@ def complexity(lay: Layout) -> tuple:
     return (axes, lay.zero_stage, AC_ORDER.index(lay.ac) if lay.ac in AC_ORDER else 2, lay.pp_virtual_stages)
 
 
+TIGHT = 0.95  # share of the device's memory above which a plan counts as tight
+
+
 def recommend(plans: list, tolerance: float = 0.01) -> Plan | None:
-    """The simplest plan within ``tolerance`` (relative) of the best predicted MFU: the model is
-    not more precise than that, and fewer moving parts are cheaper to run and debug."""
+    """The simplest plan within ``tolerance`` (relative) of the best predicted MFU, one with at least
+    5% of the memory free first: the model is not more precise than that, and fewer moving parts
+    are cheaper to run and debug."""
     plans = [p for p in plans if not p.unsupported]
     if not plans:
         return None
     best = max(p.mfu for p in plans)
     near = [p for p in plans if p.mfu >= best * (1 - tolerance)]
-    return min(near, key=lambda p: (complexity(p.layout), -p.mfu, p.memory.total))
+    # a plan within 5% of the device's memory loses to one with room (fragmentation, a longer
+    # sequence in the batch): the estimate is not more precise than that either
+    return min(near, key=lambda p: (p.memory.total > TIGHT * p.memory.capacity, complexity(p.layout), -p.mfu,
+                                    p.memory.total))
 
 
 def explain(plan: Plan, plans: list, spec, cluster: Cluster, w: Workload) -> list[str]:
@@ -272,8 +279,9 @@ def explain(plan: Plan, plans: list, spec, cluster: Cluster, w: Workload) -> lis
     fastest = max((p for p in plans if not p.unsupported), key=lambda p: p.mfu, default=plan)
     if fastest is not plan and fastest.mfu > plan.mfu:
         out.append(f"chosen over the fastest modelled layout ({fastest.layout.short()}, MFU {fastest.mfu:.2%}): "
-                   f"within 1% of it the simplest wins (fewer parallel axes, then a lower ZeRO stage, less "
-                   f"recompute, fewer virtual stages), as the model is not more precise than that")
+                   f"within 1% of it the simplest wins (at least 5% of the memory free, then fewer parallel "
+                   f"axes, a lower ZeRO stage, less recompute, fewer virtual stages), as the model is not more "
+                   f"precise than that")
     lay = plan.layout
     for axis, what in (("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("cp", "context parallel"),
                        ("ep", "expert parallel")):
@@ -302,7 +310,7 @@ def goodput_line(plan: Plan) -> str:
     g = plan.goodput
     return (f"with failures (job MTTF {g.job_mttf_s / 3600:.1f} h, checkpoint save {g.save_s:.0f} s / load "
             f"{g.load_s:.0f} s, restart {g.restart_s:.0f} s): checkpoint every {g.interval_s / 60:.0f} min "
-            f"(Young), {g.interruptions:,.0f} interruptions, {plan.training_days_with_failures:.1f} days "
+            f"(Young), {g.interruptions:,.0f} interruption{'' if round(g.interruptions) == 1 else 's'}, {plan.training_days_with_failures:.1f} days "
             f"and {plan.gpu_hours_with_failures:,.0f} GPU-hours instead of {plan.training_days:.1f} and "
             f"{plan.gpu_hours:,.0f} (goodput {g.efficiency:.1%})")
 

@@ -1,7 +1,7 @@
 """The rehearsal's table: per role, peak tensor memory by category beside the planner's estimate
 of the stage, and every collective per mesh axis (count and bytes sent).
 
-Sizes are in GiB when the device has at least 1 GiB (MiB below that, the tiny debug layouts);
+Sizes are in GiB when the largest peak is at least 1 GiB (MiB below that, the debug presets);
 a memory category that is zero on every role is left out, and so is a collective row that sends
 no bytes (an axis of size 1): one line names those instead. The table stays under 120 columns."""
 from __future__ import annotations
@@ -12,7 +12,9 @@ _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "opti
 
 
 def _unit(res: dict) -> tuple[str, float]:
-    return ("GiB", 2.0**30) if res["hardware"]["memory_bytes"] >= 2**30 else ("MiB", 2.0**20)
+    """GiB when the largest rehearsed peak is at least 1 GiB, else MiB (the debug presets)."""
+    top = max([r["memory_peak"]["total"] for r in res["roles"]] + [0])
+    return ("GiB", 2.0**30) if top >= 2**30 else ("MiB", 2.0**20)
 
 
 def _size(b: float, scale: float) -> str:
@@ -30,7 +32,7 @@ def format_report(res: dict) -> str:
     hw = res["hardware"]
     unit, scale = _unit(res)
     lines = [(f"rehearsal of {res['preset']} on {res['world']} x {hw['name']} "
-              f"({_size(hw['memory_bytes'], scale)} {unit} each): {res['layout']}")]
+              f"({hw['memory_bytes'] / 2**30:.1f} GiB each): {res['layout']}")]
     if res.get("moe_routing"):
         how = ("ep rank 0's experts get S x the mean, by sequence position" if res["moe_routing"].startswith("skewed:")
                else "training.moe_routing=balanced: round-robin by sequence position")
@@ -46,7 +48,7 @@ def format_report(res: dict) -> str:
         m, plan = r["memory_peak"], r["planner"].get("total_bytes")
         rows.append([_role_label(r["role"]["name"])] + [_size(m.get(c, 0), scale) for c in cats]
                     + [_size(m["total"], scale), _size(plan, scale) if plan is not None else "-",
-                       "yes" if r["fits"] else "NO", f"{r['time']['busy_s']:.3f}" if "time" in r else "-",
+                       "yes" if r["fits"] else "NO", f"{r['time']['busy_s']:.3g}" if "time" in r else "-",
                        f"{r['wall_s']:.1f}", _size(r["host_peak_bytes"], scale)])
     lines += _table(head, rows)
     if res.get("time"):
