@@ -115,26 +115,21 @@ def _positive(text: str) -> float:
     return v
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer >= 1 (leave the flag out for its default)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1 (leave the flag out for its default)")
-    return v
+def _integer(low: int):
+    """argparse type: an integer >= ``low`` (1: leave the flag out for its default)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
+        if v < low:
+            hint = " (leave the flag out for its default)" if low >= 1 else ""
+            raise argparse.ArgumentTypeError(f"{text} must be >= {low}{hint}")
+        return v
+    return parse
 
 
-def _whole(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
-    return v
+_count, _whole = _integer(1), _integer(0)
 
 
 def _non_negative(text: str) -> float:

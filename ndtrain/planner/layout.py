@@ -17,12 +17,14 @@ from dataclasses import dataclass, fields, replace
 from ndtrain.config.schema import ParallelConfig
 from ndtrain.config.validate import ModelFacts, check_axes, seq_len_rule
 from ndtrain.errors import ConfigError
+from ndtrain.mesh import expert_folded
 from ndtrain.mixer_spec import non_softmax_mixers
 from ndtrain.parallel.ac_policy import every_blocks
 from ndtrain.parallel.cp import rules as cp_rules
 from ndtrain.parallel.rules import check_activation_checkpoint
 from ndtrain.planner.exec_mode import MODES
 
+DEGREES = ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep", "microbatch", "pp_virtual_stages")  # each >= 1
 CP_IMPLS = ("ring", "allgather", "ulysses")  # allgather (Llama 3): modelled, not in ndtrain's runtime
 
 
@@ -80,8 +82,6 @@ class Layout:
     def expert_shards(self) -> int:
         """ZeRO's shards of one expert shard (the trainer's ``edp_shard``, ``mesh.py``): expert_dp /
         dp_replicate where the trainer folds the expert mesh, else dp_shard x cp / ep."""
-        from ndtrain.mesh import expert_folded
-
         if self.folded and expert_folded(self.ep, self.expert_tp, self.dp_shard, self.cp, self.tp):
             return max(1, self.expert_dp // self.dp_replicate)
         # whole experts (expert_tp 1) whose ep fits in dp_shard x cp: the trainer's tied mesh, the
@@ -156,8 +156,8 @@ def parse_layout(text: str) -> Layout:
                 raise ValueError(f"layout key {key!r} needs an integer, got {value!r}") from None
     if not kw:
         raise ValueError(f"empty layout {text!r}: give key=value items, e.g. \"tp=8,pp=4,zero_stage=1\"")
-    for key in ("tp", "cp", "pp", "dp_replicate", "ep", "microbatch", "pp_virtual_stages"):
-        if key in kw and kw[key] < 1:
+    for key in DEGREES:
+        if kw.get(key, 1) < 1 and not (key == "dp_shard" and kw[key] == -1):  # -1: from the GPU count
             raise ValueError(f"{key} ({kw[key]}) must be >= 1")
     return Layout(**kw)
 
@@ -292,7 +292,7 @@ def check_layout(spec, gpus: int, workload: Workload, layout: Layout, gpus_per_n
     validation. ``runtime=False``: only the arithmetic rules (what the planner can model; see
     ``check_axes``); ``unsupported_rules`` names what such a layout lacks in ndtrain."""
     lay = layout
-    for k in ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep", "microbatch", "pp_virtual_stages"):
+    for k in DEGREES:
         if getattr(lay, k) < 1:
             return [f"{k} ({getattr(lay, k)}) must be >= 1"]
     errs = []

@@ -29,6 +29,7 @@ import math
 from functools import lru_cache
 
 from ndtrain.parallel.pp.rules import split_layers
+from ndtrain.parallel.pp.schedules import interleaved_groups
 
 
 def pipeline_mfu_ceiling(p: int, m: int) -> float:
@@ -85,10 +86,10 @@ def grad_share_at_peak(p: int, m: int, schedule: str = "1f1b", v: int = 1, stage
     the k backwards before the steady state's last forward have reached ceil(k / g) of the v chunks
     (g the first group's size), each chunk's gradients appearing with its first backward."""
     if schedule == "interleaved" and v > 1 and p > 1:
-        g = m if m < p else (p if m >= 2 * p else p + m % p)
-        warm = min(m * v, 2 * (p - stage - 1) + (v - 1) * (m if m < p else p + m % p))  # the largest group
+        groups = interleaved_groups(p, m)
+        warm = min(m * v, 2 * (p - stage - 1) + (v - 1) * max(groups))  # the schedule's warm-up
         done = m * v - warm - 1  # backwards before the steady state's last forward (its F precedes its B)
-        return 0.0 if done <= 0 else min(v, -(-done // g)) / v
+        return 0.0 if done <= 0 else min(v, -(-done // groups[0])) / v
     return 0.0 if m <= inflight_microbatches(p, m, schedule, v, stage) else 1.0
 
 

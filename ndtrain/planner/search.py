@@ -310,7 +310,8 @@ def goodput_line(plan: Plan) -> str:
     g = plan.goodput
     return (f"with failures (job MTTF {g.job_mttf_s / 3600:.1f} h, checkpoint save {g.save_s:.0f} s / load "
             f"{g.load_s:.0f} s, restart {g.restart_s:.0f} s): checkpoint every {g.interval_s / 60:.0f} min "
-            f"(Young), {g.interruptions:,.0f} interruption{'' if round(g.interruptions) == 1 else 's'}, {plan.training_days_with_failures:.1f} days "
+            f"(Young), {g.interruptions:,.0f} interruption{'' if round(g.interruptions) == 1 else 's'}, "
+            f"{plan.training_days_with_failures:.1f} days "
             f"and {plan.gpu_hours_with_failures:,.0f} GPU-hours instead of {plan.training_days:.1f} and "
             f"{plan.gpu_hours:,.0f} (goodput {g.efficiency:.1%})")
 
