@@ -73,6 +73,9 @@ def test_planner_state_equals_the_rehearsal_for_whole_and_tp_split_experts(exper
                  act_bytes=2 if cfg.training.dtype == "bfloat16" else 4, memory_model="trainer")
     est = estimate_memory(from_model_config(cfg.model), w, lay, 80e9)
     peak = res["roles"][0]["memory_peak"]
+    # measured 2026-12-03: the planner 0.28% / 0.46% under the rehearsed parameters and 0.16% / 0.28%
+    # under the optimizer state (expert_tp 1 / 2), not traced; experts are 81% of moe_debug's
+    # parameters, so splitting them the wrong way (the error this guards against) is off by ~40%
     assert est.breakdown["params"] == pytest.approx(peak["parameters"], rel=0.01)
     assert est.breakdown["optimizer"] == pytest.approx(peak["optimizer_state"], rel=0.01)
 
