@@ -107,10 +107,23 @@ def _accelerator(args: argparse.Namespace, acc=None):
     return acc
 
 
+def _number(text: str, bound: str) -> float:
+    """``text`` as a finite float; ArgumentTypeError naming it and ``bound`` (e.g. "> 0") otherwise."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not a number") from None
+    if math.isnan(v):
+        raise argparse.ArgumentTypeError(f"{text} must be a number {bound}")
+    if math.isinf(v):
+        raise argparse.ArgumentTypeError(f"{text} must be finite")
+    return v
+
+
 def _positive(text: str) -> float:
     """argparse type: a finite float > 0 (the goodput flags; leave a flag out for its default)."""
-    v = float(text)
-    if not math.isfinite(v) or v <= 0:
+    v = _number(text, "> 0")
+    if v <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a number > 0 (leave the flag out for its default)")
     return v
 
@@ -134,8 +147,8 @@ _count, _whole = _integer(1), _integer(0)
 
 def _non_negative(text: str) -> float:
     """argparse type: a finite float >= 0."""
-    v = float(text)
-    if not math.isfinite(v) or v < 0:
+    v = _number(text, ">= 0")
+    if v < 0:
         raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
     return v
 

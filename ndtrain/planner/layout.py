@@ -158,7 +158,7 @@ def parse_layout(text: str) -> Layout:
         raise ValueError(f"empty layout {text!r}: give key=value items, e.g. \"tp=8,pp=4,zero_stage=1\"")
     for key in DEGREES:
         if kw.get(key, 1) < 1 and not (key == "dp_shard" and kw[key] == -1):  # -1: from the GPU count
-            raise ValueError(f"{key} ({kw[key]}) must be >= 1")
+            raise ValueError(f"{key} ({kw[key]}) must be >= 1" + (" (or -1: the rest of the GPUs)" if key == "dp_shard" else ""))
     return Layout(**kw)
 
 

@@ -74,7 +74,7 @@ def alignment_warnings(cluster: Cluster, lay: Layout | None = None) -> list[str]
     n, gpn, out = cluster.gpus, cluster.gpus_per_node, []
     if n % gpn:
         out.append(f"{n:,} GPUs is not a multiple of the {gpn}-GPU NVLink domain: {n // gpn} full "
-                   f"domain{'s' if n // gpn != 1 else ''} and {n % gpn} GPUs in a partial one")
+                   f"domain{'s' if n // gpn != 1 else ''} and {n % gpn} GPU{'' if n % gpn == 1 else 's'} in a partial one")
     if lay is not None:
         span = lay.tp * lay.cp
         if 1 < span < gpn and gpn % span:
